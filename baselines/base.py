@@ -1,0 +1,95 @@
+"""The one interface every training method implements, the compiler method included.
+
+A method turns (a model built identically on every rank, the parallel context) into a `TrainStep`.
+The harness owns everything else: launching ranks, data, timing, memory, records, correctness checks.
+
+Batch contract: every rank receives the same *global* batch of `dp_size * batch_size` rows with the full
+sequence. A method picks its own part (rows for data parallelism, a sequence shard for SP) and must
+produce, on every rank, the loss of the whole global batch as single-process training computes it
+(token mean over all valid labels) and gradients equal to that loss's gradients.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from autosp.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.parallel import ParallelContext
+
+
+class TrainStep(ABC):
+    """A built, ready-to-run training step of one method on one rank."""
+
+    #: which implementation actually ran (e.g. "ring-flash-attn" or "torch-ring"); goes into the record
+    implementation: str = ""
+
+    @abstractmethod
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        """Run forward and backward on this rank's part of the global batch; return the global loss (detached)."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply AdamW and zero the gradients."""
+
+    @abstractmethod
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's full (unsharded) gradient on CPU, keyed like `model.named_parameters()`."""
+
+    @abstractmethod
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's full (unsharded) value on CPU, keyed like `model.named_parameters()`."""
+
+
+class Strategy(ABC):
+    """A training method, registered by name (`--method NAME`)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    #: True for methods that split the sequence (their default sp_size is the world size)
+    sequence_parallel: ClassVar[bool] = False
+
+    def default_sp_size(self, world_size: int) -> int:
+        return world_size if self.sequence_parallel else 1
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        """Raise ConfigError for a configuration this method cannot run (before any rank starts)."""
+        sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
+        if cfg.world_size % sp:
+            raise ConfigError(f"--sp-size {sp} must divide --world-size {cfg.world_size}")
+        if sp > 1 and cfg.seq_len % sp:
+            raise ConfigError(
+                f"--seq-len {cfg.seq_len} is not divisible by the SP degree {sp}; "
+                f"use a multiple of {sp}, e.g. {(cfg.seq_len // sp + 1) * sp}"
+            )
+
+    @abstractmethod
+    def setup(self, model: torch.nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        """Wrap/transform `model` (already on ctx.device, same seed on every rank) and build its optimizer."""
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a method available as `--method cls.name`."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_strategy(name: str) -> Strategy:
+    import baselines  # noqa: F401  (imports every adapter module, which registers itself)
+
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+def method_names() -> list[str]:
+    import baselines  # noqa: F401
+
+    return sorted(_REGISTRY)
