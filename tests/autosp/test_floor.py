@@ -1,0 +1,72 @@
+"""The analytic memory floor: parameter counts, sharding table, and the limit length it implies."""
+from __future__ import annotations
+
+import pytest
+
+from autosp.config import ConfigError
+from autosp.floor import METHOD_SHARDING, floor_for, memory_floor, parameter_count
+from autosp.models import get_preset
+
+PAPER_METHODS = ["single", "autosp", "ulysses", "ulysses-ac", "ulysses-compile", "ring", "zero3", "fsdp", "ds-autosp"]
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("llama-3.2-1b", 1.24e9), ("llama-3.2-3b", 3.21e9), ("llama-3.1-8b", 8.03e9), ("llama-2-13b", 13.0e9)],
+)
+def test_parameter_count_matches_published_models(name: str, published: float) -> None:
+    assert parameter_count(get_preset(name)) == pytest.approx(published, rel=0.005)
+
+
+def test_parameter_count_matches_the_built_model() -> None:
+    from autosp.models import build_model
+
+    model = build_model("small")
+    assert parameter_count(get_preset("small")) == sum(p.numel() for p in model.parameters())
+
+
+def test_every_method_has_an_entry_and_unknown_is_a_config_error() -> None:
+    assert set(PAPER_METHODS) <= set(METHOD_SHARDING)
+    with pytest.raises(ConfigError, match="METHOD_SHARDING"):
+        floor_for("no-such-method", "tiny", world_size=2)
+
+
+def test_model_state_is_sixteen_bytes_per_parameter_in_fp32_when_replicated() -> None:
+    f = floor_for("ulysses", "llama-3.1-8b", world_size=8)
+    n = parameter_count(get_preset("llama-3.1-8b"))
+    assert f.params_bytes + f.grads_bytes + f.optimizer_bytes == 16 * n
+    assert f.gathered_unit_bytes == 0
+
+
+def test_sharding_methods_divide_model_state_and_keep_whole_sequences() -> None:
+    sp, z3 = (floor_for(m, "llama-3.1-8b", world_size=8) for m in ("autosp", "zero3"))
+    assert z3.params_bytes == pytest.approx(sp.params_bytes / 8, rel=1e-6)
+    assert z3.gathered_unit_bytes > 0
+    assert sp.tokens_per_rank_per_seq_token == pytest.approx(1 / 8)
+    assert z3.tokens_per_rank_per_seq_token == 1.0
+    # same per-token cost: the floor differs only in how it is split
+    assert sp.activation_bytes_per_token == z3.activation_bytes_per_token
+
+
+def test_limit_length_inverts_bytes_at_and_respects_granularity() -> None:
+    f = floor_for("autosp", "tiny", world_size=2)
+    budget = 64 << 20
+    limit = f.max_seq_len(budget, granularity=512)
+    assert limit % 512 == 0 and limit > 0
+    assert f.bytes_at(limit) <= budget < f.bytes_at(limit + 512)
+    assert f.max_seq_len(f.static_bytes) == 0  # nothing left for activations
+
+
+def test_sequence_parallelism_lengthens_the_limit_over_single() -> None:
+    budget = 64 << 20
+    single = floor_for("single", "small", world_size=1).max_seq_len(budget)
+    sp = floor_for("ulysses", "small", world_size=2).max_seq_len(budget)
+    assert 1.9 * single < sp <= 2.0 * single + 2
+
+
+def test_bf16_halves_model_state_but_not_the_fp32_logits() -> None:
+    preset = get_preset("tiny")
+    f32 = memory_floor("single", preset, world_size=1, dtype="float32")
+    b16 = memory_floor("single", preset, world_size=1, dtype="bfloat16")
+    assert b16.static_bytes * 2 == f32.static_bytes
+    assert b16.activation_bytes_per_token > f32.activation_bytes_per_token / 2

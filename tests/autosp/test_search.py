@@ -1,0 +1,124 @@
+"""The trainability search: exact boundary, logarithmic probe count, OOM vs error, determinism."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autosp.config import ConfigError
+from autosp.search import (
+    ERROR,
+    FOUND,
+    NO_OOM_UP_TO_MAX,
+    OK,
+    OOM,
+    OOM_AT_MIN,
+    TIMEOUT,
+    default_granularity,
+    search_max_length,
+)
+
+
+class ThresholdOracle:
+    """Lengths up to `limit` train, longer ones OOM; counts and remembers what it was asked."""
+
+    def __init__(self, limit: int, broken: dict[int, str] | None = None) -> None:
+        self.limit = limit
+        self.broken = broken or {}
+        self.asked: list[int] = []
+
+    def __call__(self, seq_len: int) -> str:
+        self.asked.append(seq_len)
+        if seq_len in self.broken:
+            return self.broken[seq_len]
+        return OK if seq_len <= self.limit else OOM
+
+
+@pytest.mark.parametrize("limit", [512, 513, 1024, 5000, 12_800, 99_999, 131_071])
+def test_finds_exact_boundary_with_logarithmic_probes(limit: int) -> None:
+    g, max_len = 256, 1 << 20
+    oracle = ThresholdOracle(limit)
+    out = search_max_length(oracle, granularity=g, min_len=g, max_len=max_len)
+    assert out.status == FOUND
+    assert out.max_seq_len == (limit // g) * g
+    assert out.first_oom_seq_len == out.max_seq_len + g
+    assert all(n % g == 0 for n in oracle.asked)
+    assert len(set(oracle.asked)) == len(oracle.asked), "a length was probed twice"
+    # doubling phase + bisection: about 2*log2(answer/g) probes, not answer/g
+    assert len(oracle.asked) <= 2 * math.ceil(math.log2(limit / g + 1)) + 2
+    assert [p for p, _ in out.probes] == oracle.asked
+
+
+def test_probe_count_grows_logarithmically() -> None:
+    counts = []
+    for limit in (1 << 12, 1 << 16, 1 << 20):
+        oracle = ThresholdOracle(limit + 100)
+        search_max_length(oracle, granularity=128, min_len=128, max_len=1 << 24)
+        counts.append(len(oracle.asked))
+    # 16x longer answers cost a constant number of extra probes (2 per doubling step at most)
+    assert counts[1] - counts[0] <= 8 and counts[2] - counts[1] <= 8
+    assert counts[2] < 50
+
+
+def test_start_len_above_limit_shrinks_then_bisects() -> None:
+    oracle = ThresholdOracle(3000)
+    out = search_max_length(oracle, granularity=256, min_len=256, max_len=1 << 16, start_len=32768)
+    assert out.status == FOUND and out.max_seq_len == 2816 and out.first_oom_seq_len == 3072
+    assert oracle.asked[0] == 32768 and oracle.asked[1] == 16384  # geometric shrink from the start
+
+
+def test_start_len_below_limit_skips_the_short_probes() -> None:
+    oracle = ThresholdOracle(9000)
+    out = search_max_length(oracle, granularity=512, min_len=512, max_len=1 << 16, start_len=8192)
+    assert out.max_seq_len == 8704
+    assert min(oracle.asked) == 8192
+
+
+def test_no_oom_up_to_max_len() -> None:
+    oracle = ThresholdOracle(10**9)
+    out = search_max_length(oracle, granularity=512, min_len=512, max_len=5000)
+    assert out.status == NO_OOM_UP_TO_MAX
+    assert out.max_seq_len == 4608 and out.first_oom_seq_len is None
+    assert oracle.asked[-1] == 4608  # clamps the last doubling to max_len
+
+
+def test_oom_at_min_len() -> None:
+    oracle = ThresholdOracle(100)
+    out = search_max_length(oracle, granularity=512, min_len=1024, max_len=8192)
+    assert out.status == OOM_AT_MIN
+    assert out.max_seq_len is None and out.first_oom_seq_len == 1024
+    assert oracle.asked == [1024]
+
+
+@pytest.mark.parametrize("failure", [ERROR, TIMEOUT])
+def test_error_or_timeout_stops_and_is_never_taken_for_oom(failure: str) -> None:
+    # the crash happens at 2048 while memory would allow 6000: an OOM-treating search would answer 1536
+    oracle = ThresholdOracle(6000, broken={2048: failure})
+    out = search_max_length(oracle, granularity=512, min_len=512, max_len=1 << 16)
+    assert out.status == failure
+    assert out.max_seq_len == 1024  # what was seen training before the failure, reported as such
+    assert out.first_oom_seq_len is None
+    assert oracle.asked[-1] == 2048, "the search must stop at the failing probe"
+
+
+def test_unknown_probe_status_counts_as_error() -> None:
+    out = search_max_length(lambda n: "segfault", granularity=256, min_len=256, max_len=4096)
+    assert out.status == ERROR and out.max_seq_len is None
+
+
+def test_deterministic() -> None:
+    runs = [search_max_length(ThresholdOracle(7777), granularity=384, min_len=384, max_len=1 << 18) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_bad_range_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="granularity"):
+        search_max_length(ThresholdOracle(1), granularity=1024, min_len=100, max_len=1000)
+    with pytest.raises(ConfigError, match="granularity"):
+        search_max_length(ThresholdOracle(1), granularity=0, min_len=100, max_len=1000)
+
+
+def test_default_granularity_is_a_multiple_every_method_accepts() -> None:
+    for p in (1, 2, 4, 8):
+        g = default_granularity(p)
+        assert g % p == 0 and g % (2 * p) == 0 and g % 128 == 0
