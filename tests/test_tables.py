@@ -1,0 +1,116 @@
+"""Tables from records (trainability ratios, throughput spread and speed ratios, paper claims) and the
+figures drawn from them (autosp.plots)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from autosp.config import ConfigError
+from autosp.plots import _trainability_claim_rows, throughput_figure, trainability_figure
+from autosp.tables import paper_claims, throughput_table, trainability_table, write_csv_atomic
+
+MiB = 2**20
+
+
+def search_row(method: str, max_len: int | None, *, model: str = "tiny", ts: str = "2026-01-01T00:00:00",
+               status: str = "found", budget: float = 64 * MiB) -> dict:
+    return {
+        "kind": "search", "method": method, "model": model, "world_size": 2, "device": "cpu",
+        "memory_budget": budget, "status": status, "max_seq_len": max_len,
+        "first_oom_seq_len": None if max_len is None else max_len + 512, "floor_limit_seq_len": 8192,
+        "achieved_over_limit": None if max_len is None else max_len / 8192, "num_probes": 7, "timestamp": ts,
+    }
+
+
+def run_row(method: str, seq_len: int, t: float, *, status: str = "ok") -> dict:
+    return {"method": method, "model": "tiny", "world_size": 2, "device": "cpu", "seq_len": seq_len,
+            "status": status, "iter_time_s.median": t, "tokens_per_s": seq_len / t, "peak_mem_bytes": 1000,
+            "timestamp": "2026-01-01T00:00:00"}
+
+
+def test_trainability_ratios_to_each_baseline_within_a_setting() -> None:
+    records = pd.DataFrame([
+        search_row("autosp", 6144), search_row("ulysses", 2048), search_row("zero3", 1024),
+        search_row("ds-autosp", 4096),
+        search_row("autosp", 20480, model="small"), search_row("ulysses", 10240, model="small"),
+        {"method": "autosp", "model": "tiny", "status": "ok", "seq_len": 6144},  # a probe record: ignored
+    ])
+    t = trainability_table(records).set_index(["model", "method"])
+    assert t.loc[("tiny", "autosp"), "vs_ulysses"] == pytest.approx(3.0)
+    assert t.loc[("tiny", "autosp"), "vs_zero3"] == pytest.approx(6.0)
+    assert t.loc[("tiny", "autosp"), "vs_ds-autosp"] == pytest.approx(1.5)
+    assert t.loc[("tiny", "ulysses"), "vs_ulysses"] == pytest.approx(1.0)
+    assert t.loc[("small", "autosp"), "vs_ulysses"] == pytest.approx(2.0)  # not mixed with tiny's ulysses
+    assert math.isnan(t.loc[("small", "autosp"), "vs_zero3"])  # zero3 not measured for small
+    assert t.loc[("tiny", "autosp"), "achieved_over_limit"] == pytest.approx(0.75)
+
+
+def test_latest_search_supersedes_and_budgets_are_separate_settings() -> None:
+    records = pd.DataFrame([
+        search_row("ulysses", 1024, ts="2026-01-01T00:00:00"),
+        search_row("ulysses", 2048, ts="2026-01-02T00:00:00"),
+        search_row("ulysses", 4096, budget=128 * MiB),
+    ])
+    t = trainability_table(records)
+    assert sorted(t["max_seq_len"]) == [2048, 4096]
+
+
+def test_failed_search_keeps_its_status_and_no_search_is_a_config_error() -> None:
+    t = trainability_table(pd.DataFrame([search_row("ring", None, status="error"), search_row("ulysses", 2048)]))
+    ring = t[t["method"] == "ring"].iloc[0]
+    assert ring["status"] == "error" and math.isnan(ring["vs_ulysses"])
+    with pytest.raises(ConfigError, match="autosp search"):
+        trainability_table(pd.DataFrame([run_row("autosp", 1024, 1.0)]))
+
+
+def test_throughput_spread_over_repeats_and_speed_ratio() -> None:
+    records = pd.DataFrame([
+        run_row("ulysses", 1024, 1.0), run_row("ulysses", 1024, 1.2), run_row("ulysses", 1024, 0.8),
+        run_row("autosp", 1024, 2.0), run_row("autosp", 1024, 2.2), run_row("autosp", 1024, 1.8),
+        run_row("autosp", 1024, 0.01, status="error"),  # failed runs are not timed
+        run_row("autosp", 2048, 3.0),
+    ])
+    t = throughput_table(records, reference="ulysses").set_index(["seq_len", "method"])
+    row = t.loc[(1024, "autosp")]
+    assert (row["repeats"], row["iter_time_s"], row["iter_time_min_s"], row["iter_time_max_s"]) == (3, 2.0, 1.8, 2.2)
+    assert row["speed_vs_ulysses"] == pytest.approx(0.5)
+    assert math.isnan(t.loc[(2048, "autosp"), "speed_vs_ulysses"])
+
+
+def test_paper_claims_load_from_the_package() -> None:
+    claims = paper_claims()
+    row = claims.set_index("claim_id").loc["trainability_vs_ulysses_nvidia"]
+    assert row["factor"] == pytest.approx(2.7) and row["metric"] == "max_trainable_seq_len_ratio"
+
+
+def test_csv_written_atomically(tmp_path) -> None:
+    out = tmp_path / "sub" / "t.csv"
+    write_csv_atomic(pd.DataFrame({"a": [1]}), out)
+    assert out.read_text().splitlines() == ["a", "1"]
+    assert [p.name for p in out.parent.iterdir()] == ["t.csv"]
+
+
+
+def test_trainability_figure_and_claim_bars(tmp_path) -> None:
+    table = trainability_table(pd.DataFrame([
+        search_row("autosp", 6144), search_row("ulysses", 2048), search_row("zero3", 1024),
+        search_row("ring", None, status="error"),
+    ]))
+    bars = _trainability_claim_rows(table, paper_claims())
+    measured = {label: f for label, f, kind in bars if kind == "measured"}
+    assert measured["vs ulysses\ntiny (measured)"] == 3.0 and measured["vs zero3\ntiny (measured)"] == 6.0
+    claims = [label for label, _, kind in bars if kind == "claim"]
+    assert claims and all("paper claim" in label for label in claims)
+    out = tmp_path / "t.png"
+    trainability_figure(table, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_throughput_figure(tmp_path) -> None:
+    table = throughput_table(pd.DataFrame([run_row(m, s, t * s / 1024) for m, t in (("ulysses", 1.0), ("autosp", 1.1))
+                                           for s in (1024, 2048)]))
+    out = tmp_path / "tp.png"
+    throughput_figure(table, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
