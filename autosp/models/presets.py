@@ -1,0 +1,72 @@
+"""Model hyper-parameters by name: the published Llama configs the paper trains, plus CPU-sized presets.
+
+The published values are copied into code (not read from a file) so a clone of the repository is enough.
+Any preset can also be asked for as ``hf:<preset>``: the same hyper-parameters built as HF transformers code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autosp.config import ConfigError
+
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Hyper-parameters of one Llama-architecture decoder."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5  # the published Llama 2/3 configs all use 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+_PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        # Published configs (HF hub config.json of each model).
+        ModelPreset("llama-3.2-1b", 2048, 16, 32, 8, 8192, 128256, 500000.0, True, 131072),
+        ModelPreset("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256, 500000.0, True, 131072),
+        ModelPreset("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 500000.0, False, 131072),
+        ModelPreset("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 10000.0, False, 4096),
+        # CPU presets: same architecture (GQA, several layers), small enough that a step takes milliseconds.
+        ModelPreset("tiny", 64, 2, 4, 2, 176, 512, 10000.0, False, 131072),
+        ModelPreset("tiny-mha", 64, 2, 4, 4, 176, 512, 10000.0, False, 131072),
+        ModelPreset("small", 128, 4, 8, 4, 352, 2048, 10000.0, False, 131072),
+    )
+}
+
+
+def preset_names() -> list[str]:
+    """Names of the presets themselves (without the ``hf:`` forms)."""
+    return list(_PRESETS)
+
+
+def model_names() -> list[str]:
+    """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form."""
+    return preset_names() + [HF_PREFIX + name for name in _PRESETS]
+
+
+def is_hf_name(name: str) -> bool:
+    return name.startswith(HF_PREFIX)
+
+
+def get_preset(name: str) -> ModelPreset:
+    """The preset for ``name`` (``hf:<preset>`` gives the same hyper-parameters)."""
+    preset = _PRESETS.get(name.removeprefix(HF_PREFIX))
+    if preset is None:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}")
+    return preset

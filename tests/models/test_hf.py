@@ -1,0 +1,74 @@
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from autosp.config import ConfigError, DataConfig
+from autosp.models import build_model, get_preset
+from autosp.models.build import init_parameters
+from autosp.models.data import make_batch
+from autosp.models.hf import build_hf_llama
+from autosp.models.llama import LlamaForCausalLM
+
+pytest.importorskip("transformers")
+
+BATCHES = {
+    "plain": DataConfig(),
+    "ignored": DataConfig(ignore_fraction=0.3),
+    "padded": DataConfig(pad_fraction=0.25),
+    "packed": DataConfig(packed_documents=3),
+}
+
+
+def test_hf_model_is_real_transformers_code_configured_like_the_preset():
+    model = build_model("hf:tiny")
+    assert type(model).__module__.startswith("transformers.")
+    cfg = model.config
+    assert cfg.use_cache is False and cfg._attn_implementation == "sdpa" and model.training
+    assert (cfg.num_key_value_heads, cfg.num_hidden_layers, cfg.intermediate_size) == (2, 2, 176)
+
+
+@pytest.mark.parametrize("kind", list(BATCHES))
+def test_project_llama_matches_hf_with_copied_weights(kind):
+    ours = LlamaForCausalLM(get_preset("tiny"))
+    hf = build_model("hf:tiny", seed=5)
+    # Copy HF's weights into the project model: the parameter names are HF's own, so the map is the identity.
+    ours.load_state_dict(hf.state_dict())
+    b = make_batch(BATCHES[kind], batch_size=2, seq_len=32, vocab_size=512, seed=1)
+    mine, theirs = ours(**b.model_kwargs()), hf(**b.model_kwargs())
+    torch.testing.assert_close(mine.logits, theirs.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.loss, theirs.loss, atol=1e-6, rtol=1e-6)
+    n = b.num_valid_labels()
+    torch.testing.assert_close(
+        ours(**b.model_kwargs(), num_items_in_batch=n).loss, hf(**b.model_kwargs(), num_items_in_batch=n).loss
+    )
+
+
+def test_same_seed_gives_same_weights_in_both_implementations_tied_too():
+    assert (
+        build_model("tiny", seed=2).state_dict().keys() == build_model("hf:tiny", seed=2).state_dict().keys()
+    )
+    preset = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=True)
+    ours, hf = LlamaForCausalLM(preset), build_hf_llama(preset)
+    init_parameters(ours, 2)
+    init_parameters(hf, 2)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    for (name, a), b in zip(ours.state_dict().items(), hf.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, 512, (1, 16))
+    torch.testing.assert_close(ours(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss)
+
+
+def test_hf_compiles_fullgraph_with_aot_eager():
+    torch._dynamo.reset()
+    model = build_model("hf:tiny")
+    b = make_batch(BATCHES["packed"], batch_size=2, seq_len=32, vocab_size=512, seed=0)
+    out = torch.compile(model, fullgraph=True, backend="aot_eager")(**b.model_kwargs())
+    torch.testing.assert_close(out.loss, model(**b.model_kwargs()).loss)
+
+
+def test_missing_transformers_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
+    with pytest.raises(ConfigError, match="needs HF transformers.*pip install"):
+        build_model("hf:tiny")
