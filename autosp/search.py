@@ -109,3 +109,89 @@ def search_max_length(
     elif good is None:
         outcome.status = OOM_AT_MIN
     return outcome
+
+
+def _budget_for_floor(cfg: RunConfig) -> int | None:
+    """The per-rank bytes the search is bounded by: the emulated budget, else the GPU's memory."""
+    if cfg.memory_budget is not None:
+        return cfg.memory_budget
+    if cfg.device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def run_search(
+    cfg: RunConfig,
+    *,
+    out: str,
+    granularity: int | None = None,
+    min_len: int | None = None,
+    max_len: int = 1 << 20,
+    start_len: int | None = None,
+    run: Callable[[RunConfig], dict] | None = None,
+) -> dict:
+    """Search `cfg.method`'s max trainable length; append every probe record and one result row to `out`.
+
+    `cfg` fixes everything but the length (method, model, ranks, budget, ...); each probe runs it with
+    `seq_len` set. `run` is `autosp.runner.run` unless a test passes another oracle. Returns the result row.
+    """
+    from autosp.floor import floor_for, sharding_of
+    from autosp.records import append_record, new_record
+
+    if run is None:
+        from autosp.runner import run
+    if cfg.device == "cpu" and cfg.memory_budget is None:
+        raise ConfigError("a CPU search needs --memory-budget (e.g. 64MiB): without it nothing ever runs out of memory")
+    granularity = granularity or default_granularity(cfg.world_size)
+    min_len = min_len or granularity
+    search_id = uuid.uuid4().hex
+    started = time.monotonic()
+    last_record: dict = {}
+    peaks: dict[int, int | None] = {}
+
+    def probe(seq_len: int) -> str:
+        nonlocal last_record
+        record = run(cfg.replace(seq_len=seq_len))
+        record["search_id"] = search_id
+        append_record(out, record)
+        peaks[seq_len] = record.get("peak_mem_bytes")
+        last_record = record
+        status = record["status"]
+        print(f"  probe {cfg.method} {cfg.model} S={seq_len}: {status}"
+              + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
+        return status
+
+    outcome = search_max_length(probe, granularity=granularity, min_len=min_len, max_len=max_len, start_len=start_len)
+
+    floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype)
+    budget = _budget_for_floor(cfg)
+    limit = floor.max_seq_len(budget, granularity) if budget is not None else None
+    default_sp = cfg.world_size if sharding_of(cfg.method).splits_sequence else 1
+    sp_size = last_record.get("sp_size") or cfg.sp_size or default_sp  # a probe's record knows best
+    row = new_record(cfg.replace(seq_len=outcome.max_seq_len or 0), sp_size=sp_size)
+    for inherited in ("device_name", "implementation"):  # what only a probe knows
+        row[inherited] = last_record.get(inherited, row[inherited])
+    row.update(
+        kind="search",
+        search_id=search_id,
+        run_id=search_id,
+        status=outcome.status,
+        error=last_record.get("error") if outcome.status in (ERROR, TIMEOUT) else None,
+        max_seq_len=outcome.max_seq_len,
+        first_oom_seq_len=outcome.first_oom_seq_len,
+        peak_mem_bytes=peaks.get(outcome.max_seq_len) if outcome.max_seq_len else None,
+        granularity=granularity,
+        min_len=min_len,
+        max_len=max_len,
+        start_len=start_len,
+        probes=[{"seq_len": n, "status": s, "peak_mem_bytes": peaks.get(n)} for n, s in outcome.probes],
+        num_probes=len(outcome.probes),
+        floor_limit_seq_len=limit,
+        achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None,
+        floor=floor.to_dict(),
+        wall_s=round(time.monotonic() - started, 3),
+    )
+    append_record(out, row)
+    return row

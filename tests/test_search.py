@@ -122,3 +122,62 @@ def test_default_granularity_is_a_multiple_every_method_accepts() -> None:
     for p in (1, 2, 4, 8):
         g = default_granularity(p)
         assert g % p == 0 and g % (2 * p) == 0 and g % 128 == 0
+
+
+class FakeRunner:
+    """Stands in for autosp.runner.run: a record per call, OOM beyond `limit`, an error at `error_at`."""
+
+    def __init__(self, limit: int, error_at: int | None = None) -> None:
+        self.limit, self.error_at = limit, error_at
+        self.configs: list = []
+
+    def __call__(self, cfg):
+        from autosp.records import new_record
+
+        self.configs.append(cfg)
+        record = new_record(cfg, sp_size=cfg.world_size)
+        if cfg.seq_len == self.error_at:
+            record.update(status="error", error="rank 1: RuntimeError: boom")
+        else:
+            record.update(status=OK if cfg.seq_len <= self.limit else OOM, peak_mem_bytes=1000 * cfg.seq_len)
+        return record
+
+
+def _cfg(**kw):
+    from autosp.config import RunConfig
+
+    return RunConfig(method="ulysses", model="tiny", seq_len=1, world_size=2, memory_budget=64 << 20, **kw)
+
+
+def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
+    from autosp.records import load_records
+    from autosp.search import run_search
+
+    out = tmp_path / "trainability.jsonl"
+    runner = FakeRunner(limit=3000)
+    row = run_search(_cfg(), out=str(out), run=runner)
+    df = load_records(out)
+    probes, results = df[df["kind"].isna()], df[df["kind"] == "search"]
+    assert len(probes) == len(runner.configs) == row["num_probes"] and len(results) == 1
+    assert set(probes["search_id"]) == {row["search_id"]}
+    assert (row["status"], row["max_seq_len"], row["first_oom_seq_len"]) == (FOUND, 2560, 3072)
+    assert row["granularity"] == 512 and row["peak_mem_bytes"] == 2_560_000
+    assert all(c.method == "ulysses" and c.world_size == 2 and c.memory_budget == 64 << 20 for c in runner.configs)
+    # the floor model bounds what any method could do in this budget
+    assert row["floor_limit_seq_len"] > 0 and row["achieved_over_limit"] == 2560 / row["floor_limit_seq_len"]
+    assert results.iloc[0]["floor.method"] == "ulysses"
+
+
+def test_run_search_reports_an_error_probe_as_error(tmp_path) -> None:
+    from autosp.search import run_search
+
+    row = run_search(_cfg(), out=str(tmp_path / "t.jsonl"), run=FakeRunner(limit=10**6, error_at=2048))
+    assert row["status"] == ERROR and "boom" in row["error"]
+    assert row["max_seq_len"] == 1024 and row["first_oom_seq_len"] is None
+
+
+def test_cpu_search_without_budget_is_a_config_error(tmp_path) -> None:
+    from autosp.search import run_search
+
+    with pytest.raises(ConfigError, match="--memory-budget"):
+        run_search(_cfg().replace(memory_budget=None), out=str(tmp_path / "t.jsonl"), run=FakeRunner(1))
