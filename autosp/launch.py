@@ -1,0 +1,320 @@
+"""Run one function on P ranks and bring back each rank's result, or an honest failure status.
+
+Two ways to get ranks:
+- local: spawn P fresh processes (gloo on 127.0.0.1 with a free port on CPU; nccl on CUDA, which is RCCL on
+  ROCm builds of torch), one GPU per rank;
+- join: the current process already is one rank of a torchrun or SLURM job (env:// variables, or
+  SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID with MASTER_ADDR / MASTER_PORT); the function runs here and the
+  results are gathered over the process group.
+
+Locally the parent owns the outcome: every rank is the leader of its own process group, so a crashed, killed,
+hung or timed-out run is ended by killing those groups (compile workers and other descendants included) and
+reaping them. The run never hangs past its timeout and leaves no orphans.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from autosp.config import ConfigError
+
+#: how long a rank that already failed gives the others to report, so the first failure's message wins
+_GRACE_S = 1.0
+_POLL_S = 0.05
+
+
+@dataclass
+class LaunchResult:
+    """What came back from a launch. `results[r]` is rank r's return value (None if it never returned)."""
+
+    status: str  # ok | oom | error | timeout
+    results: list[Any]
+    error: str | None = None  # one line: which rank failed and how
+    failed_rank: int | None = None
+    traceback: str | None = None  # the failing rank's full traceback, when there is one
+    elapsed_s: float = 0.0
+    rank_errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """The rank layout of an already running distributed job (torchrun or SLURM)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" | "slurm"
+
+
+def existing_job() -> JobEnv | None:
+    """The surrounding multi-process job, if this process is one rank of one; None for a plain process.
+
+    A single-task SLURM allocation (salloc, sbatch with one task) is not a job to join: local ranks are spawned.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
+        if "MASTER_ADDR" not in env:
+            raise ConfigError("RANK/WORLD_SIZE are set but MASTER_ADDR is not; launch with torchrun or export it")
+        return JobEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                      env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if "MASTER_ADDR" not in env:
+            raise ConfigError(
+                "SLURM job with several tasks but MASTER_ADDR is unset; in the batch script run "
+                "`export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)`"
+            )
+        return JobEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                      env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "slurm")
+    return None
+
+
+def check_device(device: str, world_size: int) -> None:
+    """ConfigError when the requested device cannot host `world_size` local ranks (before anything starts)."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be a positive integer, got {world_size}")
+    if device == "cpu":
+        return
+    if device != "cuda":
+        raise ConfigError(f"unknown --device {device!r}; use cpu or cuda (ROCm builds of torch also use cuda)")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device cuda needs a GPU but torch {torch.__version__} sees none "
+            "(CPU build or no visible device); use --device cpu"
+        )
+    job = existing_job()
+    per_node = torch.cuda.device_count()
+    if job is None and world_size > per_node:
+        raise ConfigError(f"--world-size {world_size} needs {world_size} GPUs but only {per_node} are visible; "
+                          f"use --world-size <= {per_node} or launch with torchrun/SLURM across nodes")
+    if job is not None and job.local_rank >= per_node:
+        raise ConfigError(f"local rank {job.local_rank} has no GPU: only {per_node} are visible on this node")
+
+
+def backend_for(device: str) -> str:
+    """gloo on CPU; nccl on CUDA, which ROCm builds of torch route to RCCL."""
+    return "gloo" if device == "cpu" else "nccl"
+
+
+def current_device(device: str) -> torch.device:
+    """This rank's device: the GPU the launcher bound it to, or the CPU."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the rendezvous binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _classify(exc: BaseException) -> str:
+    return "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _bind_rank(device: str, rank: int, world_size: int, local_rank: int) -> None:
+    if device == "cpu":
+        torch.set_num_threads(1)  # P ranks share the machine's cores
+    else:
+        torch.cuda.set_device(local_rank)
+
+
+def _init_group(device: str, rank: int, world_size: int, timeout_s: float) -> None:
+    dist.init_process_group(
+        backend_for(device), init_method="env://", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+        device_id=torch.device("cuda", torch.cuda.current_device()) if device != "cpu" else None,
+    )
+
+
+def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float,
+            fn: Callable[..., Any], args: tuple, results: "mp.Queue") -> None:
+    """Body of a spawned rank: own process group, bind device, join the group, run, report, leave."""
+    os.setpgid(0, 0)  # the parent ends this rank and everything it starts with one killpg
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        _bind_rank(device, rank, world_size, rank)
+        _init_group(device, rank, world_size, timeout_s)
+        value = fn(*args)
+        report = (rank, "ok", value, None, None)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent, with its kind
+        report = (rank, _classify(exc), None, f"rank {rank}: {_one_line(exc)}", traceback.format_exc())
+    results.put(report)
+    if report[1] == "ok" and dist.is_initialized():
+        dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the report is in the pipe before this process can be seen as dead
+
+
+def _kill_groups(procs: list[mp.Process]) -> None:
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # already gone (the group died with its last member)
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        hint = " (killed; out of host memory?)" if -code == signal.SIGKILL else ""
+        return f"died from signal {name}{hint}"
+    return f"exited with code {code} without reporting"
+
+
+def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, device: str = "cpu",
+                 timeout_s: float = 600.0) -> LaunchResult:
+    """Spawn `world_size` ranks on this machine and run `fn(*args)` on each (fn must be picklable)."""
+    check_device(device, world_size)
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    start = time.monotonic()
+    deadline = start + timeout_s
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, timeout_s, fn, args, results),
+                         name=f"autosp-rank{r}", daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: list[Any] = [None] * world_size
+    reported: set[int] = set()
+    failures: list[tuple[int, str, str, str | None]] = []  # (rank, kind, message, traceback)
+
+    def take(report: tuple) -> None:
+        rank, kind, value, message, tb = report
+        reported.add(rank)
+        if kind == "ok":
+            values[rank] = value
+        else:
+            failures.append((rank, kind, message, tb))
+
+    try:
+        fail_deadline = None
+        while len(reported) < world_size:
+            now = time.monotonic()
+            if fail_deadline is not None and now >= fail_deadline:
+                break
+            if now >= deadline:
+                missing = sorted(set(range(world_size)) - reported)
+                failures.append((missing[0], "timeout",
+                                 f"rank(s) {missing} did not finish within the {timeout_s:g} s timeout", None))
+                break
+            try:
+                take(results.get(timeout=_POLL_S))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+                if dead:
+                    _drain(results, take)  # a report written just before exit is still in the pipe
+                for r in dead:
+                    if r not in reported:
+                        reported.add(r)
+                        failures.append((r, "error", f"rank {r} {_exit_description(procs[r].exitcode)}", None))
+            if failures and fail_deadline is None:
+                fail_deadline = time.monotonic() + _GRACE_S
+    finally:
+        _kill_groups(procs)
+        results.close()
+    elapsed = time.monotonic() - start
+    if not failures:
+        return LaunchResult("ok", values, elapsed_s=elapsed)
+    return _failed(failures, values, elapsed)
+
+
+def _drain(results: "mp.Queue", take: Callable[[tuple], None]) -> None:
+    try:
+        while True:
+            take(results.get(timeout=0.2))
+    except queue_mod.Empty:
+        pass
+
+
+def _failed(failures: list[tuple[int, str, str, str | None]], values: list[Any], elapsed: float) -> LaunchResult:
+    first = _first_cause(failures)
+    return LaunchResult(first[1], values, error=first[2], failed_rank=first[0], traceback=first[3],
+                        elapsed_s=elapsed, rank_errors={r: m for r, _, m, _ in failures})
+
+
+#: words in a rank's error that say it only saw a peer go away (a consequence, not the cause)
+_PEER_SYMPTOMS = ("by peer", "remote worker", "communicator was aborted", "Socket Timeout")
+
+
+def _first_cause(failures: list[tuple[int, str, str, str | None]]) -> tuple[int, str, str, str | None]:
+    """The root failure: an OOM first, then a rank's own error or death, and only then a peer's lost connection."""
+    def rank_of(f: tuple[int, str, str, str | None]) -> int:
+        if f[1] == "oom":
+            return 0
+        return 2 if any(s in (f[2] or "") for s in _PEER_SYMPTOMS) else 1
+    return min(failures, key=rank_of)  # stable: among equals the first reported wins
+
+
+def launch_in_job(fn: Callable[..., Any], args: tuple = (), *, job: JobEnv, device: str = "cpu",
+                  timeout_s: float = 600.0) -> LaunchResult:
+    """Run `fn(*args)` as this rank of an existing torchrun/SLURM job; every rank gets everyone's results.
+
+    A local failure is shared with the peers through the final gather. A hung peer is ended by the process
+    group timeout (collectives raise after `timeout_s`) and, as a last resort, a watchdog that exits this
+    process 30 s later so the job scheduler tears the job down.
+    """
+    check_device(device, job.world_size)
+    os.environ.setdefault("RANK", str(job.rank))
+    os.environ.setdefault("WORLD_SIZE", str(job.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(job.local_rank))
+    os.environ.setdefault("MASTER_ADDR", job.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(job.master_port))
+    watchdog = threading.Timer(timeout_s + 30.0, lambda: os._exit(124))
+    watchdog.daemon = True
+    watchdog.start()
+    start = time.monotonic()
+    try:
+        _bind_rank(device, job.rank, job.world_size, job.local_rank)
+        if not dist.is_initialized():
+            _init_group(device, job.rank, job.world_size, timeout_s)
+        try:
+            mine = (job.rank, "ok", fn(*args), None, None)
+        except BaseException as exc:  # noqa: BLE001
+            kind = "timeout" if isinstance(exc, dist.DistBackendError) and "timed out" in str(exc) else _classify(exc)
+            mine = (job.rank, kind, None, f"rank {job.rank}: {_one_line(exc)}", traceback.format_exc())
+        everyone: list[Any] = [None] * job.world_size
+        dist.all_gather_object(everyone, mine)
+    finally:
+        watchdog.cancel()
+    values = [e[2] for e in everyone]
+    failures = [(r, k, m, tb) for r, k, _, m, tb in everyone if k != "ok"]
+    elapsed = time.monotonic() - start
+    if not failures:
+        return LaunchResult("ok", values, elapsed_s=elapsed)
+    return _failed(failures, values, elapsed)
+
+
+def launch(fn: Callable[..., Any], args: tuple = (), *, world_size: int, device: str = "cpu",
+           timeout_s: float = 600.0) -> LaunchResult:
+    """Run `fn(*args)` on `world_size` ranks: join the surrounding torchrun/SLURM job if there is one, else spawn."""
+    job = existing_job()
+    if job is None:
+        return launch_local(fn, args, world_size=world_size, device=device, timeout_s=timeout_s)
+    if job.world_size != world_size:
+        raise ConfigError(f"--world-size {world_size} does not match the surrounding {job.source} job's "
+                          f"{job.world_size} ranks; pass --world-size {job.world_size}")
+    return launch_in_job(fn, args, job=job, device=device, timeout_s=timeout_s)

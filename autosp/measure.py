@@ -1,0 +1,222 @@
+"""Step timing and per-rank peak memory, measured the same way for every method.
+
+Memory, per device kind:
+- CUDA / ROCm: the caching allocator's `max_memory_allocated` (and `max_memory_reserved`), reset right before
+  the measured step and read after the timed steps, so it covers every steady-state step.
+- CPU: there is no allocator statistic, and the resident set size is useless (torch, compiler and Python
+  overhead; monotonic). We replay PyTorch's own CPU allocation accounting instead: the profiler with
+  `profile_memory=True` records every allocation and free made through c10's CPU allocator with its size.
+  The profiler runs from just before the model is built until the end of one full measured step
+  (forward + backward + optimizer, after the warm-up steps), so the running sum of allocation sizes is the number
+  of live tensor bytes this rank allocated — parameters, gradients, optimizer state, activations, temporaries,
+  communication buffers. The reported peak is the maximum of that sum during the measured step (which starts
+  with everything resident from setup and warm-up). The same program allocates the same sizes in the same
+  order, so the number is identical across repeated runs.
+
+  Covered: every tensor storage made through c10's CPU allocator, in eager, aot_eager and inductor code alike
+  (inductor's generated wrappers allocate buffers with `empty_strided`, and reuse them, which is why fewer
+  events show up under inductor: the memory is really not allocated). Not covered: memory allocated before
+  the profiler starts (torch's import-time globals, process-group setup), memory outside the tensor allocator
+  (Python objects, gloo transport buffers, oneDNN/MKL scratch space, stack buffers inside inductor's C++
+  kernels, C++ extensions that call malloc directly, e.g. some DeepSpeed ops), and allocator overhead or
+  fragmentation (the CPU allocator is malloc: no caching pool to report).
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+from autosp.config import ConfigError
+
+T = TypeVar("T")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512MiB', '1.5GiB', '800MB', '4096' (binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(text)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"cannot read the size {text!r}; write e.g. 512MiB, 1.5GiB, 800MB or a byte count")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def format_size(num_bytes: int | float | None) -> str:
+    """Human-readable binary size, e.g. 1.50 GiB."""
+    if num_bytes is None:
+        return "-"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a wall-clock interval covers the work done in it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """(fn(), seconds), device-synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def summarize_times(samples: list[float]) -> dict[str, Any]:
+    """The record's iter_time_s: median, min, max and every sample (seconds)."""
+    if not samples:
+        return {"median": None, "min": None, "max": None, "samples": []}
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
+            "samples": list(samples)}
+
+
+@dataclass
+class MemoryReport:
+    """One rank's peak memory. `peak_bytes` is what records compare; `detail` says how it was obtained."""
+
+    peak_bytes: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class MemoryMeter(ABC):
+    """Measures one rank's peak memory. Use: `with meter.session(): <build, warm up>; with meter.measured_step():
+    <one step>`, then the timed steps, then `meter.report()`."""
+
+    def session(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def measured_step(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def report(self) -> MemoryReport:
+        """The peak of the measured step (CPU) or of the measured and timed steps (GPU)."""
+
+
+class CudaMemoryMeter(MemoryMeter):
+    """The caching allocator's own peaks, from the measured step through the timed steps."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @contextlib.contextmanager
+    def measured_step(self) -> Iterator[None]:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+
+    def report(self) -> MemoryReport:
+        torch.cuda.synchronize(self.device)
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        return MemoryReport(allocated, {"memory_kind": "cuda-max-allocated", "peak_reserved_bytes": reserved,
+                                        "device_total_bytes": torch.cuda.get_device_properties(self.device).total_memory})
+
+
+class CpuAllocationMeter(MemoryMeter):
+    """Peak live tensor bytes from the profiler's CPU allocation events (see the module docstring)."""
+
+    MARK = "autosp::measured_step"
+
+    def __init__(self) -> None:
+        self._profiler: torch.profiler.profile | None = None
+        self._report: MemoryReport | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                profile_memory=True)
+        with self._profiler:
+            yield
+        self._report = allocation_peak(self._profiler, self.MARK)
+
+    def measured_step(self) -> contextlib.AbstractContextManager:
+        if self._profiler is None:
+            raise RuntimeError("CpuAllocationMeter.measured_step() must run inside session()")
+        return torch.profiler.record_function(self.MARK)
+
+    def report(self) -> MemoryReport:
+        if self._report is None:
+            raise RuntimeError("no measured step: run one inside session() first")
+        return self._report
+
+
+def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport:
+    """Replay the profiled CPU allocation stream; peak of live bytes inside the `mark` region."""
+    allocations: list[tuple[int, int]] = []  # (time ns, +size for an allocation / -size for a free)
+    windows: list[tuple[int, int]] = []
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == torch._C._profiler._EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.alloc_size))
+        elif node.name == mark:
+            windows.append((node.start_time_ns, node.end_time_ns))
+        stack.extend(node.children)
+    if len(windows) != 1:
+        raise RuntimeError(f"expected exactly one measured step in the profile, found {len(windows)}")
+    begin, end = windows[0]
+    allocations.sort(key=lambda a: a[0])  # stable: same-time events keep their recorded order
+    live = 0
+    overall_peak = 0
+    at_start: int | None = None
+    step_peak = 0
+    for when, size in allocations:
+        if when > end:
+            break
+        if when >= begin and at_start is None:
+            at_start = live
+            step_peak = live
+        live += size
+        overall_peak = max(overall_peak, live)
+        if at_start is not None:
+            step_peak = max(step_peak, live)
+    if at_start is None:  # a step that allocated nothing
+        at_start = step_peak = live
+    return MemoryReport(step_peak, {
+        "memory_kind": "cpu-profiler-allocations",
+        "resident_at_step_start_bytes": at_start,
+        "step_increase_bytes": step_peak - at_start,
+        "peak_including_setup_bytes": overall_peak,
+        "allocation_events": len(allocations),
+    })
+
+
+def memory_meter(device: torch.device) -> MemoryMeter:
+    return CudaMemoryMeter(device) if device.type == "cuda" else CpuAllocationMeter()
+
+
+def apply_device_budget(device: torch.device, budget_bytes: int | None) -> None:
+    """On a GPU, cap this process's allocator at the budget so exceeding it raises a real OutOfMemoryError.
+
+    On CPU nothing is capped: the runner compares the measured peak with the budget afterwards.
+    """
+    if budget_bytes is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget_bytes < total:
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / total, device)
+

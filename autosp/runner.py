@@ -1,0 +1,186 @@
+"""One measured training run: validate, launch ranks, train, measure, return the record.
+
+Every rank builds the model from the same seed, hands it to the method (`Strategy.setup`) and trains on the same
+global batch (dp_size * batch_size rows, full sequence; the method takes its own part). The same batch is used
+at every step: synthetic tokens have no structure to learn, so fitting one batch is what makes a falling loss
+show that the step trains. Order per rank: warm-up steps, one measured step (peak memory), timed steps.
+"""
+from __future__ import annotations
+
+import importlib
+import platform
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from autosp.config import ConfigError, RunConfig
+from autosp.launch import check_device, current_device, launch
+from autosp.measure import apply_device_budget, format_size, memory_meter, summarize_times, timed
+from autosp.models import build_model, get_preset
+from autosp.models.data import Batch, make_batch
+from autosp.parallel import build_context
+from autosp.records import append_record, new_record
+from baselines.base import Strategy, TrainStep, get_strategy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+_SAC = re.compile(r"^(off|sac|full|budget=(0(\.\d+)?|1(\.0+)?))$")
+
+
+def _positive(name: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+
+
+def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strategy, int]:
+    """ConfigError for anything that cannot run, before a rank starts; returns (strategy, SP degree)."""
+    for name in ("seq_len", "batch_size", "world_size", "steps", "lr", "timeout_s"):
+        _positive(name, getattr(cfg, name))
+    _positive("warmup", cfg.warmup, allow_zero=True)
+    if cfg.memory_budget is not None:
+        _positive("memory_budget", cfg.memory_budget)
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"unknown --dtype {cfg.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if cfg.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"unknown --compile-backend {cfg.compile_backend!r}; choose one of: "
+                          f"{', '.join(COMPILE_BACKENDS)}")
+    if not _SAC.match(cfg.sac):
+        raise ConfigError(f"unknown --sac {cfg.sac!r}; use off, sac, full or budget=<fraction in [0, 1]>")
+    check_device(cfg.device, cfg.world_size)
+    preset = get_preset(cfg.model)
+    for module in extra_imports:
+        importlib.import_module(module)
+    strategy = get_strategy(cfg.method)
+    if cfg.sp_size is not None:
+        _positive("sp_size", cfg.sp_size)
+    strategy.validate(cfg, preset.num_attention_heads, preset.num_key_value_heads)
+    sp_size = cfg.sp_size or strategy.default_sp_size(cfg.world_size)
+    make_batch(cfg.data, batch_size=1, seq_len=cfg.seq_len, vocab_size=preset.vocab_size, seed=cfg.seed)
+    return strategy, sp_size
+
+
+def global_batch(cfg: RunConfig, sp_size: int, step: int = 0) -> Batch:
+    """The global batch every rank receives: dp_size * batch_size rows, seeded by (seed, step)."""
+    preset = get_preset(cfg.model)
+    return make_batch(cfg.data, batch_size=(cfg.world_size // sp_size) * cfg.batch_size, seq_len=cfg.seq_len,
+                      vocab_size=preset.vocab_size, seed=cfg.seed * 1_000_003 + step)
+
+
+def build_train_step(cfg: RunConfig, strategy: Strategy, sp_size: int) -> tuple[TrainStep, torch.device]:
+    """This rank's model, built from the seed, handed to the method: identical on every rank."""
+    device = current_device(cfg.device)
+    ctx = build_context(sp_size, device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device)
+    return strategy.setup(model, ctx, cfg), device
+
+
+def train_step(step: TrainStep, batch: Batch) -> float:
+    """One full step: forward, backward, AdamW. Returns the global loss."""
+    loss = step.forward_backward(batch)
+    step.optimizer_step()
+    return float(loss)
+
+
+def device_name(device: torch.device | str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _max_over_ranks(value: int) -> int:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Body of one rank (runs in the launched process): train, measure, return this rank's numbers."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    strategy, sp_size = validate(cfg, extra_imports)
+    device = current_device(cfg.device)
+    apply_device_budget(device, cfg.memory_budget)
+    meter = memory_meter(device)
+    losses: list[float] = []
+    with meter.session():
+        step, device = build_train_step(cfg, strategy, sp_size)
+        batch = global_batch(cfg, sp_size).to(device)
+        for _ in range(cfg.warmup):
+            losses.append(train_step(step, batch))
+        with meter.measured_step():
+            losses.append(train_step(step, batch))
+    result: dict[str, Any] = {"implementation": step.implementation or cfg.method, "device_name": device_name(device),
+                              "losses": losses, "samples": [], "status": "ok"}
+    if device.type == "cpu" and cfg.memory_budget is not None:
+        # All ranks decide together (max over ranks) so none is left waiting in a collective.
+        worst = _max_over_ranks(meter.report().peak_bytes)
+        if worst > cfg.memory_budget:
+            result.update(status="oom", peak=meter.report().peak_bytes, memory=meter.report().detail)
+            return result
+    for _ in range(cfg.steps):
+        loss, seconds = timed(lambda: train_step(step, batch), device)
+        losses.append(loss)
+        result["samples"].append(seconds)
+    report = meter.report()
+    metrics = getattr(step, "metrics", None)
+    result.update(peak=report.peak_bytes, memory=report.detail, metrics=metrics() if callable(metrics) else {})
+    return result
+
+
+def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterable[str] = ()) -> dict[str, Any]:
+    """Run `cfg` on its ranks and return its record (appended to `out` when given).
+
+    Bad configurations raise ConfigError here; everything that goes wrong once ranks run (a crash, a hang past
+    cfg.timeout_s, running out of memory or over cfg.memory_budget) comes back as the record's status.
+    `extra_imports` are modules imported in every rank first (out-of-tree methods register on import).
+    """
+    extra_imports = tuple(extra_imports)
+    _, sp_size = validate(cfg, extra_imports)
+    record = new_record(cfg, sp_size=sp_size)
+    outcome = launch(rank_main, (cfg.to_dict(), extra_imports), world_size=cfg.world_size, device=cfg.device,
+                     timeout_s=cfg.timeout_s)
+    record["status"], record["error"] = outcome.status, outcome.error
+    record["extra"]["wall_s"] = round(outcome.elapsed_s, 3)
+    if outcome.traceback:
+        record["extra"]["traceback"] = outcome.traceback
+    if outcome.status == "ok":
+        _fill_measurements(record, cfg, outcome.results)
+    if record["device_name"] is None:
+        record["device_name"] = device_name(cfg.device) if cfg.device == "cpu" else None
+    if out is not None:
+        append_record(out, record)
+    return record
+
+
+def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dict[str, Any]]) -> None:
+    first = results[0]
+    peaks = [r["peak"] for r in results]
+    worst_rank = max(range(len(peaks)), key=peaks.__getitem__)
+    record.update(implementation=first["implementation"], device_name=first["device_name"],
+                  peak_mem_bytes=max(peaks), peak_mem_by_rank=peaks, loss=first["losses"][-1])
+    record["extra"].update(losses=first["losses"], memory=results[worst_rank]["memory"],
+                           **first.get("metrics", {}))
+    if any(r["status"] == "oom" for r in results):
+        record["status"] = "oom"
+        record["error"] = (f"rank {worst_rank}: peak {format_size(max(peaks))} exceeds the memory budget "
+                           f"{format_size(cfg.memory_budget)}")
+        record["iter_time_s"] = summarize_times([])
+        return
+    # A step ends when its slowest rank ends.
+    per_step = [max(r["samples"][i] for r in results) for i in range(cfg.steps)]
+    record["iter_time_s"] = summarize_times(per_step)
+    tokens = record["dp_size"] * cfg.batch_size * cfg.seq_len
+    record["tokens_per_s"] = tokens / record["iter_time_s"]["median"]

@@ -1,0 +1,54 @@
+"""Method `single`: plain single-process training, the reference every parallel method is checked against."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from autosp.config import ConfigError, RunConfig
+from baselines.base import Strategy, TrainStep, register
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.parallel import ParallelContext
+
+
+class SingleTrainStep(TrainStep):
+    implementation = "torch-eager"
+
+    def __init__(self, model: nn.Module, device: torch.device, lr: float):
+        self.model = model
+        self.device = device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # torch defaults, as every method uses
+
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        loss = self.model(**batch.to(self.device).model_kwargs()).loss
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+                for n, p in self.model.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+
+
+@register
+class Single(Strategy):
+    name = "single"
+    description = "one process, the whole batch and sequence: the correctness reference (world size 1)"
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        if cfg.world_size != 1:
+            raise ConfigError(f"--method single runs on one rank; use --world-size 1 (got {cfg.world_size})")
+        if cfg.sp_size not in (None, 1):
+            raise ConfigError(f"--method single has no sequence parallelism; drop --sp-size {cfg.sp_size}")
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        return SingleTrainStep(model, ctx.device, cfg.lr)
