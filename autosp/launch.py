@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import socket
@@ -156,8 +157,9 @@ def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float
     try:
         _bind_rank(device, rank, world_size, rank)
         _init_group(device, rank, world_size, timeout_s)
-        value = fn(*args)
-        report = (rank, "ok", value, None, None)
+        # Plain pickle copies tensor data into the message; torch's queue reducers would share it through file
+        # descriptors that die with this process, which the parent may already have killed.
+        report = (rank, "ok", pickle.dumps(fn(*args)), None, None)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent, with its kind
         report = (rank, _classify(exc), None, f"rank {rank}: {_one_line(exc)}", traceback.format_exc())
     results.put(report)
@@ -206,7 +208,7 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
         rank, kind, value, message, tb = report
         reported.add(rank)
         if kind == "ok":
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         else:
             failures.append((rank, kind, message, tb))
 
