@@ -9,6 +9,7 @@ from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
 from autosp.parallel import build_context
 import baselines.fsdp  # noqa: F401  (registers the methods in spawned ranks)
+import baselines.zero3  # noqa: F401
 from baselines.base import get_strategy
 
 TOL = 2e-5  # fp32: reordered reductions over a few hundred tokens, well below any real bug (~1e-2 and up)

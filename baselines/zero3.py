@@ -1,0 +1,92 @@
+"""`zero3`: DeepSpeed ZeRO stage 3 through `deepspeed.initialize`: parameters, gradients and optimizer states
+partitioned over the data-parallel ranks; every rank trains its own full-length rows (no sequence parallelism).
+
+`stage3_param_persistence_threshold: 0` partitions every parameter, however small (DeepSpeed's default keeps
+parameters under 100K elements whole on every rank, which on the small CPU presets would be nearly all of them
+and turn ZeRO-3 into plain data parallelism). The optimizer is the same torch AdamW as the reference, handed to
+DeepSpeed as a client optimizer (DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages
+gradients over the dp ranks, so the backward loss (each rank's share of the global token mean) is multiplied
+by dp_size to make that average a sum. On gloo the shared-memory comm op build is skipped (`deepspeed_env`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autosp.config import ConfigError, RunConfig
+from baselines.base import Strategy, TrainStep, register
+from baselines.data_parallel import local_loss, reject_sequence_parallel
+from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.parallel import ParallelContext
+
+
+def zero3_config(cfg: RunConfig) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "contiguous_gradients": True,
+            "overlap_comm": cfg.device != "cpu",
+        },
+    }
+    if cfg.dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif cfg.dtype == "float16":
+        config["fp16"] = {"enabled": True}
+    return config
+
+
+class Zero3Step(TrainStep):
+    implementation = "deepspeed-zero3"
+
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+        self.deepspeed = import_deepspeed("zero3")
+        self.ctx = ctx
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_config(cfg))
+
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        loss, total = local_loss(self.engine, batch, self.ctx)
+        self.engine.backward(loss * self.ctx.dp_size)
+        return total
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # also zeroes the gradients
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {
+            n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()
+        }
+
+
+@register
+class Zero3Strategy(Strategy):
+    name = "zero3"
+    description = "DeepSpeed ZeRO stage 3 (every parameter partitioned), data parallel, full-length sequences"
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        reject_sequence_parallel(cfg, self.name)
+        require_deepspeed(self.name)
+        super().validate(cfg, num_heads, num_kv_heads)
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        if ctx.mesh is None:
+            raise ConfigError("--method zero3 needs a process group; use --world-size >= 2 (or --method single)")
+        return Zero3Step(model, ctx, cfg)
