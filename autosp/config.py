@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from autosp.errors import ConfigError
 
-class ConfigError(ValueError):
-    """Bad user input: the message names what is wrong and what to do. The CLI prints it as one line."""
+__all__ = ["ConfigError", "DataConfig", "RunConfig"]
 
 
 @dataclass(frozen=True)

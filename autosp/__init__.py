@@ -1,0 +1,6 @@
+"""AutoSP: automatic sequence parallelism for long-context training, done by the PyTorch 2 compiler."""
+from autosp.api import SequenceParallelModule, backend, compile
+from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
+
+__all__ = ["AutoSPError", "ConfigError", "SequenceParallelError", "SequenceParallelModule", "backend", "compile"]
+__version__ = "0.1.0"

@@ -1,0 +1,97 @@
+"""Public entry points: `autosp.compile(model, ...)` and `autosp.backend(...)`."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autosp.compiler.backend import make_backend
+from autosp.errors import SequenceParallelError
+
+
+class SequenceParallelModule(torch.nn.Module):
+    """`model` compiled by AutoSP, called exactly like `model`.
+
+    Every rank of the SP group passes the full, unsharded batch. The loss comes back equal to the single-device
+    loss on every rank, and after `loss.backward()` every `.grad` equals the single-device gradient. Other
+    outputs that run along the sequence (logits, hidden states) come back as this rank's shard: positions
+    [r*S/P, (r+1)*S/P) for SP rank r."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup):
+        super().__init__()
+        self.module = model
+        self._compiled = compiled
+        self.sp_group = sp_group
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            reason = str(e).strip().splitlines()[0]
+            raise SequenceParallelError(
+                f"AutoSP needs the whole forward as one graph, but Dynamo broke it: {reason} "
+                "(remove the data-dependent Python control flow or unsupported call it names)"
+            ) from e
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, SequenceParallelError):
+                raise e.inner_exception from None
+            raise
+
+
+def _groups(
+    model: torch.nn.Module, sp_size: int | None, process_group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int]:
+    """(SP group, group of all ranks sharing the parameters, data-parallel degree)."""
+    if not dist.is_initialized():
+        raise SequenceParallelError(
+            "AutoSP needs torch.distributed initialised (e.g. torchrun, or `autosp run --world-size P`)"
+        )
+    world = dist.get_world_size()
+    if process_group is not None:
+        sp = dist.get_world_size(process_group)
+        if sp_size is not None and sp_size != sp:
+            raise SequenceParallelError(f"sp_size={sp_size} contradicts the process group's size {sp}")
+        return process_group, dist.group.WORLD, world // sp
+    sp = sp_size or world
+    if sp < 1 or world % sp:
+        raise SequenceParallelError(f"sp_size={sp} must divide the world size {world}")
+    if sp == world:
+        return dist.group.WORLD, dist.group.WORLD, 1
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+    return mesh.get_group("sp"), dist.group.WORLD, world // sp
+
+
+def compile(  # noqa: A001  (mirrors torch.compile)
+    model: torch.nn.Module,
+    *,
+    sp_size: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    sac: str = "sac",
+    backend: str = "inductor",
+) -> SequenceParallelModule:
+    """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
+
+    sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
+    consecutive-rank SP groups. process_group: an existing SP group instead. sac: activation checkpointing
+    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass)."""
+    sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
+    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend)
+    compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
+    return SequenceParallelModule(model, compiled, sp_group)
+
+
+def backend(
+    *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
+    inner: str = "inductor", model: torch.nn.Module | None = None,
+) -> Callable:
+    """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
+
+    Same semantics as `autosp.compile`; pass `model` only when sp_size < world size (to place the mesh)."""
+    if process_group is None and sp_size is not None and model is None and dist.is_initialized() \
+            and sp_size != dist.get_world_size():
+        raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
+    sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
+    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner)

@@ -1,0 +1,112 @@
+"""Step 1, analysis: find attention and read the model's batch/sequence/head layout off the graph.
+
+No user tags: the sequence length is the query length every `scaled_dot_product_attention` sees, and the
+sequence-carrying inputs are the user inputs with a dimension of that size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autosp.compiler.spec import node_label
+from autosp.errors import SequenceParallelError
+
+SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def is_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def attention_args(node: fx.Node) -> dict[str, Any]:
+    """SDPA's arguments by name, defaults filled in (Dynamo records them positionally or by keyword)."""
+    bound = dict(SDPA_DEFAULTS)
+    bound.update(zip(SDPA_PARAMS, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    node: fx.Node
+    layer: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SequenceAnalysis:
+    seq_len: int
+    sites: tuple[AttentionSite, ...]
+    sequence_inputs: tuple[tuple[str, int], ...]  # (placeholder name, dim of size seq_len)
+
+    @property
+    def heads(self) -> int:
+        return self.sites[0].heads
+
+
+def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
+    sites = []
+    for node in gm.graph.nodes:
+        if not is_attention(node):
+            continue
+        args = attention_args(node)
+        q, k = args["query"].meta["example_value"], args["key"].meta["example_value"]
+        if q.dim() < 3:
+            raise SequenceParallelError(f"attention {node_label(node)} has a {q.dim()}-D query; expected [B, H, S, D]")
+        if q.shape[-2] != k.shape[-2]:
+            raise SequenceParallelError(
+                f"attention {node_label(node)} has query length {q.shape[-2]} != key length {k.shape[-2]} "
+                "(a KV cache or cross-attention): AutoSP shards self-attention over one sequence only"
+            )
+        sites.append(AttentionSite(node, node_label(node), math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3],
+                                   q.shape[-2], q.shape[-1]))
+    if not sites:
+        raise SequenceParallelError(
+            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention in the model's "
+            "graph; models that compute attention by hand (matmul + softmax) must call SDPA instead"
+        )
+    lengths = {s.seq_len for s in sites}
+    if len(lengths) > 1:
+        raise SequenceParallelError(f"attention layers see different sequence lengths {sorted(lengths)}")
+    seq_len = lengths.pop()
+    sequence_inputs = tuple(
+        (n.name, dim)
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and _is_user_tensor(n)
+        for dim, size in enumerate(n.meta["example_value"].shape)
+        if size == seq_len
+    )
+    return SequenceAnalysis(seq_len, tuple(sites), sequence_inputs)
+
+
+def _is_user_tensor(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+
+
+def check_sp_degree(analysis: SequenceAnalysis, sp_size: int) -> None:
+    """Fail early, naming the numbers, for layouts Ulysses cannot split `sp_size` ways."""
+    if analysis.seq_len % sp_size:
+        s = analysis.seq_len
+        raise SequenceParallelError(
+            f"sequence length {s} is not divisible by the SP degree {sp_size}; pad the batch to a multiple of "
+            f"{sp_size} (e.g. {-(-s // sp_size) * sp_size})"
+        )
+    for site in analysis.sites:
+        if site.heads % sp_size:
+            valid = [d for d in range(1, site.heads + 1) if site.heads % d == 0]
+            raise SequenceParallelError(
+                f"attention {site.layer} has {site.heads} query heads, not divisible by the SP degree {sp_size}; "
+                f"valid SP degrees for this model: {valid}"
+            )

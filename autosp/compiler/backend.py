@@ -1,0 +1,54 @@
+"""The torch.compile backend: Dynamo graph -> SP pass -> aot_autograd (SAC partitioner) -> inductor.
+
+The SP pass works on Dynamo's Torch-IR graph, where `scaled_dot_product_attention`, `view(B, S, ...)` and the
+loss are still visible. aot_autograd then traces forward and backward jointly; the partition function decides
+what forward values backward keeps (sequence-aware checkpointing) before inductor compiles both halves.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autosp.comm.grad_sync import sync_gradients
+from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.errors import SequenceParallelError
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def make_backend(
+    sp_group: dist.ProcessGroup, *, reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1,
+    sac: str = "sac", inner: str = "inductor",
+) -> Callable[[fx.GraphModule, list[Any]], Callable]:
+    """A torch.compile backend making the graph sequence parallel over `sp_group`.
+
+    `reduce_group` (default: `sp_group`) holds every rank that shares the parameters (SP x DP); their gradients
+    are summed over it and divided by `dp_size` during backward."""
+    if inner not in INNER_BACKENDS:
+        raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
+    from autosp.compiler.sac import parse_policy  # validated before any compilation starts
+
+    parse_policy(sac)
+    sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        sync_gradients(
+            (t for t in example_inputs if isinstance(t, torch.nn.Parameter)), reduce_group or sp_group, dp_size
+        )
+        gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
+        return lower(gm, example_inputs, sac=sac, inner=inner)
+
+    return compile_graph
+
+
+def lower(gm: fx.GraphModule, example_inputs: list[Any], *, sac: str, inner: str) -> Callable:
+    """Compile the rewritten graph: forward+backward through aot_autograd with the SAC partition function."""
+    if inner == "eager":
+        return gm.forward
+    from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
+
+    return compile_with_partitioner(gm, example_inputs, partition_fn=make_partition_fn(sac), inner=inner)

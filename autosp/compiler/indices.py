@@ -1,0 +1,52 @@
+"""Step 5, index recomputation: positions, rotary tables and masks with this shard's global offsets.
+
+Index tensors (token ids, labels, positions, rotary cos/sin, causal/padding/document masks) are computed from
+user inputs, buffers and `arange`/`cumsum`/comparisons without touching a trainable parameter. The pass leaves
+that computation on the *full* sequence — it is O(S) work, and attention needs full-length masks anyway — and
+a rank takes its slice only where an index tensor meets the model's trainable computation. The slice starts at
+the shard's global offset, so every position, rotary angle and mask row is the one single-device training uses.
+This module decides where that meeting point (the frontier) is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autosp.compiler.spec import SPContext, canonical_spec, node_label
+from autosp.errors import SequenceParallelError
+
+
+def is_index_value(value: object) -> bool:
+    """A tensor that no trainable parameter flows into."""
+    return isinstance(value, torch.Tensor) and not value.requires_grad
+
+
+def sequence_dim(ctx: SPContext, node: fx.Node) -> int | None:
+    """The dimension of a full index tensor that runs along the sequence, if any."""
+    dims = [d for d, size in enumerate(ctx.original[node].shape) if size == ctx.seq_len]
+    if len(dims) > 1:
+        if 1 in dims:  # [B, S, ...] is the layout of token ids, labels and positions
+            return 1
+        raise SequenceParallelError(
+            f"{node_label(node)} has several dimensions of the sequence length {ctx.seq_len} "
+            f"(shape {tuple(ctx.original[node].shape)}); AutoSP cannot tell which one to shard"
+        )
+    return dims[0] if dims else None
+
+
+def is_frontier(ctx: SPContext, node: fx.Node) -> bool:
+    """True where trainable computation starts consuming a full index tensor (e.g. the token embedding)."""
+    out = ctx.original.get(node)
+    if not (isinstance(out, torch.Tensor) and out.requires_grad):
+        return False
+    return any(is_index_value(ctx.original.get(n)) and sequence_dim(ctx, n) is not None for n in node.all_input_nodes)
+
+
+def localize_frontier(ctx: SPContext, node: fx.Node) -> None:
+    """Feed `node` this rank's canonical shard of each full index tensor it consumes."""
+    for inp in node.all_input_nodes:
+        if is_index_value(ctx.original.get(inp)):
+            dim = sequence_dim(ctx, inp)
+            if dim is not None:
+                spec = canonical_spec(dim, ctx.seq_len, ctx.sp_rank, ctx.sp_size)
+                node.replace_input_with(inp, ctx.localize(inp, dim, spec, before=node))

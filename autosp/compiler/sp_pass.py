@@ -1,0 +1,120 @@
+"""The SP pass: one walk over Dynamo's graph in program order that applies the paper's steps node by node.
+
+Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
+by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
+trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
+attention gets all-to-alls (`communicate`), sequence reductions become global (`loss`), slices of the sequence
+keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on the
+shard, its output spec read off the fake-tensor shapes before and after.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from autosp.compiler import communicate, indices, loss, resize, shard
+from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
+from autosp.compiler.spec import ShardSpec, SPContext, node_label
+from autosp.errors import SequenceParallelError
+
+# Ops that only read their input's dtype/device: their output is a fresh full value.
+_SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", torch.zeros_like, torch.ones_like}
+
+
+def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str) -> fx.GraphModule:
+    """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard."""
+    analysis = analyze(gm)
+    check_sp_degree(analysis, sp_size)
+    original = {n: n.meta.get("example_value") for n in gm.graph.nodes}
+    fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
+    ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original)
+    for node in list(gm.graph.nodes):
+        _rewrite(ctx, node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite(ctx: SPContext, node: fx.Node) -> None:
+    if node.op in ("placeholder", "get_attr", "output"):
+        ctx.current[node] = ctx.original[node]
+        return
+    if is_attention(node):
+        communicate.rewrite_attention(ctx, node)
+        return
+    if not any(ctx.is_local(n) for n in node.all_input_nodes):
+        if not indices.is_frontier(ctx, node):
+            ctx.current[node] = ctx.original[node]
+            return
+        indices.localize_frontier(ctx, node)
+    else:
+        shard.localize_partners(ctx, node)
+    if loss.is_sequence_reduction(ctx, node):
+        loss.globalize(ctx, node)
+        return
+    known_spec = shard.slice_local(ctx, node) or resize.resize(ctx, node)
+    node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
+    if node.target in _SHAPE_AGNOSTIC:
+        return
+    if known_spec is not None:
+        ctx.specs[node] = known_spec
+        return
+    spec = _output_spec(ctx, node, ctx.original[node], ctx.current[node])
+    if spec is not None:
+        ctx.specs[node] = spec
+
+
+def _run(ctx: SPContext, node: fx.Node) -> Any:
+    try:
+        return ctx.run(node)
+    except SequenceParallelError:
+        raise
+    except Exception as e:  # a shape the pass failed to adapt: name the op rather than fail deep in torch
+        raise SequenceParallelError(
+            f"AutoSP cannot shard {node_label(node)} ({node.target}): {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
+
+
+def _input_spec(ctx: SPContext, node: fx.Node) -> ShardSpec:
+    for n in node.all_input_nodes:
+        if ctx.is_local(n):
+            spec = ctx.specs[n]
+            if isinstance(spec, ShardSpec):
+                return spec
+            return next(s for s in spec if s is not None)
+    raise AssertionError(f"{node.name} has no local input")
+
+
+def _output_spec(ctx: SPContext, node: fx.Node, before: Any, after: Any) -> Any:
+    """Read the output's shard off the shapes: the one dim that shrank carries the sequence."""
+    if isinstance(before, (tuple, list)):
+        specs = tuple(_output_spec(ctx, node, b, a) for b, a in zip(before, after))
+        return specs if any(s is not None for s in specs) else None
+    if not isinstance(before, torch.Tensor):
+        if before != after:
+            raise SequenceParallelError(f"{node_label(node)} reads a size of the sharded sequence ({before} -> {after})")
+        return None
+    changed = [d for d, (b, a) in enumerate(zip(before.shape, after.shape)) if b != a]
+    if len(changed) > 1:
+        raise SequenceParallelError(
+            f"{node_label(node)} ({node.target}) combines two sharded sequence dimensions (shape "
+            f"{tuple(before.shape)}): an attention pattern AutoSP cannot rewrite; use scaled_dot_product_attention"
+        )
+    spec = _input_spec(ctx, node)
+    if not changed:
+        if before.numel() and spec.length != spec.global_len:
+            raise SequenceParallelError(
+                f"{node_label(node)} ({node.target}) reduces over the sharded sequence; AutoSP makes sum, mean and "
+                "token losses global, not this op"
+            )
+        return None
+    dim = changed[0]
+    if before.shape[dim] != spec.full_extent or after.shape[dim] != spec.local_extent:
+        raise SequenceParallelError(
+            f"{node_label(node)} ({node.target}) changes the sharded sequence dimension "
+            f"({tuple(before.shape)} -> {tuple(after.shape)}) in a way AutoSP cannot follow"
+        )
+    return spec.at(dim)

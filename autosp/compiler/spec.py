@@ -1,0 +1,132 @@
+"""Where a rank-local value sits in the global sequence, and the graph-walk state the SP steps share."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from autosp.errors import SequenceParallelError
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Dimension `dim` of a local value holds global sequence positions [start, start + length) of `global_len`.
+
+    `outer`/`inner` describe a dimension that a reshape merged with neighbours (e.g. [B, S, V] -> [B*S, V]):
+    its full extent is outer * global_len * inner, laid out outer-major, and the local one outer * length * inner.
+    """
+
+    dim: int
+    global_len: int
+    start: int
+    length: int
+    outer: int = 1
+    inner: int = 1
+
+    @property
+    def full_extent(self) -> int:
+        return self.outer * self.global_len * self.inner
+
+    @property
+    def local_extent(self) -> int:
+        return self.outer * self.length * self.inner
+
+    @property
+    def merged(self) -> bool:
+        return self.outer != 1 or self.inner != 1
+
+    def at(self, dim: int, **changes: int) -> "ShardSpec":
+        return replace(self, dim=dim, **changes)
+
+
+def canonical_spec(dim: int, seq_len: int, sp_rank: int, sp_size: int) -> ShardSpec:
+    """The even, rank-ordered shard Ulysses all-to-alls assume: rank r holds [r*S/P, (r+1)*S/P)."""
+    length = seq_len // sp_size
+    return ShardSpec(dim, seq_len, sp_rank * length, length)
+
+
+def node_label(node: fx.Node) -> str:
+    """A name a user can find in their model: the module path Dynamo recorded, else the node name."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return f"{path.replace(chr(39), '')} ({node.name})"
+    return node.name
+
+
+@dataclass
+class SPContext:
+    """State of one SP rewrite of one graph on one rank."""
+
+    graph: fx.Graph
+    seq_len: int
+    sp_rank: int
+    sp_size: int
+    group_name: str
+    fake_mode: Any
+    original: dict[fx.Node, Any]  # each node's value before the rewrite (Dynamo's fake example values)
+    current: dict[fx.Node, Any] = field(default_factory=dict)  # values after the rewrite
+    specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
+    full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from
+    _localized: dict[tuple[fx.Node, ShardSpec], fx.Node] = field(default_factory=dict)
+
+    def is_local(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and node in self.specs
+
+    def spec(self, node: fx.Node) -> ShardSpec:
+        spec = self.specs[node]
+        if not isinstance(spec, ShardSpec):
+            raise SequenceParallelError(f"{node_label(node)}: expected a tensor, got a tuple of sharded values")
+        return spec
+
+    def full_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """The shape a local tensor has in single-device training."""
+        shape, spec = list(self.current[node].shape), self.spec(node)
+        shape[spec.dim] = spec.full_extent
+        return tuple(shape)
+
+    def run(self, node: fx.Node) -> Any:
+        """Propagate fake values through `node` with its current arguments (static shapes)."""
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.current[n])
+        with self.fake_mode:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+        raise SequenceParallelError(f"cannot evaluate {node.op} node {node.name}")
+
+    def emit(
+        self, before: fx.Node, target: Callable | str, args: tuple, kwargs: dict | None = None,
+        spec: ShardSpec | None = None,
+    ) -> fx.Node:
+        """Insert a new node before `before`, give it a fake value and (if local) its shard spec."""
+        op = "call_method" if isinstance(target, str) else "call_function"
+        with self.graph.inserting_before(before):
+            node = self.graph.create_node(op, target, args, kwargs or {})
+        node.meta["example_value"] = self.current[node] = self.run(node)
+        if "nn_module_stack" in before.meta:
+            node.meta["nn_module_stack"] = before.meta["nn_module_stack"]
+        if spec is not None:
+            self.specs[node] = spec
+        return node
+
+    def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
+        """This rank's shard of a full value along `dim` (cached: one narrow per value and shard)."""
+        key = (full, spec.at(dim))
+        if key not in self._localized:
+            node = full
+            if spec.merged:  # [.., outer*S*inner, ..] -> [.., outer, S, inner, ..], narrow S, merge back
+                node = self.emit(before, "unflatten", (node, dim, (spec.outer, spec.global_len, spec.inner)))
+                node = self.emit(before, "narrow", (node, dim + 1, spec.start, spec.length))
+                node = self.emit(before, "flatten", (node, dim, dim + 2), spec=spec.at(dim))
+            else:
+                node = self.emit(before, "narrow", (node, dim, spec.start, spec.length), spec=spec.at(dim))
+            self.full_of[node] = full
+            self._localized[key] = node
+        return self._localized[key]
+
+
+def shape_of(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
