@@ -8,6 +8,7 @@ and `hf:<preset>` can be checked against it weight for weight.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,19 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tupl
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+#: the attention core: (q [B, heads, S, head_dim], k, v [B, kv_heads, S, head_dim], mask or None) -> like q
+AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Causal SDPA, or SDPA under `mask` when one is given; GQA via enable_gqa (K/V keep the KV head count)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
 class LlamaAttention(nn.Module):
+    """Projections + RoPE around a replaceable attention core: `attention_fn` (default `sdpa_attention`) is the
+    hook hand-written sequence-parallel baselines use to wrap it (all-to-alls, a ring); the compiler sees SDPA."""
+
     def __init__(self, preset: ModelPreset) -> None:
         super().__init__()
         self.num_heads = preset.num_attention_heads
@@ -75,6 +88,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(self, hidden_states: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         batch, seq_len, _ = hidden_states.shape
@@ -83,7 +97,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        out = self.attention_fn(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
