@@ -1,0 +1,77 @@
+"""Method `autosp`: the model's ordinary single-device code, made sequence parallel by the AutoSP compiler.
+
+Nothing here touches the model: every SP rank hands `autosp.compile`'s module the full rows of its data-parallel
+replica and gets the exact global loss back. With several data-parallel replicas (sp_size < world_size) the loss
+is normalised by the valid-label count of the whole global batch (`num_items_in_batch`, as HF trainers do) and
+scaled by dp_size for backward, because AutoSP averages gradients over replicas.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autosp
+from autosp.config import ConfigError, RunConfig
+from baselines.base import Strategy, TrainStep, register
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.parallel import ParallelContext
+
+
+class AutoSPTrainStep(TrainStep):
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
+        self.model = model
+        self.ctx = ctx
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}"
+
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        ctx = self.ctx
+        rows = batch.input_ids.shape[0] // ctx.dp_size
+        mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
+        kwargs = mine.model_kwargs()
+        if ctx.dp_size > 1:
+            kwargs["num_items_in_batch"] = torch.tensor(batch.num_valid_labels(), device=ctx.device)
+        loss = self.compiled(**kwargs).loss
+        (loss * ctx.dp_size if ctx.dp_size > 1 else loss).backward()
+        total = loss.detach().clone()
+        if ctx.dp_size > 1:
+            dist.all_reduce(total, group=ctx.dp_group)
+        return total
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+                for n, p in self.model.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+
+
+@register
+class AutoSP(Strategy):
+    name = "autosp"
+    description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
+    sequence_parallel = True
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        super().validate(cfg, num_heads, num_kv_heads)
+        sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
+        if num_heads % sp:
+            valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+            raise ConfigError(f"{num_heads} query heads are not divisible by the SP degree {sp}; valid: {valid}")
+        if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        if ctx.sp_group is None:
+            raise ConfigError("--method autosp needs torch.distributed; run it through `autosp run/check`")
+        return AutoSPTrainStep(model, ctx, cfg)
