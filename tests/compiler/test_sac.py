@@ -1,0 +1,187 @@
+"""SAC partitioner: what each policy saves and recomputes, read from the partitioned graphs, and that the
+gradients stay those of eager (single process, aot_eager; one inductor test)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autosp.compiler.sac import (
+    PartitionRecord,
+    Policy,
+    is_attention_value,
+    is_collective,
+    layer_of_path,
+    parse_policy,
+    sac_backend,
+)
+from autosp.config import ConfigError
+from autosp.models import build_model, get_preset
+
+SEQ = 32
+
+
+def _batch(vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _eager_grads(model_name: str, ids: torch.Tensor) -> list[torch.Tensor]:
+    model = build_model(model_name)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _compiled_step(model: nn.Module, policy: str, call) -> PartitionRecord:
+    backend = sac_backend(policy, "aot_eager")
+    call(torch.compile(model, backend=backend, fullgraph=True)).backward()
+    (record,) = backend.partition_fn.records
+    return record
+
+
+def _assert_grads_equal(model: nn.Module, reference: list[torch.Tensor]) -> None:
+    for p, ref in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs() -> dict[str, PartitionRecord]:
+    """One compiled step of the project Llama `tiny` per policy, each checked against eager."""
+    ids = _batch()
+    reference = _eager_grads("tiny", ids)
+    records = {}
+    for policy in ("off", "sac", "full", "budget=0.5"):
+        model = build_model("tiny")
+        records[policy] = _compiled_step(model, policy, lambda c: c(input_ids=ids, labels=ids).loss)
+        _assert_grads_equal(model, reference)
+    return records
+
+
+def test_parse_policy_accepts_the_documented_values() -> None:
+    assert parse_policy("off") == Policy("off")
+    assert parse_policy(" SAC ") == Policy("sac")
+    assert parse_policy("full") == Policy("full")
+    assert parse_policy("budget=0.25") == Policy("budget", 0.25)
+    assert str(parse_policy("budget=0.25")) == "budget=0.25"
+    assert parse_policy(True) == Policy("sac") and parse_policy(False) == Policy("off")
+
+
+@pytest.mark.parametrize("bad", ["on", "budget=", "budget=1.5", "budget=-0.1", "budget=nan", "budget=half"])
+def test_parse_policy_rejects_bad_values(bad: str) -> None:
+    with pytest.raises(ConfigError, match="sac"):
+        parse_policy(bad)
+
+
+def test_layer_of_path_skips_dynamo_source_and_finds_module_list_index() -> None:
+    assert layer_of_path("L['args'][0].model.layers.3.mlp.up_proj") == "L['args'][0].model.layers.3"
+    assert layer_of_path("L['self'].layers[1].attn") == "L['self'].layers[1]"
+    assert layer_of_path("L['self'].model.norm") is None
+    assert layer_of_path(None) is None
+
+
+def test_every_policy_matches_eager_gradients(tiny_runs: dict[str, PartitionRecord]) -> None:
+    assert set(tiny_runs) == {"off", "sac", "full", "budget=0.5"}  # the fixture compared each with eager
+
+
+def test_sac_keeps_attention_and_saves_less_than_off(tiny_runs: dict[str, PartitionRecord]) -> None:
+    sac, off = tiny_runs["sac"], tiny_runs["off"]
+    layers = get_preset("tiny").num_layers
+    assert sac.attention_forwards_in_forward == layers
+    assert sac.attention_forwards_in_backward == 0
+    assert sac.recomputed_ops > off.recomputed_ops
+    assert sac.saved_activation_bytes < off.saved_activation_bytes
+    saved_attention = [n for n in sac.saved if is_attention_value(n)]
+    assert len(saved_attention) == 2 * layers  # out and logsumexp of every layer
+
+
+def test_budget_keeps_attention(tiny_runs: dict[str, PartitionRecord]) -> None:
+    assert tiny_runs["budget=0.5"].attention_forwards_in_backward == 0
+    assert tiny_runs["budget=0.5"].saved_activation_bytes < tiny_runs["off"].saved_activation_bytes
+
+
+def test_full_recomputes_attention_and_saves_least(tiny_runs: dict[str, PartitionRecord]) -> None:
+    full = tiny_runs["full"]
+    assert full.attention_forwards_in_backward == full.attention_forwards_in_forward > 0
+    assert full.saved_activation_bytes < tiny_runs["sac"].saved_activation_bytes
+
+
+# ------------------------------------------------------------------------------ collectives (1-rank group)
+
+
+class _SpLayer(nn.Module):
+    """A decoder layer with Ulysses all-to-alls around attention (a 1-rank group: shapes unchanged)."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from autosp.comm.ops import all_to_all
+
+        group = dist.group.WORLD.group_name
+        b, s, d = x.shape
+        q, k, v = (
+            all_to_all(t.view(b, s, self.heads, -1).transpose(1, 2), 1, 2, 1, group)
+            for t in self.qkv(F.rms_norm(x, (d,))).chunk(3, -1)
+        )
+        attn = all_to_all(F.scaled_dot_product_attention(q, k, v, is_causal=True), 2, 1, 1, group)
+        x = x + self.o(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.silu(self.up(F.rms_norm(x, (d,)))))
+
+
+class _SpModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_SpLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.fixture()
+def one_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("policy", ["sac", "full"])
+def test_collectives_are_never_recomputed(one_rank_group, policy: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, SEQ, 32)
+    reference = _SpModel()
+    reference(x).backward()
+    model = _SpModel()
+    model.load_state_dict(reference.state_dict())
+    record = _compiled_step(model, policy, lambda c: c(x))
+    forward_a2a = sum(is_collective(n) for n in record.fw_module.graph.nodes)
+    assert forward_a2a == 4 * 2
+    # Backward holds only the gradient all-to-alls (one per forward one), none re-run from the forward.
+    assert len(record.collectives_in_backward) == forward_a2a
+    assert not any(is_collective(n) for n in record.bw_module.graph.nodes if n.meta.get("partitioner_tag") == "is_forward")
+    _assert_grads_equal(model, [p.grad for p in reference.parameters()])
+
+
+@pytest.mark.slow
+def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
+    ids = _batch()
+    reference = _eager_grads("tiny", ids)
+    model = build_model("tiny")
+    backend = sac_backend("sac", "inductor", cacheable=False)
+    torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    (record,) = backend.partition_fn.records
+    assert record.attention_forwards_in_forward > 0 and record.attention_forwards_in_backward == 0
+    for p, ref in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5)
