@@ -8,10 +8,13 @@ The search is split in two so it can be tested without training anything:
 
 Algorithm: lengths are multiples of a granularity g. From a start length (default the minimum) the length
 doubles until the first OOM (or halves until the first success if the start already OOMs), then the
-bracket [last ok, first oom] is bisected down to g. That takes about 2*log2(max_len / g) probes and relies
-on peak memory being monotone in the length, which holds for every method here. Only status ``oom``
-means "too long": an ``error`` or ``timeout`` probe stops the search and becomes the search's status, so
-a crash is never mistaken for a memory limit.
+bracket [last ok, first oom] is bisected down to g: about 2*log2(max_len / g) probes. When probes report
+their peak memory, the next length is instead guessed where the line through the nearest probes meets the
+budget (peak memory is close to linear in the length), which typically finishes in 4-5 probes; a
+safeguard falls back to doubling/bisection when guesses do not pay off. The answer relies on peak memory
+being monotone in the length, which holds for every method here. Only status ``oom`` means "too long":
+an ``error`` or ``timeout`` probe stops the search and becomes the search's status, so a crash is never
+mistaken for a memory limit.
 
 Default granularity 2·P·128: every SP method needs the length divisible by P (Ulysses, AutoSP), zig-zag
 ring attention needs 2·P chunks, and 128 keeps each chunk a whole flash-attention block on GPUs.
@@ -55,14 +58,23 @@ def default_granularity(world_size: int) -> int:
 
 
 def search_max_length(
-    probe: Callable[[int], str],
+    probe: Callable[[int], str | tuple[str, int | None]],
     *,
     granularity: int,
     min_len: int,
     max_len: int,
     start_len: int | None = None,
+    budget: int | None = None,
 ) -> SearchOutcome:
-    """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``."""
+    """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
+
+    `probe` returns a status, or (status, peak bytes). Given the peaks and the `budget` they are compared
+    with, the next length is guessed where a line through the two probes nearest the boundary crosses
+    the budget (memory is close to linear in the length), which usually brackets the answer in two steps
+    and confirms it in two more. Guesses only choose what to probe; statuses alone decide the answer, and
+    after two guesses that did not pay off one geometric/bisection step follows, so the probe count stays
+    within a small multiple of plain bisection whatever the peaks look like.
+    """
     if granularity < 1:
         raise ConfigError(f"--granularity must be positive, got {granularity}")
     lo_k = max(1, math.ceil(min_len / granularity))
@@ -72,33 +84,71 @@ def search_max_length(
             f"no multiple of the granularity {granularity} lies in [--min-len {min_len}, --max-len {max_len}]; "
             "widen the range or lower --granularity"
         )
-    k = lo_k if start_len is None else min(max(start_len // granularity, lo_k), hi_k)
     outcome = SearchOutcome(status=FOUND, max_seq_len=None, first_oom_seq_len=None)
-    good: int | None = None  # largest k known ok
+    good: int | None = None  # largest k (length / granularity) known ok
     bad: int | None = None  # smallest k known oom
+    peaks: dict[int, int] = {}
 
     def ask(k: int) -> str | None:
         """Probe k; return a stopping status (error/timeout), else None after updating the bracket."""
         nonlocal good, bad
-        status = probe(k * granularity)
+        result = probe(k * granularity)
+        status, peak = result if isinstance(result, tuple) else (result, None)
         outcome.probes.append((k * granularity, status))
+        if status not in (OK, OOM):
+            return status if status in (ERROR, TIMEOUT) else ERROR
+        if peak is not None:
+            peaks[k] = peak
         if status == OK:
             good = k if good is None else max(good, k)
-        elif status == OOM:
-            bad = k if bad is None else min(bad, k)
         else:
-            return status if status in (ERROR, TIMEOUT) else ERROR
+            bad = k if bad is None else min(bad, k)
         return None
 
-    stop = ask(k)
-    # Bracket: grow geometrically from an ok start, shrink geometrically from an oom start.
-    while stop is None and bad is None and good < hi_k:
-        stop = ask(min(2 * good, hi_k))
-    while stop is None and good is None and bad > lo_k:
-        stop = ask(max(bad // 2, lo_k))
-    # Bisect the bracket down to one granule.
-    while stop is None and good is not None and bad is not None and bad - good > 1:
-        stop = ask((good + bad) // 2)
+    def settled() -> bool:
+        if good is not None and bad is not None:
+            return bad - good <= 1
+        return good >= hi_k if bad is None else bad <= lo_k
+
+    def geometric_step() -> int:
+        """Double from an ok length, halve from an oom one, bisect a bracket."""
+        if bad is None:
+            return min(2 * good, hi_k)
+        if good is None:
+            return max(bad // 2, lo_k)
+        return (good + bad) // 2
+
+    def linear_guess() -> int | None:
+        """Where the line through the two probes nearest the boundary reaches the budget, inside the bracket."""
+        if budget is None:
+            return None
+        if good in peaks and bad in peaks:
+            near = [good, bad]
+        else:
+            anchor = good if good is not None else bad
+            near = sorted(peaks, key=lambda k: (abs(k - anchor), k))[:2]
+        if len(near) < 2:
+            return None
+        k1, k2 = sorted(near)
+        if peaks[k2] <= peaks[k1]:
+            return None
+        k = math.floor(k1 + (budget - peaks[k1]) * (k2 - k1) / (peaks[k2] - peaks[k1]))
+        lowest = good + 1 if good is not None else lo_k
+        highest = bad - 1 if bad is not None else hi_k
+        return min(max(k, lowest), highest)
+
+    stop = ask(lo_k if start_len is None else min(max(start_len // granularity, lo_k), hi_k))
+    misses = 0  # consecutive guesses that neither found nor halved the bracket
+    while stop is None and not settled():
+        guess = linear_guess() if misses < 2 else None
+        width = bad - good if good is not None and bad is not None else None
+        stop = ask(geometric_step() if guess is None else guess)
+        if guess is None:
+            misses = 0
+        elif good is not None and bad is not None and (width is None or 2 * (bad - good) <= width):
+            misses = 0
+        else:
+            misses += 1
 
     outcome.max_seq_len = None if good is None else good * granularity
     outcome.first_oom_seq_len = None if bad is None else bad * granularity
@@ -111,7 +161,7 @@ def search_max_length(
     return outcome
 
 
-def _budget_for_floor(cfg: RunConfig) -> int | None:
+def _search_budget(cfg: RunConfig) -> int | None:
     """The per-rank bytes the search is bounded by: the emulated budget, else the GPU's memory."""
     if cfg.memory_budget is not None:
         return cfg.memory_budget
@@ -161,12 +211,13 @@ def run_search(
         status = record["status"]
         print(f"  probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
-        return status
+        return status, record.get("peak_mem_bytes")
 
-    outcome = search_max_length(probe, granularity=granularity, min_len=min_len, max_len=max_len, start_len=start_len)
+    budget = _search_budget(cfg)
+    outcome = search_max_length(probe, granularity=granularity, min_len=min_len, max_len=max_len,
+                                start_len=start_len, budget=budget)
 
     floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype)
-    budget = _budget_for_floor(cfg)
     limit = floor.max_seq_len(budget, granularity) if budget is not None else None
     default_sp = cfg.world_size if sharding_of(cfg.method).splits_sequence else 1
     sp_size = last_record.get("sp_size") or cfg.sp_size or default_sp  # a probe's record knows best
@@ -195,3 +246,66 @@ def run_search(
     )
     append_record(out, row)
     return row
+
+
+def add_run_options(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """Options that fix a run apart from method and length (shared by `search` and `bench`)."""
+    from autosp.measure import parse_size
+
+    p.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.1-8b, hf:tiny")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks P")
+    p.add_argument("--sp-size", type=int, default=None, help="SP degree (default: the method's own)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel replica")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sac", default="sac", help="autosp: off | sac | full | budget=<fraction>")
+    p.add_argument("--compile-backend", default="inductor", help="inductor | aot_eager | eager")
+    p.add_argument("--memory-budget", type=parse_size, default=None,
+                   help="per-rank bytes, e.g. 64MiB (CPU: emulated device size, required; GPU: default = device)")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warm-up and the measured step)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps (>= 1 so AdamW's states exist at the peak)")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="seconds per run")
+
+
+def config_from_args(args: argparse.Namespace, *, method: str) -> RunConfig:
+    return RunConfig(
+        method=method, model=args.model, seq_len=1, batch_size=args.batch_size, world_size=args.world_size,
+        sp_size=args.sp_size, dtype=args.dtype, device=args.device, seed=args.seed, steps=args.steps,
+        warmup=args.warmup, sac=args.sac, compile_backend=args.compile_backend, memory_budget=args.memory_budget,
+        timeout_s=args.timeout_s,
+    )
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from autosp.measure import format_size
+
+    cfg = config_from_args(args, method=args.method)
+    row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
+                     start_len=args.start_len)
+    ratio = row["achieved_over_limit"]
+    print(f"{cfg.method} {cfg.model} P={cfg.world_size} budget {format_size(cfg.memory_budget)}: "
+          f"{row['status']}, max_seq_len={row['max_seq_len']}, first_oom={row['first_oom_seq_len']}, "
+          f"floor limit={row['floor_limit_seq_len']}"
+          + (f" (achieved {ratio:.0%} of it)" if ratio else "")
+          + f", {row['num_probes']} probes in {row['wall_s']:.0f} s -> {args.out}")
+    if row["status"] in (ERROR, TIMEOUT):
+        print(f"search stopped by a failed probe: {row['error']}")
+        return 1 if args.fail_on_error else 0
+    return 0
+
+
+def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`autosp search --method M --model X --world-size P [--memory-budget B] ... --out FILE`."""
+    p = subparsers.add_parser("search", help="maximum trainable sequence length of one method (OOM search)")
+    p.add_argument("--method", required=True)
+    add_run_options(p, steps=1)
+    p.add_argument("--granularity", type=int, default=None, help="length step (default 2*P*128)")
+    p.add_argument("--min-len", type=int, default=None, help="shortest length tried (default: the granularity)")
+    p.add_argument("--max-len", type=int, default=1 << 20, help="longest length tried")
+    p.add_argument("--start-len", type=int, default=None,
+                   help="first length probed (e.g. a previous answer: then two probes confirm it)")
+    p.add_argument("--fail-on-error", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit 1 when a probe ends in error/timeout (the result row is written either way)")
+    p.add_argument("--out", default="results/trainability.jsonl", help="JSONL file for probe records and the result")
+    p.set_defaults(func=_cmd_search)

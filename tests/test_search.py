@@ -124,11 +124,47 @@ def test_default_granularity_is_a_multiple_every_method_accepts() -> None:
         assert g % p == 0 and g % (2 * p) == 0 and g % 128 == 0
 
 
-class FakeRunner:
-    """Stands in for autosp.runner.run: a record per call, OOM beyond `limit`, an error at `error_at`."""
+class LinearMemoryOracle(ThresholdOracle):
+    """Peak = fixed + per_token * S (like a real run), OOM above the budget; reports (status, peak)."""
 
-    def __init__(self, limit: int, error_at: int | None = None) -> None:
-        self.limit, self.error_at = limit, error_at
+    def __init__(self, fixed: int, per_token: int, budget: int, noise=None) -> None:
+        super().__init__(limit=(budget - fixed) // per_token)
+        self.fixed, self.per_token, self.noise = fixed, per_token, noise
+
+    def __call__(self, seq_len: int):
+        status = super().__call__(seq_len)
+        peak = self.fixed + self.per_token * seq_len
+        return status, (peak if self.noise is None else self.noise(seq_len))
+
+
+@pytest.mark.parametrize("per_token", [700, 2_000, 17_000, 59_000])
+def test_peaks_guide_the_search_to_a_few_probes(per_token: int) -> None:
+    budget = 1 << 30
+    oracle = LinearMemoryOracle(fixed=300 << 20, per_token=per_token, budget=budget)
+    out = search_max_length(oracle, granularity=512, min_len=512, max_len=1 << 22, budget=budget)
+    assert out.status == FOUND and out.max_seq_len == (oracle.limit // 512) * 512
+    assert len(oracle.asked) <= 5, oracle.asked  # bisection alone needs 2*log2(answer/g) ~ 10-20
+    assert len(set(oracle.asked)) == len(oracle.asked)
+
+
+def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() -> None:
+    import random
+
+    rng = random.Random(0)
+    for trial in range(50):
+        limit = rng.randrange(512, 1 << 20)
+        oracle = LinearMemoryOracle(fixed=0, per_token=1, budget=limit)
+        oracle.noise = lambda n: rng.randrange(1, 1 << 30)  # peaks that mean nothing
+        out = search_max_length(oracle, granularity=512, min_len=512, max_len=1 << 21, budget=limit)
+        assert out.max_seq_len == (limit // 512) * 512, trial
+        assert len(oracle.asked) <= 3 * (2 * math.ceil(math.log2(limit / 512 + 1)) + 2)
+
+
+class FakeRunner:
+    """Stands in for autosp.runner.run: peak = per_token * S, OOM above the budget, an error at `error_at`."""
+
+    def __init__(self, per_token: int, error_at: int | None = None) -> None:
+        self.per_token, self.error_at = per_token, error_at
         self.configs: list = []
 
     def __call__(self, cfg):
@@ -139,7 +175,8 @@ class FakeRunner:
         if cfg.seq_len == self.error_at:
             record.update(status="error", error="rank 1: RuntimeError: boom")
         else:
-            record.update(status=OK if cfg.seq_len <= self.limit else OOM, peak_mem_bytes=1000 * cfg.seq_len)
+            peak = self.per_token * cfg.seq_len
+            record.update(status=OK if peak <= cfg.memory_budget else OOM, peak_mem_bytes=peak)
         return record
 
 
@@ -154,14 +191,14 @@ def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
     from autosp.search import run_search
 
     out = tmp_path / "trainability.jsonl"
-    runner = FakeRunner(limit=3000)
+    runner = FakeRunner(per_token=(64 << 20) // 3000)
     row = run_search(_cfg(), out=str(out), run=runner)
     df = load_records(out)
     probes, results = df[df["kind"].isna()], df[df["kind"] == "search"]
     assert len(probes) == len(runner.configs) == row["num_probes"] and len(results) == 1
     assert set(probes["search_id"]) == {row["search_id"]}
     assert (row["status"], row["max_seq_len"], row["first_oom_seq_len"]) == (FOUND, 2560, 3072)
-    assert row["granularity"] == 512 and row["peak_mem_bytes"] == 2_560_000
+    assert row["granularity"] == 512 and row["peak_mem_bytes"] == runner.per_token * 2560
     assert all(c.method == "ulysses" and c.world_size == 2 and c.memory_budget == 64 << 20 for c in runner.configs)
     # the floor model bounds what any method could do in this budget
     assert row["floor_limit_seq_len"] > 0 and row["achieved_over_limit"] == 2560 / row["floor_limit_seq_len"]
@@ -171,13 +208,14 @@ def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
 def test_run_search_reports_an_error_probe_as_error(tmp_path) -> None:
     from autosp.search import run_search
 
-    row = run_search(_cfg(), out=str(tmp_path / "t.jsonl"), run=FakeRunner(limit=10**6, error_at=2048))
+    # the second probe (a plain doubling: one peak cannot guide yet) fails although memory would allow more
+    row = run_search(_cfg(), out=str(tmp_path / "t.jsonl"), run=FakeRunner(per_token=1000, error_at=1024))
     assert row["status"] == ERROR and "boom" in row["error"]
-    assert row["max_seq_len"] == 1024 and row["first_oom_seq_len"] is None
+    assert row["max_seq_len"] == 512 and row["first_oom_seq_len"] is None and row["num_probes"] == 2
 
 
 def test_cpu_search_without_budget_is_a_config_error(tmp_path) -> None:
     from autosp.search import run_search
 
     with pytest.raises(ConfigError, match="--memory-budget"):
-        run_search(_cfg().replace(memory_budget=None), out=str(tmp_path / "t.jsonl"), run=FakeRunner(1))
+        run_search(_cfg().replace(memory_budget=None), out=str(tmp_path / "t.jsonl"), run=FakeRunner(per_token=1))

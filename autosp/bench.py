@@ -1,0 +1,101 @@
+"""Throughput at fixed lengths: iteration time and tokens/s per method, with spread over repeated runs.
+
+Each repeat is an independent run (fresh rank processes), so the spread covers launch-to-launch variation,
+not only step-to-step noise within one run. Repeats are interleaved (every method at every length, then
+again) so a slow drift of the machine (other jobs, thermal state) spreads over all methods instead of
+biasing whichever ran last. Ratios are only taken against a reference measured in the same invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import uuid
+from typing import Callable
+
+import pandas as pd
+
+from autosp.config import ConfigError, RunConfig
+from autosp.tables import throughput_table
+
+
+def run_bench(
+    cfg: RunConfig,
+    *,
+    methods: list[str],
+    seq_lens: list[int],
+    repeats: int,
+    out: str,
+    ratio_to: str | None = None,
+    run: Callable[[RunConfig], dict] | None = None,
+) -> pd.DataFrame:
+    """Run every (method, length) `repeats` times, append each record to `out`; return the throughput table."""
+    from autosp.records import append_record, load_records
+
+    if run is None:
+        from autosp.runner import run, validate
+
+        for method in methods:  # a typo fails before the first run, not an hour in
+            for seq_len in seq_lens:
+                validate(cfg.replace(method=method, seq_len=seq_len))
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be positive, got {repeats}")
+    if ratio_to is not None and ratio_to not in methods:
+        raise ConfigError(f"--ratio-to {ratio_to} is not among --methods {','.join(methods)}; add it or drop the ratio")
+    bench_id = uuid.uuid4().hex
+    for repeat in range(repeats):
+        for seq_len in seq_lens:
+            for method in methods:
+                record = run(cfg.replace(method=method, seq_len=seq_len))
+                record["bench_id"] = bench_id
+                record["extra"]["repeat"] = repeat
+                append_record(out, record)
+                median = (record.get("iter_time_s") or {}).get("median")
+                timing = f"{median * 1e3:.1f} ms/iter" if median else record.get("error") or ""
+                print(f"  [{repeat + 1}/{repeats}] {method} S={seq_len}: {record['status']} {timing}", flush=True)
+    records = load_records(out)
+    mine = records[records["bench_id"] == bench_id]
+    failed = mine[mine["status"] != "ok"]
+    for _, row in failed.iterrows():
+        print(f"  not timed: {row['method']} S={row['seq_len']}: {row['status']} ({row['error']})")
+    return throughput_table(mine, reference=ratio_to)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from autosp.search import config_from_args
+
+    methods = [m for m in args.methods.split(",") if m]
+    if not methods:
+        raise ConfigError("--methods needs at least one method, e.g. --methods autosp,ulysses")
+    ratio_to = args.ratio_to or (methods[0] if "ulysses" not in methods else "ulysses")
+    table = run_bench(config_from_args(args, method=methods[0]), methods=methods, seq_lens=_seq_lens(args.seq_lens),
+                      repeats=args.repeats, out=args.out, ratio_to=ratio_to)
+    shown = table.assign(iter_ms=table["iter_time_s"] * 1e3, min_ms=table["iter_time_min_s"] * 1e3,
+                         max_ms=table["iter_time_max_s"] * 1e3)
+    columns = ["model", "seq_len", "method", "repeats", "iter_ms", "min_ms", "max_ms", "tokens_per_s",
+               f"speed_vs_{ratio_to}"]
+    with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
+        print(shown[columns].to_string(index=False))
+    return 0
+
+
+def _seq_lens(text: str) -> list[int]:
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--seq-lens takes comma-separated integers like 1024,2048, got {text!r}") from None
+    if not lens:
+        raise ConfigError("--seq-lens needs at least one length, e.g. --seq-lens 1024,2048")
+    return lens
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`autosp bench --methods a,b --model X --seq-lens 1024,2048 --world-size P --repeats N --out FILE`."""
+    from autosp.search import add_run_options
+
+    p = subparsers.add_parser("bench", help="iteration time and tokens/s of several methods at fixed lengths")
+    p.add_argument("--methods", required=True, help="comma-separated, e.g. autosp,ulysses,zero3")
+    p.add_argument("--seq-lens", required=True, help="comma-separated lengths, e.g. 1024,2048")
+    p.add_argument("--repeats", type=int, default=3, help="independent runs per (method, length)")
+    p.add_argument("--ratio-to", default=None, help="reference method for speed ratios (default: ulysses if given)")
+    p.add_argument("--out", default="results/bench.jsonl")
+    add_run_options(p, steps=3)
+    p.set_defaults(func=_cmd_bench)
