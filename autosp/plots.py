@@ -54,10 +54,10 @@ def _trainability_claim_rows(table: pd.DataFrame, claims: pd.DataFrame) -> list[
     group = [c for c in TRAINABILITY_GROUP if c in table]
     for baseline in dict.fromkeys(CLAIM_BASELINE_METHOD.values()):
         for key, sub in table.groupby(group, dropna=False):
-            ours = sub.loc[sub["method"] == OURS, "max_seq_len"]
-            base = sub.loc[sub["method"] == baseline, "max_seq_len"]
+            ours = sub.loc[sub["method"] == OURS, "max_seq_len"].dropna()
+            base = sub.loc[sub["method"] == baseline, "max_seq_len"].dropna()
             if len(ours) and len(base) and base.iloc[0] > 0:
-                bars.append((f"vs {baseline}\n{key[0]} (measured)", ours.iloc[0] / base.iloc[0], "measured"))
+                bars.append((f"vs {baseline}\n{key[0]} (measured)", float(ours.iloc[0] / base.iloc[0]), "measured"))
         rows = claims[(claims["metric"] == "max_trainable_seq_len_ratio")
                       & (claims["autosp_vs"].map(CLAIM_BASELINE_METHOD) == baseline)]
         for _, claim in rows.iterrows():

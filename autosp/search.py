@@ -249,23 +249,27 @@ def run_search(
 
 
 def add_run_options(p: argparse.ArgumentParser, *, steps: int) -> None:
-    """Options that fix a run apart from method and length (shared by `search` and `bench`)."""
+    """Options that fix a run apart from method and length (shared by `search` and `bench`).
+
+    Same flags and defaults as `autosp run` (autosp.cli), minus --method/--seq-len, which these commands vary.
+    """
     from autosp.measure import parse_size
 
+    d = RunConfig(method="", model="", seq_len=1)
     p.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.1-8b, hf:tiny")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks P")
-    p.add_argument("--sp-size", type=int, default=None, help="SP degree (default: the method's own)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel replica")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sac", default="sac", help="autosp: off | sac | full | budget=<fraction>")
-    p.add_argument("--compile-backend", default="inductor", help="inductor | aot_eager | eager")
+    p.add_argument("--sp-size", type=int, default=d.sp_size, help="SP degree (default: the method's own)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per data-parallel replica")
+    p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default=d.device, help="cpu | cuda (ROCm builds of torch use cuda too)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sac", default=d.sac, help="autosp checkpointing: off | sac | full | budget=<fraction>")
+    p.add_argument("--compile-backend", default=d.compile_backend, help="inductor | aot_eager | eager")
     p.add_argument("--memory-budget", type=parse_size, default=None,
                    help="per-rank bytes, e.g. 64MiB (CPU: emulated device size, required; GPU: default = device)")
     p.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warm-up and the measured step)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up steps (>= 1 so AdamW's states exist at the peak)")
-    p.add_argument("--timeout", dest="timeout_s", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (>= 1 so AdamW's states exist at the peak)")
+    p.add_argument("--timeout", "--timeout-s", dest="timeout_s", type=float, default=d.timeout_s, help="seconds per run")
 
 
 def config_from_args(args: argparse.Namespace, *, method: str) -> RunConfig:

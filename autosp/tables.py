@@ -61,6 +61,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     table["memory_budget"] = table["memory_budget"].astype("float")  # NaN-safe for merging
     for ref in references:
         table[f"vs_{ref}"] = _ratio_to(table, group, "max_seq_len", ref)
+    lengths = ["max_seq_len", "first_oom_seq_len", "floor_limit_seq_len", "num_probes"]
+    table[lengths] = table[lengths].astype("Int64")  # lengths stay integers where some are missing
     return table.sort_values(group + ["max_seq_len"], ascending=[True] * len(group) + [False]).reset_index(drop=True)
 
 
@@ -105,6 +107,17 @@ def write_csv_atomic(table: pd.DataFrame, path: str | Path) -> None:
     tmp.replace(path)
 
 
+def format_table(table: pd.DataFrame) -> str:
+    """The table as aligned text: budgets in binary units, ratios to 3 significant digits."""
+    from autosp.measure import format_size
+
+    shown = table.copy()
+    if "memory_budget" in shown:
+        shown["memory_budget"] = [format_size(b) if pd.notna(b) else "device" for b in shown["memory_budget"]]
+    with pd.option_context("display.width", 250, "display.max_columns", None, "display.float_format", "{:.3g}".format):
+        return shown.to_string(index=False)
+
+
 def _cmd_table(args: argparse.Namespace) -> int:
     from autosp.records import load_records
 
@@ -113,8 +126,7 @@ def _cmd_table(args: argparse.Namespace) -> int:
         table = trainability_table(records)
     else:
         table = throughput_table(records, reference=args.ratio_to or None)
-    with pd.option_context("display.width", 200, "display.max_columns", None, "display.float_format", "{:.3g}".format):
-        print(table.to_string(index=False))
+    print(format_table(table))
     if args.out:
         write_csv_atomic(table, args.out)
     return 0

@@ -219,3 +219,24 @@ def test_cpu_search_without_budget_is_a_config_error(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="--memory-budget"):
         run_search(_cfg().replace(memory_budget=None), out=str(tmp_path / "t.jsonl"), run=FakeRunner(per_token=1))
+
+
+@pytest.mark.slow
+def test_real_tiny_search_is_deterministic(tmp_path) -> None:
+    """Two real searches (ranks launched, AdamW steps, CPU allocation peaks) give identical probes and answer."""
+    from autosp.cli import main
+    from autosp.records import load_records
+
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"search{i}.jsonl"
+        assert main(["search", "--method", "single", "--model", "tiny", "--world-size", "1", "--memory-budget", "28MiB",
+                     "--granularity", "1024", "--min-len", "1024", "--max-len", "4096", "--out", str(out)]) == 0
+        runs.append(load_records(out))
+    probes = [df.loc[df["kind"].isna(), ["seq_len", "status", "peak_mem_bytes"]].to_dict("records") for df in runs]
+    assert probes[0] == probes[1]
+    result = runs[0][runs[0]["kind"] == "search"].iloc[0]
+    assert (result["status"], result["max_seq_len"], result["first_oom_seq_len"]) == (FOUND, 1024, 2048)
+    # the analytic floor is a lower bound of what was measured
+    floor_bytes = result["floor.static_bytes"] + result["floor.activation_bytes_per_token"] * 1024
+    assert floor_bytes <= result["peak_mem_bytes"]
