@@ -120,6 +120,21 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
         os.close(fd)  # closing releases the lock
 
 
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write `obj` as a JSON file atomically: a temporary file in the same folder, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of one JSONL file, in file order (a corrupt line is an error naming file and line)."""
     records = []

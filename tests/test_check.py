@@ -1,0 +1,62 @@
+import math
+
+import pytest
+import torch
+
+from autosp.check import CheckReport, compare, check, parameter_group, relative_error
+from autosp.config import DataConfig, RunConfig
+
+PERTURBED_MODULE = "tests.perturbed_method"
+
+
+def _cfg(method: str = "single", **kw) -> RunConfig:
+    return RunConfig(method=method, model="tiny", seq_len=128, timeout_s=120, **kw)
+
+
+def test_single_passes_with_zero_error_on_awkward_data() -> None:
+    data = DataConfig(ignore_fraction=0.3, packed_documents=3, pad_fraction=0.1)
+    report = check(_cfg(batch_size=2, data=data))
+    assert report.passed, report.format()
+    assert report.steps == 2 and len(report.loss_errors) == 2
+    assert set(report.grad_errors) == {"embeddings", "attention", "mlp", "norms", "lm_head"}
+    assert max(report.grad_errors.values()) == 0.0 and max(report.param_errors.values()) == 0.0
+
+
+def test_perturbed_gradient_fails() -> None:
+    report = check(_cfg("single-perturbed"), steps=1, extra_imports=[PERTURBED_MODULE])
+    assert not report.passed
+    assert report.worst_grad.parameter == "model.layers.1.mlp.up_proj.weight"
+    assert 5e-4 < report.worst_grad.error < 2e-3  # the 1e-3 nudge is seen at its size
+    assert report.grad_errors["attention"] == 0.0  # one step: nothing else differs
+    assert "FAILED" in report.format()
+
+
+def test_relative_error() -> None:
+    ref = torch.tensor([3.0, 4.0])
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(ref + torch.tensor([0.0, 0.5]), ref) == pytest.approx(0.1)
+    assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert relative_error(torch.ones(2), torch.zeros(2)) == math.inf
+    assert relative_error(torch.ones(3), ref) == math.inf
+
+
+@pytest.mark.parametrize("name,group", [
+    ("model.embed_tokens.weight", "embeddings"), ("model.layers.0.self_attn.q_proj.weight", "attention"),
+    ("model.layers.0.mlp.gate_proj.weight", "mlp"), ("model.layers.0.input_layernorm.weight", "norms"),
+    ("model.norm.weight", "norms"), ("lm_head.weight", "lm_head")])
+def test_parameter_groups(name: str, group: str) -> None:
+    assert parameter_group(name) == group
+
+
+def _trace(loss: float, grad: torch.Tensor) -> dict:
+    return {"losses": [loss], "grads": [{"lm_head.weight": grad}], "params": [{"lm_head.weight": grad * 2}]}
+
+
+def test_compare_flags_loss_and_missing_parameters() -> None:
+    ref = _trace(2.0, torch.ones(4))
+    report = compare(_trace(2.0 * (1 + 1e-3), torch.ones(4)), ref, CheckReport("m", 2, 2, 1, 1e-4, False))
+    assert not report.passed and report.loss_errors[0] == pytest.approx(1e-3)
+    missing = {"losses": [2.0], "grads": [{}], "params": [{}]}
+    report = compare(missing, ref, CheckReport("m", 2, 2, 1, 1e-4, False))
+    assert not report.passed and "missing ['lm_head.weight']" in report.error
+    assert compare(ref, ref, CheckReport("m", 2, 2, 1, 1e-4, False)).passed

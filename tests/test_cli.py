@@ -1,0 +1,73 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autosp.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "tiny", "--seq-len", "64"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--method", "nope", *TINY], "unknown method 'nope'; valid methods:"),
+    (["run", "--method", "single", "--model", "gpt-9", "--seq-len", "64"], "unknown model 'gpt-9'; choose one of"),
+    (["run", "--method", "single", "--model", "tiny", "--seq-len", "0"], "--seq-len must be positive"),
+    (["run", "--method", "single", "--model", "tiny", "--seq-len", "-8"], "--seq-len must be positive"),
+    (["run", "--method", "single", *TINY, "--batch-size", "0"], "--batch-size must be positive"),
+    (["run", "--method", "single", *TINY, "--world-size", "0"], "--world-size must be positive"),
+    (["run", "--method", "single", *TINY, "--world-size", "2"], "runs on one rank"),
+    (["run", "--method", "single", *TINY, "--device", "cuda"], "--device cuda needs a GPU"),
+    (["run", "--method", "single", *TINY, "--memory-budget", "lots"], "cannot read the size 'lots'"),
+    (["run", "--method", "sp-double", "--model", "tiny", "--seq-len", "63", "--world-size", "2",
+      "--import", "tests.sequence_parallel_method"], "--seq-len 63 is not divisible by the SP degree 2"),
+    (["run", "--method", "sp-double", *TINY, "--world-size", "3", "--sp-size", "2",
+      "--import", "tests.sequence_parallel_method"], "--sp-size 2 must divide --world-size 3"),
+    (["check", "--method", "single", *TINY, "--check-steps", "0"], "--check-steps must be positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_bad_flag_value_is_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--method", "single", "--model", "tiny", "--seq-len", "abc"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid int value: 'abc'" in err
+
+
+def test_entry_point_prints_no_traceback() -> None:
+    out = subprocess.run([sys.executable, "-m", "autosp", "run", "--method", "single", "--model", "nope",
+                          "--seq-len", "64"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("autosp run: error: unknown model 'nope'")
+    assert "Traceback" not in out.stderr
+
+
+def test_run_appends_a_record(tmp_path, capsys) -> None:
+    out = tmp_path / "runs.jsonl"
+    code = main(["run", "--method", "single", "--model", "tiny", "--seq-len", "128", "--steps", "2",
+                 "--warmup", "1", "--memory-budget", "1GiB", "--pad-fraction", "0.25", "--out", str(out)])
+    assert code == 0
+    assert capsys.readouterr().out.startswith("ok: single tiny seq 128")
+    record = json.loads(out.read_text())
+    assert record["memory_budget"] == 2**30 and record["config"]["data"]["pad_fraction"] == 0.25
+
+
+def test_check_passes_for_single_and_writes_its_report(tmp_path, capsys) -> None:
+    report = tmp_path / "check.json"
+    code = main(["check", "--method", "single", "--model", "tiny", "--seq-len", "64", "--batch-size", "2",
+                 "--data-ignore-fraction", "0.2", "--packed-documents", "2", "--check-steps", "1",
+                 "--json-out", str(report)])
+    assert code == 0 and "PASSED" in capsys.readouterr().out
+    assert json.loads(report.read_text())["passed"] is True
+
+
+def test_check_failure_exits_1(capsys) -> None:
+    code = main(["check", "--method", "single-perturbed", "--model", "tiny", "--seq-len", "64",
+                 "--check-steps", "1", "--import", "tests.perturbed_method"])
+    assert code == 1 and "FAILED" in capsys.readouterr().out

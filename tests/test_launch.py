@@ -1,0 +1,179 @@
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autosp import launch as launch_mod
+from autosp.config import ConfigError
+from autosp.launch import check_device, existing_job, launch
+
+
+def sum_ranks(tag: str) -> tuple:
+    t = torch.ones(1) * dist.get_rank()
+    dist.all_reduce(t)
+    return dist.get_rank(), float(t), tag, torch.get_num_threads()
+
+
+def crash_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one fails on purpose")
+    dist.barrier()
+
+
+def kill_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def hang_with_child(pid_file: str) -> None:
+    """Rank 0 starts a grandchild and hangs; rank 1 waits for it in a barrier."""
+    if dist.get_rank() == 0:
+        child = subprocess.Popen(["sleep", "600"])
+        with open(pid_file, "w") as f:
+            f.write(str(child.pid))
+        time.sleep(600)
+    dist.barrier()
+
+
+def out_of_memory() -> None:
+    if dist.get_rank() == 0:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    dist.barrier()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_results_come_back_from_every_rank() -> None:
+    result = launch(sum_ranks, ("x",), world_size=2, timeout_s=60)
+    assert result.status == "ok" and result.error is None
+    assert result.results == [(0, 1.0, "x", 1), (1, 1.0, "x", 1)]  # one torch thread per CPU rank
+
+
+def test_crashed_rank_ends_the_run_with_its_message() -> None:
+    result = launch(crash_rank_1, world_size=2, timeout_s=60)
+    assert result.status == "error" and result.failed_rank == 1
+    assert result.error == "rank 1: RuntimeError: rank one fails on purpose"
+    assert "crash_rank_1" in result.traceback
+
+
+def test_killed_rank_is_an_error_within_the_timeout() -> None:
+    start = time.monotonic()
+    result = launch(kill_rank_1, world_size=2, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert result.status == "error" and result.failed_rank == 1
+    assert "SIGKILL" in result.error
+
+
+def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    start = time.monotonic()
+    result = launch(hang_with_child, (str(pid_file),), world_size=2, timeout_s=8)
+    assert time.monotonic() - start < 8 + 15
+    assert result.status == "timeout" and "8 s timeout" in result.error
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the hung rank's child process survived"
+    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("autosp-rank")]
+
+
+def test_out_of_memory_is_its_own_status() -> None:
+    result = launch(out_of_memory, world_size=2, timeout_s=60)
+    assert result.status == "oom" and result.failed_rank == 0
+    assert "OutOfMemoryError" in result.error
+
+
+def test_cuda_without_gpu_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        check_device("cuda", 1)
+
+
+def test_more_ranks_than_gpus_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="needs 4 GPUs but only 2"):
+        check_device("cuda", 4)
+    check_device("cuda", 2)
+
+
+def test_unknown_device_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown --device"):
+        check_device("tpu", 1)
+
+
+def test_joins_a_slurm_job(monkeypatch) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        existing_job()
+    monkeypatch.setenv("MASTER_ADDR", "node17")
+    job = existing_job()
+    assert (job.rank, job.world_size, job.local_rank, job.master_addr, job.source) == (3, 8, 1, "node17", "slurm")
+    with pytest.raises(ConfigError, match="does not match the surrounding slurm job's 8 ranks"):
+        launch(sum_ranks, ("x",), world_size=2)
+
+
+def test_single_task_allocation_is_not_a_job_to_join(monkeypatch) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert existing_job() is None
+
+
+def test_torchrun_environment(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert existing_job() == launch_mod.JobEnv(1, 2, 1, "127.0.0.1", 1234, "torchrun")
+
+
+JOB_SCRIPT = """
+import sys
+import torch.distributed as dist
+from autosp.launch import launch
+
+def body(fail):
+    if fail and dist.get_rank() == 1:
+        raise ValueError("bad rank")
+    return dist.get_rank() * 10
+
+result = launch(body, (sys.argv[1] == "fail",), world_size=2, timeout_s=60)
+print(f"RESULT {dist.get_rank()} {result.status} {result.results} {result.error}")
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_joins_a_torchrun_job(tmp_path, mode: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run(["python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(launch_mod.free_port()), str(script), mode],
+                         capture_output=True, text=True, timeout=120, env=env)
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    if mode == "ok":
+        assert lines == ["RESULT 0 ok [0, 10] None", "RESULT 1 ok [0, 10] None"]
+    else:
+        assert lines == [f"RESULT {r} error [0, None] rank 1: ValueError: bad rank" for r in (0, 1)]

@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from autosp.config import ConfigError, RunConfig
+from autosp.measure import CpuAllocationMeter, format_size, parse_size, summarize_times
+from autosp.runner import run
+
+
+@pytest.mark.parametrize("text,expected", [("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("800MB", 800 * 10**6),
+                                           ("4096", 4096), ("2 kib", 2048), (1000, 1000)])
+def test_parse_size(text, expected) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12XB", "MiB", "-5MiB", "0", ""])
+def test_parse_size_rejects(text) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_format_and_summaries() -> None:
+    assert format_size(1536) == "1.50 KiB"
+    assert summarize_times([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "samples": [3.0, 1.0, 2.0]}
+
+
+def test_cpu_meter_replays_allocations_exactly() -> None:
+    meter = CpuAllocationMeter()
+    with meter.session():
+        resident = torch.empty(1000, dtype=torch.uint8)  # live before the measured step
+        transient = torch.empty(5000, dtype=torch.uint8)
+        del transient  # freed before the step: not part of its peak
+        with meter.measured_step():
+            a = torch.empty(3000, dtype=torch.uint8)
+            del a
+            b = torch.empty(2000, dtype=torch.uint8)
+            del b
+    report = meter.report()
+    assert report.detail["resident_at_step_start_bytes"] == 1000
+    assert report.detail["step_increase_bytes"] == 3000
+    assert report.peak_bytes == 4000
+    assert report.detail["peak_including_setup_bytes"] == 6000
+    del resident
+
+
+def _cfg(seq_len: int, **kw) -> RunConfig:
+    return RunConfig(method="single", model="tiny", seq_len=seq_len, steps=1, warmup=1, timeout_s=120, **kw)
+
+
+def test_cpu_peak_is_deterministic_and_grows_with_sequence_length() -> None:
+    first, second, double = run(_cfg(256)), run(_cfg(256)), run(_cfg(512))
+    assert first["status"] == second["status"] == double["status"] == "ok"
+    assert first["peak_mem_bytes"] == second["peak_mem_bytes"] > 0
+    assert double["peak_mem_bytes"] > 1.5 * first["peak_mem_bytes"]
+    assert first["extra"]["memory"]["memory_kind"] == "cpu-profiler-allocations"
+
+
+def test_peak_above_budget_is_oom() -> None:
+    record = run(_cfg(256, memory_budget=2**20))
+    assert record["status"] == "oom"
+    assert "exceeds the memory budget 1.00 MiB" in record["error"]
+    assert record["peak_mem_bytes"] > 2**20 and record["iter_time_s"]["samples"] == []
+    roomy = run(_cfg(256, memory_budget=2**30))
+    assert roomy["status"] == "ok" and roomy["memory_budget"] == 2**30

@@ -1,0 +1,83 @@
+import json
+import multiprocessing as mp
+
+import pandas as pd
+import pytest
+
+from autosp.config import DataConfig, RunConfig
+from autosp.records import FIELDS, SCHEMA_VERSION, append_record, load_records, new_record, write_json_atomic
+
+CFG = RunConfig(method="single", model="tiny", seq_len=64, data=DataConfig(pad_fraction=0.25))
+
+
+def _write_many(path: str, writer: int, count: int) -> None:
+    for i in range(count):
+        record = new_record(CFG, sp_size=1)
+        record.update(status="ok", loss=float(i), extra={"writer": writer, "i": i, "payload": "x" * 200_000})
+        append_record(path, record)
+
+
+def test_concurrent_writers_never_interleave(tmp_path) -> None:
+    path = tmp_path / "runs.jsonl"
+    ctx = mp.get_context("fork")  # plain Python writers: no torch state in the children
+    writers = [ctx.Process(target=_write_many, args=(str(path), w, 25)) for w in range(4)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(60)
+        assert p.exitcode == 0
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 4 * 25 + 1
+    records = [json.loads(line) for line in lines[:-1]]  # every line is one whole record
+    assert sorted((r["extra"]["writer"], r["extra"]["i"]) for r in records) == [
+        (w, i) for w in range(4) for i in range(25)]
+    assert len({r["run_id"] for r in records}) == 100
+
+
+def test_new_record_has_every_field() -> None:
+    record = new_record(CFG, sp_size=1)
+    assert set(record) == set(FIELDS)
+    assert record["schema_version"] == SCHEMA_VERSION and record["mode"] == "measured"
+    assert record["config"]["data"]["pad_fraction"] == 0.25
+    assert record["config_hash"] == CFG.config_hash()
+    assert {"python", "torch", "deepspeed", "transformers"} <= set(record["versions"])
+
+
+def test_load_records_flattens_nested_fields(tmp_path) -> None:
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for n, path in enumerate(paths):
+        record = new_record(CFG.replace(seq_len=64 * (n + 1)), sp_size=1)
+        record.update(status="ok", peak_mem_by_rank=[10, 20],
+                      iter_time_s={"median": 0.5, "min": 0.4, "max": 0.6, "samples": [0.4, 0.5, 0.6]})
+        append_record(path, record)
+    df = load_records(paths)
+    assert isinstance(df, pd.DataFrame) and len(df) == 2
+    assert list(df["seq_len"]) == [64, 128]
+    assert list(df["iter_time_s.median"]) == [0.5, 0.5]
+    assert df["peak_mem_by_rank"].iloc[0] == [10, 20]
+    assert list(df["config.data.pad_fraction"]) == [0.25, 0.25]
+    assert df["versions.torch"].notna().all()
+    assert list(df["source"]) == [str(p) for p in paths]
+    assert len(load_records(paths[0])) == 1  # a single path works too
+
+
+def test_corrupt_line_names_file_and_line(tmp_path) -> None:
+    path = tmp_path / "runs.jsonl"
+    append_record(path, {**new_record(CFG, sp_size=1), "status": "ok"})
+    with open(path, "a") as f:
+        f.write('{"half": \n')
+    with pytest.raises(ValueError, match=r"runs.jsonl:2"):
+        load_records(path)
+
+
+def test_missing_file_is_an_error(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_records(tmp_path / "nope.jsonl")
+
+
+def test_write_json_atomic_replaces_whole_file(tmp_path) -> None:
+    path = tmp_path / "sub" / "report.json"
+    write_json_atomic(path, {"a": 1})
+    write_json_atomic(path, {"b": 2})
+    assert json.loads(path.read_text()) == {"b": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]
