@@ -32,9 +32,12 @@ def require_deepspeed(method: str) -> None:
 
 
 def import_deepspeed(method: str) -> ModuleType:
-    """`deepspeed`, ready for `deepspeed.initialize` in an already initialised process group."""
+    """`deepspeed` with its comm layer wrapped around the harness's already initialised process group."""
     require_deepspeed(method)
     import deepspeed
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+    if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
     return deepspeed

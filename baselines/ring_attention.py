@@ -131,8 +131,9 @@ class _Ring:
 
     def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
         """Post sends of `tensors` to next and receives of same-shaped tensors from prev; returns (recv, works)."""
+        tensors = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         return received, dist.batch_isend_irecv(ops)
 

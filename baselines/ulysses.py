@@ -1,0 +1,109 @@
+"""Hand-written DeepSpeed-Ulysses, the way a DeepSpeed user writes it, in three variants of one mechanism:
+
+* `ulysses`: each layer's attention core wrapped in `deepspeed.sequence.layer.DistributedAttention`
+  (all-to-all: sequence-sharded, all heads -> full sequence, heads/P; local SDPA; all-to-all back), inputs,
+  positions and labels sharded by hand (`sequence_parallel`), eager;
+* `ulysses-ac`: the same with per-layer activation checkpointing (the usual companion for long sequences);
+* `ulysses-compile`: the same model under `torch.compile` (backend `--compile-backend`). With torch 2.13 and
+  DeepSpeed 0.19.8 Dynamo traces DistributedAttention's all-to-all autograd.Function as an
+  `autograd_function_apply` higher-order op: the whole forward is one graph, no graph breaks (the loss, taken
+  outside the model, stays eager).
+
+GQA: K/V keep their head count through the all-to-all when it divides by P (contiguous head blocks keep every
+query head with its KV head); otherwise K/V heads are repeated up to lcm(kv_heads, P) first, as Ulysses users do.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from autosp.config import ConfigError, RunConfig
+from autosp.models.llama import sdpa_attention
+from baselines.base import Strategy, TrainStep, register
+from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+from baselines.sequence_parallel import SequenceParallelStep, attention_modules, checkpoint_layers
+
+if TYPE_CHECKING:
+    from autosp.parallel import ParallelContext
+
+
+class UlyssesAttention:
+    """An `attention_fn` for the project Llama: [B, H, S/P, D] in and out, DistributedAttention in between."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup, sp_size: int, num_kv_heads: int) -> None:
+        from deepspeed.sequence.layer import DistributedAttention
+
+        self.kv_repeat = math.lcm(num_kv_heads, sp_size) // num_kv_heads
+        self.full_mask: Tensor | None = None
+        # DeepSpeed layout [B, S, H, D]: scatter heads (2), gather sequence (1)
+        self.distributed = DistributedAttention(self._local_attention, group, scatter_idx=2, gather_idx=1)
+
+    def set_full_mask(self, mask: Tensor | None) -> None:
+        self.full_mask = mask
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        del mask  # built by the model from this shard's positions; the full-sequence mask is self.full_mask
+        if self.kv_repeat > 1:
+            k, v = k.repeat_interleave(self.kv_repeat, dim=1), v.repeat_interleave(self.kv_repeat, dim=1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return self.distributed(q, k, v, 0).transpose(1, 2)
+
+    def _local_attention(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
+        """Full sequence, this rank's heads: [B, S, H/P, D]."""
+        out = sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.full_mask)
+        return out.transpose(1, 2)
+
+
+@register
+class Ulysses(Strategy):
+    name = "ulysses"
+    description = "hand-written DeepSpeed-Ulysses (DistributedAttention all-to-alls, manual sharding), eager"
+    sequence_parallel = True
+    activation_checkpointing: ClassVar[bool] = False
+    compiled: ClassVar[bool] = False
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        require_deepspeed(self.name)
+        super().validate(cfg, num_heads, num_kv_heads)
+        sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
+        if num_heads % sp:
+            raise ConfigError(
+                f"--method {self.name}: {num_heads} attention heads do not split over SP degree {sp}; "
+                "use an SP degree that divides the head count"
+            )
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        import_deepspeed(self.name)
+        modules = attention_modules(model, self.name)
+        attention = UlyssesAttention(ctx.sp_group, ctx.sp_size, modules[0].num_kv_heads)
+        for module in modules:
+            module.attention_fn = attention
+        if self.activation_checkpointing:
+            checkpoint_layers(model)
+        forward = torch.compile(model, backend=cfg.compile_backend) if self.compiled else model
+
+        def positions(seq_len: int) -> Tensor:
+            local = seq_len // ctx.sp_size
+            return torch.arange(ctx.sp_rank * local, (ctx.sp_rank + 1) * local)
+
+        implementation = "deepspeed-ulysses" + ("+ac" if self.activation_checkpointing else "")
+        if self.compiled:
+            implementation += f"+compile({cfg.compile_backend})"
+        return SequenceParallelStep(model, ctx, cfg, positions, attention.set_full_mask, implementation, forward)
+
+
+@register
+class UlyssesCheckpointed(Ulysses):
+    name = "ulysses-ac"
+    description = "hand-written DeepSpeed-Ulysses with per-layer activation checkpointing, eager"
+    activation_checkpointing = True
+
+
+@register
+class UlyssesCompiled(Ulysses):
+    name = "ulysses-compile"
+    description = "hand-written DeepSpeed-Ulysses under torch.compile (--compile-backend), all-to-alls in the graph"
+    compiled = True
