@@ -23,6 +23,7 @@ SUBCOMMANDS = (
     ("autosp.bench", "add_bench_parser"),
     ("autosp.tables", "add_table_parser"),
     ("autosp.plots", "add_plot_parser"),
+    ("autosp.flops", "add_flops_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3}
@@ -164,3 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"autosp {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+
+
+if __name__ == "__main__":  # `python -m autosp.cli ...`; the guard matters: ranks are spawned processes
+    sys.exit(main())

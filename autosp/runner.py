@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.config import ConfigError, RunConfig
-from autosp.launch import check_device, current_device, launch
+from autosp.launch import check_device, current_device, existing_job, launch
 from autosp.measure import apply_device_budget, format_size, memory_meter, summarize_times, timed
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
@@ -160,7 +160,8 @@ def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterabl
         _fill_measurements(record, cfg, outcome.results)
     if record["device_name"] is None:
         record["device_name"] = device_name(cfg.device) if cfg.device == "cpu" else None
-    if out is not None:
+    job = existing_job()
+    if out is not None and (job is None or job.rank == 0):  # in a torchrun/SLURM job every rank has the record
         append_record(out, record)
     return record
 

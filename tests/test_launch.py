@@ -1,6 +1,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def test_joins_a_torchrun_job(tmp_path, mode: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run(["python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(launch_mod.free_port()), str(script), mode],
                          capture_output=True, text=True, timeout=120, env=env)
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))

@@ -1,6 +1,12 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from autosp.config import ConfigError, RunConfig
+from autosp.launch import free_port
 from autosp.records import FIELDS, load_records
 from autosp.runner import global_batch, run, validate
 
@@ -54,3 +60,17 @@ def test_global_batch_rows_follow_the_data_parallel_degree() -> None:
 def test_bad_configurations_are_config_errors(change, message) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(RunConfig(method="single", model="tiny", seq_len=64).replace(**change))
+
+
+def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_records(tmp_path) -> None:
+    out = tmp_path / "runs.jsonl"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "autosp", "run", "--method", "fsdp", "--model", "tiny",
+                           "--seq-len", "128", "--world-size", "2", "--steps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("ok: fsdp tiny seq 128 x 2 rank(s)") == 2
+    records = load_records(out)
+    assert len(records) == 1 and len(records["peak_mem_by_rank"][0]) == 2
