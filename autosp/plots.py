@@ -70,15 +70,16 @@ def trainability_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFr
     claims = paper_claims() if claims is None else claims
     group = [c for c in TRAINABILITY_GROUP if c in table]
     settings = list(table.groupby(group, dropna=False))
-    fig, axes = plt.subplots(1, len(settings) + 1, figsize=(4.5 * (len(settings) + 1), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(settings) + 1, figsize=(4.5 * (len(settings) + 1), 4.2), squeeze=False,
+                             layout="constrained")
     for ax, (key, sub) in zip(axes[0], settings):
         sub = sub.sort_values("max_seq_len", ascending=False, na_position="last")
         x = range(len(sub))
         heights = sub["max_seq_len"].fillna(0).to_numpy()
         colors = ["tab:red" if m == OURS else "tab:blue" for m in sub["method"]]
+        ax.bar(x, sub["floor_limit_seq_len"].astype(float).fillna(0).to_numpy(), fill=False, edgecolor="k",
+               ls="--", label="memory-floor limit (analytic)")
         ax.bar(x, heights, color=colors, label="measured max length")
-        ax.scatter(x, sub["floor_limit_seq_len"], marker="_", s=400, color="k", zorder=3,
-                   label="memory-floor limit")
         for xi, (_, row) in zip(x, sub.iterrows()):
             note = "" if row["status"] == "found" else {"no_oom_up_to_max_len": "≥"}.get(row["status"], row["status"])
             ratio = row["achieved_over_limit"]
@@ -89,7 +90,8 @@ def trainability_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFr
         ax.set_xticks(list(x), sub["method"], rotation=40, ha="right")
         ax.set_ylabel("max trainable sequence length (tokens)")
         ax.set_title(_panel_title(key if isinstance(key, tuple) else (key,), group), fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.15)  # room for the legend above the tallest bar
     ax = axes[0][-1]
     bars = _trainability_claim_rows(table, claims)
     for i, (label, factor, kind) in enumerate(bars):
@@ -100,7 +102,8 @@ def trainability_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFr
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("AutoSP max length / baseline max length")
-    ax.set_title("AutoSP trainability ratio: measured (red) vs paper claims (hatched)", fontsize=9)
+    ax.set_title("AutoSP trainability ratio: measured here (red)\nvs paper claims (hatched; GPUs, Llama up to 8B)",
+                 fontsize=9)
     _save(fig, path)
 
 
@@ -110,7 +113,8 @@ def throughput_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFram
     claims = paper_claims() if claims is None else claims
     group = [c for c in THROUGHPUT_GROUP if c != "seq_len"]
     settings = list(table.groupby(group, dropna=False))
-    fig, axes = plt.subplots(2, len(settings), figsize=(5 * len(settings), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(settings), figsize=(5 * len(settings), 7), squeeze=False,
+                             layout="constrained")
     claim = claims[(claims["metric"] == "iteration_speed_ratio")
                    & (claims["autosp_vs"].map(CLAIM_BASELINE_METHOD) == reference)]
     ratio_col = f"speed_vs_{reference}"
