@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ def search_max_length(
 ) -> SearchOutcome:
     """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
 
+    `start_len` is a length expected near the answer: it and its neighbour are probed first.
     `probe` returns a status, or (status, peak bytes). Given the peaks and the `budget` they are compared
     with, the next length is guessed where a line through the two probes nearest the boundary crosses
     the budget (memory is close to linear in the length), which usually brackets the answer in two steps
@@ -137,7 +139,12 @@ def search_max_length(
         highest = bad - 1 if bad is not None else hi_k
         return min(max(k, lowest), highest)
 
-    stop = ask(lo_k if start_len is None else min(max(start_len // granularity, lo_k), hi_k))
+    if start_len is None:
+        stop = ask(lo_k)
+    else:  # a hint near the answer (e.g. a previous one): probe it and its neighbour on the open side
+        stop = ask(min(max(start_len // granularity, lo_k), hi_k))
+        if stop is None and not settled():
+            stop = ask(good + 1 if bad is None else bad - 1)
     misses = 0  # consecutive guesses that neither found nor halved the bracket
     while stop is None and not settled():
         guess = linear_guess() if misses < 2 else None
@@ -172,6 +179,22 @@ def _search_budget(cfg: RunConfig) -> int | None:
     return None
 
 
+def search_key(cfg: RunConfig, granularity: int) -> str:
+    """Identifies searches that must give the same answer: the run configuration without its length."""
+    return f"{cfg.replace(seq_len=1).config_hash()}-g{granularity}"
+
+
+def previous_answer(out: str, key: str) -> int | None:
+    """max_seq_len of the latest search with this key in `out` (None if there is none)."""
+    from autosp.records import read_records
+
+    if not os.path.exists(out):
+        return None
+    answers = [r["max_seq_len"] for r in read_records(out)
+               if r.get("kind") == "search" and r.get("search_key") == key and r.get("max_seq_len")]
+    return answers[-1] if answers else None
+
+
 def run_search(
     cfg: RunConfig,
     *,
@@ -180,12 +203,15 @@ def run_search(
     min_len: int | None = None,
     max_len: int = 1 << 20,
     start_len: int | None = None,
+    resume: bool = False,
     run: Callable[[RunConfig], dict] | None = None,
 ) -> dict:
     """Search `cfg.method`'s max trainable length; append every probe record and one result row to `out`.
 
     `cfg` fixes everything but the length (method, model, ranks, budget, ...); each probe runs it with
-    `seq_len` set. `run` is `autosp.runner.run` unless a test passes another oracle. Returns the result row.
+    `seq_len` set. With `resume`, the search starts from the answer of the latest identical search in `out`
+    (two probes re-confirm an unchanged answer). `run` is `autosp.runner.run` unless a test passes another
+    oracle. Returns the result row.
     """
     from autosp.floor import floor_for, sharding_of
     from autosp.records import append_record, new_record
@@ -196,6 +222,11 @@ def run_search(
         raise ConfigError("a CPU search needs --memory-budget (e.g. 64MiB): without it nothing ever runs out of memory")
     granularity = granularity or default_granularity(cfg.world_size)
     min_len = min_len or granularity
+    key = search_key(cfg, granularity)
+    if resume and start_len is None:
+        start_len = previous_answer(out, key)
+        if start_len:
+            print(f"  resuming from the previous answer {start_len}", flush=True)
     search_id = uuid.uuid4().hex
     started = time.monotonic()
     last_record: dict = {}
@@ -227,6 +258,7 @@ def run_search(
     row.update(
         kind="search",
         search_id=search_id,
+        search_key=key,
         run_id=search_id,
         status=outcome.status,
         error=last_record.get("error") if outcome.status in (ERROR, TIMEOUT) else None,
@@ -286,7 +318,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, method=args.method)
     row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
-                     start_len=args.start_len)
+                     start_len=args.start_len, resume=args.resume)
     ratio = row["achieved_over_limit"]
     print(f"{cfg.method} {cfg.model} P={cfg.world_size} budget {format_size(cfg.memory_budget)}: "
           f"{row['status']}, max_seq_len={row['max_seq_len']}, first_oom={row['first_oom_seq_len']}, "
@@ -309,6 +341,8 @@ def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=1 << 20, help="longest length tried")
     p.add_argument("--start-len", type=int, default=None,
                    help="first length probed (e.g. a previous answer: then two probes confirm it)")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the answer of the latest identical search in --out (re-checks it in ~2 probes)")
     p.add_argument("--fail-on-error", action=argparse.BooleanOptionalAction, default=True,
                    help="exit 1 when a probe ends in error/timeout (the result row is written either way)")
     p.add_argument("--out", default="results/trainability.jsonl", help="JSONL file for probe records and the result")

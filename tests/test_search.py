@@ -64,7 +64,8 @@ def test_start_len_above_limit_shrinks_then_bisects() -> None:
     oracle = ThresholdOracle(3000)
     out = search_max_length(oracle, granularity=256, min_len=256, max_len=1 << 16, start_len=32768)
     assert out.status == FOUND and out.max_seq_len == 2816 and out.first_oom_seq_len == 3072
-    assert oracle.asked[0] == 32768 and oracle.asked[1] == 16384  # geometric shrink from the start
+    assert oracle.asked[:2] == [32768, 32768 - 256]  # the hint and its neighbour, then geometric shrink
+    assert oracle.asked[2] < 16384 and len(oracle.asked) <= 12
 
 
 def test_start_len_below_limit_skips_the_short_probes() -> None:
@@ -240,3 +241,17 @@ def test_real_tiny_search_is_deterministic(tmp_path) -> None:
     # the analytic floor is a lower bound of what was measured
     floor_bytes = result["floor.static_bytes"] + result["floor.activation_bytes_per_token"] * 1024
     assert floor_bytes <= result["peak_mem_bytes"]
+
+
+def test_resume_starts_from_the_previous_answer_of_the_same_search(tmp_path) -> None:
+    from autosp.search import run_search
+
+    out = str(tmp_path / "t.jsonl")
+    first = run_search(_cfg(), out=out, run=FakeRunner(per_token=(64 << 20) // 3000))
+    again = FakeRunner(per_token=(64 << 20) // 3000)
+    second = run_search(_cfg(), out=out, resume=True, run=again)
+    assert second["max_seq_len"] == first["max_seq_len"] == 2560
+    assert [c.seq_len for c in again.configs] == [2560, 3072]  # confirmed in two probes
+    other = FakeRunner(per_token=(64 << 20) // 3000)
+    run_search(_cfg(dtype="bfloat16"), out=out, resume=True, run=other)  # a different search: from scratch
+    assert other.configs[0].seq_len == 512
