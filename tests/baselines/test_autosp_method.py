@@ -1,0 +1,80 @@
+"""`autosp check`: the compiled method against single-process training (loss, every gradient, parameters after
+two AdamW steps) on 2 and 4 gloo ranks, for the project Llama and unmodified HF transformers Llama."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autosp
+from autosp.check import check
+from autosp.config import ConfigError, DataConfig, RunConfig
+from autosp.errors import SequenceParallelError
+from autosp.launch import launch
+from autosp.runner import validate
+
+
+def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", **kw):
+    data = DataConfig(**{k: kw.pop(k) for k in ("ignore_fraction", "packed_documents", "pad_fraction") if k in kw})
+    cfg = RunConfig(method="autosp", model=model, seq_len=seq_len, world_size=world_size, compile_backend=backend,
+                    data=data, timeout_s=400, **kw)
+    report = check(cfg)
+    assert report.passed, report.format()
+    return report
+
+
+@pytest.mark.parametrize("model, world_size, options", [
+    ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3)),  # GQA, batch > 1, uneven -100 runs
+    ("tiny-mha", 4, dict(packed_documents=3)),  # MHA, packed documents through position_ids
+    ("tiny", 4, dict(pad_fraction=0.25, ignore_fraction=0.2)),  # 2 KV heads < SP 4: replicated; padding mask
+    ("small", 4, dict(sp_size=2, ignore_fraction=0.3)),  # 2-D mesh: 2 SP groups x 2 data-parallel replicas
+])
+def test_project_llama_matches_single_process(model, world_size, options):
+    _check(model, world_size, sac="off" if world_size == 4 else "sac", **options)
+
+
+@pytest.mark.parametrize("world_size, options", [
+    (2, dict(pad_fraction=0.25)),  # HF builds its own [B,1,S,S] padding mask inside the graph
+    (4, dict(ignore_fraction=0.3, packed_documents=2)),  # HF's packed-sequence detection from position_ids
+])
+def test_unmodified_hf_llama_matches_single_process(world_size, options):
+    _check("hf:tiny", world_size, **options)
+
+
+@pytest.mark.slow
+def test_inductor_with_sac_matches_single_process():
+    _check("tiny", 2, backend="inductor", sac="sac", ignore_fraction=0.3)
+
+
+def test_bad_sizes_are_config_errors_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="not divisible by the SP degree 4"):
+        validate(RunConfig(method="autosp", model="tiny", seq_len=66, world_size=4))
+    with pytest.raises(ConfigError, match=r"4 query heads are not divisible by the SP degree 3; valid: \[1, 2, 4\]"):
+        validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=3))
+
+
+class _GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids).view(1, 8, 2, 4).transpose(1, 2)
+        if h.sum() > 0:  # data-dependent control flow: Dynamo must break the graph here
+            h = h * 2
+        return F.scaled_dot_product_attention(h, h, h).sum()
+
+
+def _compile_graph_break() -> str:
+    model = autosp.compile(_GraphBreak(), backend="eager")
+    try:
+        model(torch.zeros(1, 8, dtype=torch.long))
+    except SequenceParallelError as e:
+        return str(e)
+    return "no error"
+
+
+def test_graph_break_names_dynamos_reason():
+    outcome = launch(_compile_graph_break, world_size=1, timeout_s=120)
+    assert outcome.status == "ok", outcome.traceback
+    assert "Dynamo broke it" in outcome.results[0] and "data-dependent" in outcome.results[0].lower()

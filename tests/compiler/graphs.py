@@ -1,0 +1,22 @@
+"""Capture Dynamo's Torch-IR graph of a model call, for graph-level tests of the SP pass (no process group)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+def capture(model: torch.nn.Module, **kwargs) -> tuple[fx.GraphModule, list]:
+    """(Dynamo's graph of `model(**kwargs)`, its example inputs)."""
+    captured = []
+
+    def grab(gm, example_inputs):
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=grab, fullgraph=True, dynamic=False)(**kwargs)
+    return captured[0]
+
+
+def count(gm: fx.GraphModule, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is target)

@@ -1,0 +1,115 @@
+"""Graph-level tests of the SP pass on the project Llama and HF Llama graphs (one rank's rewrite, no communication)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+
+import autosp.comm  # noqa: F401
+from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.config import DataConfig
+from autosp.errors import SequenceParallelError
+from autosp.models import build_model, get_preset
+from autosp.models.data import make_batch
+from tests.compiler.graphs import capture, count
+
+A2A = torch.ops.autosp.all_to_all.default
+ALL_REDUCE = torch.ops.autosp.all_reduce_sum.default
+
+
+def _llama_graph(name="tiny", seq_len=64, batch_size=2, **data):
+    model = build_model(name, seed=0)
+    batch = make_batch(DataConfig(**data), batch_size=batch_size, seq_len=seq_len,
+                       vocab_size=get_preset(name).vocab_size, seed=0)
+    return capture(model, **batch.model_kwargs())
+
+
+def _sp(gm, sp_size=2, sp_rank=0):
+    return sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name="unused")
+
+
+@pytest.mark.parametrize("name", ["tiny", "hf:tiny"])
+def test_four_all_to_alls_per_attention_layer_forward_and_backward(name):
+    gm, inputs = _llama_graph(name, ignore_fraction=0.2)
+    layers = get_preset(name).num_layers
+    gm = _sp(gm)
+    assert count(gm, A2A) == 4 * layers
+    graphs = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        graphs.extend(default_partition(joint, joint_inputs, **kwargs))
+        return graphs
+
+    aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
+    a2a_packet = torch.ops.autosp.all_to_all
+    for graph in graphs:  # forward, then backward: exactly the gradient all-to-alls of the forward ones
+        assert sum(1 for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is a2a_packet) == 4 * layers
+
+
+def test_sequence_inputs_are_sharded_at_the_trainable_frontier_with_global_offsets():
+    gm, _ = _llama_graph("tiny", seq_len=64, packed_documents=2)
+    gm = _sp(gm, sp_size=4, sp_rank=3)
+    narrows = [n for n in gm.graph.nodes if n.target == "narrow"]
+    # token ids at the embedding, rotary cos/sin at q/k, labels at the loss: all start at rank 3's offset 48
+    assert narrows and all(n.args[2] == 48 and n.args[3] == 16 for n in narrows)
+    (embedding,) = [n for n in gm.graph.nodes if n.target is F.embedding]
+    assert embedding.args[0].target == "narrow"
+    views = [n for n in gm.graph.nodes if n.target == "view" and 16 in n.args[1:]]
+    assert views, "hard-coded sequence sizes in views must be resized to the local 16"
+    assert count(gm, ALL_REDUCE) == 1  # the loss, once
+
+
+def test_kv_heads_fewer_than_sp_degree_are_replicated():
+    gm, _ = _llama_graph("tiny", seq_len=64)  # 4 query heads, 2 KV heads
+    gm = _sp(gm, sp_size=4)
+    repeats = [n for n in gm.graph.nodes if n.target is torch.repeat_interleave]
+    assert len(repeats) == 2 * get_preset("tiny").num_layers and all(n.args[1] == 2 for n in repeats)
+
+
+def test_heads_not_divisible_names_layer_and_valid_degrees():
+    gm, _ = _llama_graph("tiny", seq_len=48)
+    with pytest.raises(SequenceParallelError, match=r"layers\.0\.self_attn.*4 query heads.*SP degree 3.*\[1, 2, 4\]"):
+        _sp(gm, sp_size=3)
+
+
+def test_sequence_not_divisible_is_a_clear_error():
+    gm, _ = _llama_graph("tiny", seq_len=50)
+    with pytest.raises(SequenceParallelError, match="sequence length 50 is not divisible by the SP degree 4"):
+        _sp(gm, sp_size=4)
+
+
+class _NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids):
+        return self.emb(input_ids).sum()
+
+
+class _HandWrittenAttention(torch.nn.Module):
+    """One SDPA layer followed by attention computed by hand: the second one cannot be rewritten."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids).view(2, 16, 2, 8).transpose(1, 2)
+        h = F.scaled_dot_product_attention(h, h, h, is_causal=True)
+        scores = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
+        return (scores @ h).sum()
+
+
+def test_no_attention_is_a_clear_error():
+    gm, _ = capture(_NoAttention(), input_ids=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(SequenceParallelError, match="no attention found"):
+        _sp(gm)
+
+
+def test_unrewritable_attention_pattern_is_named():
+    gm, _ = capture(_HandWrittenAttention(), input_ids=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(SequenceParallelError, match="attention pattern AutoSP cannot rewrite"):
+        _sp(gm)
