@@ -22,7 +22,7 @@ DEFAULTS = {
     "compile_backend": "aot_eager",  # CPU: compiles in seconds; use inductor on GPUs
     "probe_timeout_s": 600,
     # throughput sweep (figure_throughput)
-    "bench_seq_lens": [1024, 2048, 4096],
+    "bench_seq_lens": [1024, 4096],
     "bench_repeats": 3,
     "bench_reference": "ulysses",
 }

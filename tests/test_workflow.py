@@ -37,6 +37,7 @@ def test_default_target_plans_every_search(tmp_path: Path) -> None:
 def test_gpu_overrides_reach_the_commands(tmp_path: Path) -> None:
     plan = dry_run(tmp_path, "device=cuda", "world_size=8", "models=[llama-3.1-8b]", "methods=[autosp,zero3]",
                    "memory_budget=none", "compile_backend=inductor")
+    assert "gpu=8" in plan  # each search holds its 8 GPUs: `--resources gpu=8` keeps searches from sharing them
     commands = [line for line in plan.splitlines() if "autosp search" in line]
     assert len(commands) == 2
     for line in commands:

@@ -8,6 +8,8 @@ rule bench:
     log:
         "results/logs/bench/{model}.log",
     threads: int(config["world_size"])
+    resources:
+        gpu=int(config["world_size"]) if config["device"] == "cuda" else 0,  # `--resources gpu=8` on a node
     params:
         methods=",".join(config["methods"]),
         seq_lens=",".join(str(n) for n in config["bench_seq_lens"]),

@@ -13,6 +13,8 @@ rule search:
     log:
         "results/logs/search/{model}/{method}.log",
     threads: int(config["world_size"])  # one process per rank: keeps snakemake from oversubscribing cores
+    resources:
+        gpu=int(config["world_size"]) if config["device"] == "cuda" else 0,  # `--resources gpu=8` on a node
     params:
         budget=_optional("--memory-budget", "memory_budget", absent="none"),
         granularity=_optional("--granularity", "granularity", absent="auto"),
