@@ -6,7 +6,7 @@ layer in backward. This module steers torch's own min-cut partitioner by tagging
 ``node.meta["recompute"]`` (a ``CheckpointPolicy``); it patches nothing process-wide.
 
 Policies (``parse_policy``):
-  off            the stock min-cut partitioner;
+  off            the stock min-cut partitioner (collectives pinned, as everywhere);
   sac            attention ops and their outputs (out, logsumexp) MUST_SAVE, collectives MUST_SAVE (never
                  re-run), each decoder layer's outputs MUST_SAVE (so backward rebuilds one layer at a time),
                  every other forward op inside a layer PREFER_RECOMPUTE; ops outside the layers (embedding,
@@ -67,6 +67,8 @@ _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's 
 
 
 class SacPolicy:
+    """The policy kinds (``Policy.kind``)."""
+
     OFF = "off"
     SAC = "sac"
     FULL = "full"
@@ -308,14 +310,12 @@ def tag_joint_graph(joint_gm: fx.GraphModule, policy: Policy) -> None:
     """Write ``node.meta["recompute"]`` on the joint graph's forward nodes for ``policy`` (in place)."""
     graph = joint_gm.graph
     forward = forward_nodes(graph)
-    if policy.kind == SacPolicy.OFF:
-        return
-    if policy.kind == SacPolicy.BUDGET:
-        _pin_attention_and_collectives(graph, forward, attention=True)
-        return
     full = policy.kind == SacPolicy.FULL
-    _pin_attention_and_collectives(graph, forward, attention=not full)
-    _tag_layers(graph, forward, recompute_attention=full)
+    # Under `off` this only matters if someone lowers torch's activation_memory_budget globally: the stock
+    # partitioner pins only _c10d_functional collectives, not the autosp:: ones.
+    _pin_attention_and_collectives(graph, forward, attention=policy.kind in (SacPolicy.SAC, SacPolicy.BUDGET))
+    if policy.kind in (SacPolicy.SAC, SacPolicy.FULL):
+        _tag_layers(graph, forward, recompute_attention=full)
 
 
 # ------------------------------------------------------------------------------------------ partition fn
