@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from autosp.comm.grad_sync import sync_gradients
 from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.specialize import is_symbolic, per_length
 from autosp.errors import SequenceParallelError
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -39,6 +40,11 @@ def make_backend(
         sync_gradients(
             (t for t in example_inputs if isinstance(t, torch.nn.Parameter)), reduce_group or sp_group, dp_size
         )
+        if is_symbolic(example_inputs):
+            return per_length(gm, compile_static)
+        return compile_static(gm, example_inputs)
+
+    def compile_static(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
         return lower(gm, example_inputs, sac=sac, inner=inner)
 
