@@ -4,7 +4,8 @@
 # run the CPU version of the paper's trainability experiment in minutes on a laptop-class machine; override
 # any of them on the command line, e.g. for a GPU node:
 #   snakemake --cores all figure_trainability --config device=cuda world_size=8 \
-#       'models=[llama-3.2-1b,llama-3.1-8b]' memory_budget=none compile_backend=inductor max_len=1048576
+#       'models=[llama-3.2-1b,llama-3.1-8b]' memory_budget=none dtype=bfloat16 compile_backend=inductor
+# and `--resources gpu=8` so that searches holding all GPUs run one at a time (see README).
 # (memory_budget=none: search up to the GPU's real memory; a real CUDA OOM ends a probe as `oom`).
 
 DEFAULTS = {
@@ -12,9 +13,11 @@ DEFAULTS = {
     "device": "cpu",
     "models": ["tiny", "small"],
     # methods compared; each must be registered in baselines (`autosp run --help` lists them)
-    "methods": ["autosp", "ulysses", "ds-autosp", "zero3", "ring"],
+    "methods": ["autosp", "ulysses", "ds-autosp", "zero3", "fsdp", "ring"],
     "world_size": 2,
-    "memory_budget": "48MiB",  # per rank; on CPU an emulated device of this size
+    # per rank, per model (or one value for all); on CPU an emulated device of this size, sized so the
+    # longest lengths are a few thousand tokens: long enough to separate methods, short enough to be quick
+    "memory_budget": {"tiny": "48MiB", "small": "96MiB"},
     "granularity": "auto",  # auto: 2 * world_size * 128, the default of `autosp search`
     "min_len": "auto",  # auto: the granularity
     "max_len": 1048576,

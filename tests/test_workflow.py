@@ -28,8 +28,9 @@ def dry_run(tmp_path: Path, *config: str) -> str:
 def test_default_target_plans_every_search(tmp_path: Path) -> None:
     plan = dry_run(tmp_path)
     searches = re.findall(r"autosp search --method (\S+) --model (\S+) --world-size 2 --memory-budget (\S+)", plan)
-    assert len(searches) == len(set(searches)) == 2 * 5  # models tiny, small x five methods
-    assert {m for m, _, _ in searches} >= {"autosp", "ulysses", "zero3"}
+    assert len(searches) == len(set(searches)) == 2 * 6  # models tiny, small x six methods
+    assert {m for m, _, _ in searches} >= {"autosp", "ulysses", "ds-autosp", "zero3"}
+    assert {(model, budget) for _, model, budget in searches} == {("tiny", "48MiB"), ("small", "96MiB")}
     assert "autosp table trainability" in plan and "figures/trainability.png" in plan
     assert re.search(r"rule search:.*?threads: 2", plan, re.S), "each search must reserve its ranks' cores"
 

@@ -1,9 +1,14 @@
 # Max trainable sequence length per (method, model): one search per job, one JSONL per search.
 
 
-def _optional(flag, key, absent):
-    """`flag value`, or nothing when the config says `absent` (let the CLI choose its default)."""
-    value = str(config[key])
+def _optional(flag, key, absent, model=None):
+    """`flag value`, or nothing when the config says `absent` (let the CLI choose its default).
+
+    A value may be a mapping model -> value (e.g. a memory budget per model)."""
+    value = config[key]
+    if isinstance(value, dict):
+        value = value[model]
+    value = str(value)
     return "" if value.lower() == absent else f"{flag} {value}"
 
 
@@ -16,7 +21,7 @@ rule search:
     resources:
         gpu=int(config["world_size"]) if config["device"] == "cuda" else 0,  # `--resources gpu=8` on a node
     params:
-        budget=_optional("--memory-budget", "memory_budget", absent="none"),
+        budget=lambda w: _optional("--memory-budget", "memory_budget", absent="none", model=w.model),
         granularity=_optional("--granularity", "granularity", absent="auto"),
         min_len=_optional("--min-len", "min_len", absent="auto"),
     shell:
