@@ -213,7 +213,7 @@ def run_search(
     (two probes re-confirm an unchanged answer). `run` is `autosp.runner.run` unless a test passes another
     oracle. Returns the result row.
     """
-    from autosp.floor import floor_for, sharding_of
+    from autosp.floor import floor_for
     from autosp.records import append_record, new_record
 
     if run is None:
@@ -227,12 +227,18 @@ def run_search(
         start_len = previous_answer(out, key)
         if start_len:
             print(f"  resuming from the previous answer {start_len}", flush=True)
+    try:
+        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
+                          dtype=cfg.dtype)
+    except ConfigError as exc:  # an out-of-tree method can still be searched, just not judged against a floor
+        print(f"  note: {exc}; achieved/limit will not be reported", flush=True)
+        floor = None
     search_id = uuid.uuid4().hex
     started = time.monotonic()
     last_record: dict = {}
     peaks: dict[int, int | None] = {}
 
-    def probe(seq_len: int) -> str:
+    def probe(seq_len: int) -> tuple[str, int | None]:
         nonlocal last_record
         record = run(cfg.replace(seq_len=seq_len))
         record["search_id"] = search_id
@@ -248,10 +254,8 @@ def run_search(
     outcome = search_max_length(probe, granularity=granularity, min_len=min_len, max_len=max_len,
                                 start_len=start_len, budget=budget)
 
-    floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype)
-    limit = floor.max_seq_len(budget, granularity) if budget is not None else None
-    default_sp = cfg.world_size if sharding_of(cfg.method).splits_sequence else 1
-    sp_size = last_record.get("sp_size") or cfg.sp_size or default_sp  # a probe's record knows best
+    limit = floor.max_seq_len(budget, granularity) if floor is not None and budget is not None else None
+    sp_size = last_record.get("sp_size") or cfg.sp_size or 1  # the probes' records know the method's default
     row = new_record(cfg.replace(seq_len=outcome.max_seq_len or 0), sp_size=sp_size)
     for inherited in ("device_name", "implementation"):  # what only a probe knows
         row[inherited] = last_record.get(inherited, row[inherited])
@@ -273,7 +277,7 @@ def run_search(
         num_probes=len(outcome.probes),
         floor_limit_seq_len=limit,
         achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None,
-        floor=floor.to_dict(),
+        floor=floor.to_dict() if floor is not None else None,
         wall_s=round(time.monotonic() - started, 3),
     )
     append_record(out, row)
