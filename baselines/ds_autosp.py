@@ -1,0 +1,115 @@
+"""`ds-autosp`: DeepSpeed's own AutoSP, run as its documentation says, as a peer to measure against.
+
+Setup: `deepspeed.initialize` with `{"zero_optimization": {"stage": 0}, "compile": {"deepcompile": true,
+"passes": ["autosp"]}, "sequence_parallel_size": P}` (AutoSP composes with ZeRO 0/1 only; with 2/3 DeepSpeed
+silently falls back to plain torch.compile), then `engine.compile()` — its AutoSP backend shards the traced
+graph, inserts its all-to-alls and its long-context checkpointing, and always compiles with inductor.
+Each step: this dp rank's rows of the *full* sequence go through `prepare_autosp_inputs(input_ids, labels,
+position_ids, attention_mask)` (position_ids = arange when the data has none, as DeepSpeed's example does) and
+into the engine; the model computes its own loss (labels shifted inside, HF style); `engine.backward`,
+`engine.step`. DeepSpeed reduces gradients over all ranks itself.
+
+`hf:<preset>` models run with HF's default `use_cache=True` (the harness builds them with False): HF then calls
+SDPA with `is_causal=True` and no mask, the only form DeepSpeed's pass can shard (with an explicit [B,1,S,S]
+mask built from the sharded positions its compile fails). The math is the same as the reference's.
+
+This adapter does not correct DeepSpeed: where AutoSP refuses a case (e.g. heads not divisible by P, an
+attention mask it cannot rebuild) the run ends with DeepSpeed's own error, and where its numbers differ from
+single-process training `autosp check` reports the difference. The loss returned is what a DeepSpeed user
+logs: the mean over ranks of each rank's `outputs.loss`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autosp.config import ConfigError, RunConfig
+from baselines.base import Strategy, TrainStep, register
+from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.parallel import ParallelContext
+
+
+def autosp_config(cfg: RunConfig, sp_size: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**31 - 1,
+        "zero_optimization": {"stage": 0},
+        "compile": {"deepcompile": True, "passes": ["autosp"]},
+        "sequence_parallel_size": sp_size,
+    }
+    if cfg.dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif cfg.dtype == "float16":
+        config["fp16"] = {"enabled": True}
+    return config
+
+
+class DeepSpeedAutoSPStep(TrainStep):
+    implementation = "deepspeed-autosp (inductor)"
+
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+        deepspeed = import_deepspeed("ds-autosp")
+        from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
+
+        self.prepare_autosp_inputs = prepare_autosp_inputs
+        self.ctx = ctx
+        if hasattr(model, "config"):  # hf:<preset>: HF's default, under which SDPA gets is_causal=True, no mask
+            model.config.use_cache = True
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=autosp_config(cfg, ctx.sp_size)
+        )
+        self.engine.compile(backend="inductor")
+
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        rows = batch.input_ids.shape[0] // self.ctx.dp_size
+        mine = batch.rows(self.ctx.dp_rank * rows, (self.ctx.dp_rank + 1) * rows).to(self.ctx.device)
+        position_ids = mine.position_ids
+        if position_ids is None:
+            position_ids = torch.arange(mine.input_ids.shape[1], device=self.ctx.device).expand(rows, -1)
+        # fresh tensors each step: prepare_autosp_inputs tags and marks them dynamic in place
+        inputs = self.prepare_autosp_inputs(
+            mine.input_ids.clone(), mine.labels.clone(), position_ids.clone(), mine.attention_mask, seq_dim=1
+        )
+        input_ids, labels, position_ids, attention_mask = inputs
+        kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
+        loss = self.engine(input_ids=input_ids, labels=labels, position_ids=position_ids, **kwargs).loss
+        self.engine.backward(loss)
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)
+        return logged / dist.get_world_size()
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # also zeroes the gradients
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
+
+
+@register
+class DeepSpeedAutoSP(Strategy):
+    name = "ds-autosp"
+    description = "DeepSpeed's reference AutoSP (deepcompile pass 'autosp', ZeRO-0), run as documented"
+    sequence_parallel = True
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        require_deepspeed(self.name)
+        super().validate(cfg, num_heads, num_kv_heads)
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        if ctx.mesh is None:
+            raise ConfigError("--method ds-autosp needs a process group; use --world-size >= 2")
+        return DeepSpeedAutoSPStep(model, ctx, cfg)
