@@ -90,14 +90,16 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
     """Sum every gradient over `group`, in flat buckets of at most BUCKET_ELEMENTS."""
     grads = [p.grad for p in params if p.grad is not None]
     bucket: list[Tensor] = []
+    size = 0
     for i, grad in enumerate(grads):
         bucket.append(grad)
-        if sum(g.numel() for g in bucket) >= BUCKET_ELEMENTS or i == len(grads) - 1:
+        size += grad.numel()
+        if size >= BUCKET_ELEMENTS or i == len(grads) - 1:
             flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=group)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(reduced)
-            bucket = []
+            bucket, size = [], 0
 
 
 class SequenceParallelStep(TrainStep):
