@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from autosp.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.ring_attention import zigzag_positions, zigzag_ring_attention
-from baselines.sequence_parallel import SequenceParallelStep, attention_modules
+from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:
     from autosp.parallel import ParallelContext
@@ -59,6 +59,7 @@ class Ring(Strategy):
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
+        require_project_llama(cfg)
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.seq_len % (2 * sp):
             raise ConfigError(

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autosp.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
+from autosp.models.presets import is_hf_name
 from baselines.base import TrainStep
 
 if TYPE_CHECKING:
@@ -67,6 +68,15 @@ def shard_batch(batch: "Batch", ctx: "ParallelContext", positions: Tensor) -> Se
         full_mask=build_attention_mask(full_positions, mine.attention_mask) if needs_mask else None,
         num_items=batch.num_valid_labels(),
     )
+
+
+def require_project_llama(cfg: RunConfig) -> None:
+    """The hand-written SP baselines hook the project Llama's attention core; HF models have no such hook here."""
+    if is_hf_name(cfg.model):
+        raise ConfigError(
+            f"--method {cfg.method} swaps the project Llama's attention core; use a project preset "
+            f"(e.g. --model {cfg.model.split(':', 1)[1]}), not {cfg.model}"
+        )
 
 
 def attention_modules(model: nn.Module, method: str) -> list[LlamaAttention]:

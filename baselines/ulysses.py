@@ -24,7 +24,12 @@ from autosp.config import ConfigError, RunConfig
 from autosp.models.llama import sdpa_attention
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import import_deepspeed, require_deepspeed
-from baselines.sequence_parallel import SequenceParallelStep, attention_modules, checkpoint_layers
+from baselines.sequence_parallel import (
+    SequenceParallelStep,
+    attention_modules,
+    checkpoint_layers,
+    require_project_llama,
+)
 
 if TYPE_CHECKING:
     from autosp.parallel import ParallelContext
@@ -68,6 +73,7 @@ class Ulysses(Strategy):
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         require_deepspeed(self.name)
         super().validate(cfg, num_heads, num_kv_heads)
+        require_project_llama(cfg)
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if num_heads % sp:
             raise ConfigError(

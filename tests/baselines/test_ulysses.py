@@ -22,9 +22,7 @@ def test_ulysses_rejects_heads_not_divisible_by_sp() -> None:
         get_strategy("ulysses").validate(RunConfig("ulysses", "tiny", 96, world_size=3), 4, 2)
 
 
-def test_ulysses_refuses_hf_models_it_cannot_hook() -> None:
-    from autosp.models import build_model
-    from baselines.sequence_parallel import attention_modules
-
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_hand_written_sp_refuses_hf_models_it_cannot_hook(method: str) -> None:
     with pytest.raises(ConfigError, match="project preset"):
-        attention_modules(build_model("hf:tiny"), "ulysses")
+        get_strategy(method).validate(RunConfig(method, "hf:tiny", 64, world_size=2), 4, 2)
