@@ -18,8 +18,8 @@ from autosp.config import ConfigError
 #: runs are comparable only within one (model, ranks, device, budget) setting
 TRAINABILITY_GROUP = ["model", "world_size", "device", "memory_budget"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
-#: the baselines the paper compares AutoSP's trainability with
-TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3")
+#: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
+TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
 ITER_TIME_MEDIAN = "iter_time_s.median"  # flattened name of the record's iter_time_s.median
 
 
