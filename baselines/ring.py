@@ -13,7 +13,8 @@ refused with a ConfigError. Every query and KV head stays on every rank (no head
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

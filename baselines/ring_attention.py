@@ -183,6 +183,7 @@ class _ZigzagRingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         k_cur, v_cur = k, v
         dk_acc = dv_acc = None  # gradient of the K/V block held now, summed over the ranks it has visited
+        acc_works: list = []
         for step in range(ring.size):
             if step + 1 < ring.size:
                 (k_next, v_next), kv_works = ring.start([k_cur, v_cur])

@@ -16,8 +16,9 @@ the full-sequence mask (`SequenceShard.full_mask`) where the data needs one.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

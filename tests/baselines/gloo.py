@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
