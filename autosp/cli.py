@@ -121,8 +121,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_methods(args: argparse.Namespace) -> int:
     from baselines.base import get_strategy, method_names
 
-    for name in method_names():
-        print(f"{name:<14}{get_strategy(name).description}")
+    names = method_names()
+    width = max(map(len, names)) + 2
+    for name in names:
+        print(f"{name:<{width}}{get_strategy(name).description}")
     return 0
 
 

@@ -34,6 +34,8 @@ from autosp.config import ConfigError
 #: how long a rank that already failed gives the others to report, so the first failure's message wins
 _GRACE_S = 1.0
 _POLL_S = 0.05
+#: how long ranks that all reported success get to exit normally before their process groups are killed
+_EXIT_GRACE_S = 30.0
 
 
 @dataclass
@@ -236,6 +238,9 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
             if failures and fail_deadline is None:
                 fail_deadline = time.monotonic() + _GRACE_S
     finally:
+        if not failures:  # let finished ranks exit by themselves (their atexit clean-up runs), then reap the rest
+            for p in procs:
+                p.join(timeout=max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
         _kill_groups(procs)
         results.close()
     elapsed = time.monotonic() - start

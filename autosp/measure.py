@@ -13,6 +13,14 @@ Memory, per device kind:
   with everything resident from setup and warm-up). The same program allocates the same sizes in the same
   order, so the number is identical across repeated runs.
 
+  Communication threads: a collective's tensors are also referenced by its Work object, which
+  torch.distributed's worker threads (gloo) release right after completing it. Whichever thread drops the last
+  reference frees the tensor, and frees in those (unprofiled) threads are invisible, so the count would depend
+  on thread timing. While the meter runs, every `Work.wait()` therefore lingers briefly (`SETTLE_S`) after the
+  collective completes, so the worker has let go and the frees happen, visibly, in the training thread. This
+  covers every wait issued from Python (dist.* calls, FSDP2, DeepSpeed, the autosp all-to-all op); a wait
+  inside C++ (`_c10d_functional.wait_tensor` from traced functional collectives) is not covered.
+
   Covered: every tensor storage made through c10's CPU allocator, in eager, aot_eager and inductor code alike
   (inductor's generated wrappers allocate buffers with `empty_strided`, and reuse them, which is why fewer
   events show up under inductor: the memory is really not allocated). Not covered: memory allocated before
@@ -147,7 +155,7 @@ class CpuAllocationMeter(MemoryMeter):
     def session(self) -> Iterator[None]:
         self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                 profile_memory=True)
-        with self._profiler:
+        with settled_collectives(), self._profiler:
             yield
         self._report = allocation_peak(self._profiler, self.MARK)
 
@@ -160,6 +168,28 @@ class CpuAllocationMeter(MemoryMeter):
         if self._report is None:
             raise RuntimeError("no measured step: run one inside session() first")
         return self._report
+
+
+#: how long a completed collective's wait() lingers while memory is measured (see the module docstring)
+SETTLE_S = 0.002
+
+
+@contextlib.contextmanager
+def settled_collectives() -> Iterator[None]:
+    """Make collectives' tensors be freed by the calling thread: wait() returns only after the worker let go."""
+    work_type = torch.distributed.Work
+    original = work_type.wait
+
+    def wait_and_settle(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        time.sleep(SETTLE_S)
+        return result
+
+    work_type.wait = wait_and_settle
+    try:
+        yield
+    finally:
+        work_type.wait = original
 
 
 def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autosp.config import ConfigError, RunConfig
-from autosp.measure import CpuAllocationMeter, format_size, parse_size, summarize_times
+from autosp.measure import CpuAllocationMeter, format_size, parse_size, settled_collectives, summarize_times
 from autosp.runner import run
 
 
@@ -52,6 +52,21 @@ def test_cpu_peak_is_deterministic_and_grows_with_sequence_length() -> None:
     assert first["peak_mem_bytes"] == second["peak_mem_bytes"] > 0
     assert double["peak_mem_bytes"] > 1.5 * first["peak_mem_bytes"]
     assert first["extra"]["memory"]["memory_kind"] == "cpu-profiler-allocations"
+
+
+def test_two_rank_peak_is_deterministic() -> None:
+    """Collectives free tensors from gloo's worker threads unless the meter settles them (see autosp.measure)."""
+    cfg = RunConfig(method="ulysses", model="tiny", seq_len=512, world_size=2, steps=1, warmup=1, timeout_s=180)
+    first, second = run(cfg), run(cfg)
+    assert first["status"] == second["status"] == "ok", (first["error"], second["error"])
+    assert first["peak_mem_by_rank"] == second["peak_mem_by_rank"]
+
+
+def test_settled_collectives_restores_wait() -> None:
+    original = torch.distributed.Work.wait
+    with settled_collectives():
+        assert torch.distributed.Work.wait is not original
+    assert torch.distributed.Work.wait is original
 
 
 def test_peak_above_budget_is_oom() -> None:
