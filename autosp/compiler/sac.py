@@ -376,9 +376,9 @@ class SacPartitioner(CustomPartitionerFn):
     """Callable partition function for aot_autograd; also a valid ``torch._inductor.config
     .custom_partitioner_fn`` (its uuid keys Inductor's caches by policy and this file's source).
 
-    ``records`` collects one PartitionRecord per joint graph partitioned. Under Inductor a warm compile cache
-    skips partitioning (no record); ``cacheable=False`` turns Inductor's caches off for this partitioner so
-    the records are always there."""
+    ``records`` collects one PartitionRecord per joint graph partitioned. Under Inductor a warm AOTAutograd
+    cache skips partitioning (no record); ``cacheable=False`` makes ``compile_with_partitioner`` bypass that
+    cache so the records are always there."""
 
     def __init__(self, policy: Policy, *, cacheable: bool = True) -> None:
         self.policy = policy
@@ -402,8 +402,7 @@ class SacPartitioner(CustomPartitionerFn):
         return fw_module, bw_module
 
     def uuid(self) -> Any:
-        if not self.cacheable:
-            return None  # Inductor: None skips its caches
+        # Never None: Inductor would then key the artifact like the stock partitioner's.
         return (str(self.policy), get_hash_for_files((__file__,)))
 
 
@@ -431,7 +430,9 @@ def compile_with_partitioner(
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        with inductor_config.patch(custom_partitioner_fn=partition_fn):
+        with inductor_config.patch(custom_partitioner_fn=partition_fn), functorch_config.patch(
+            enable_autograd_cache=functorch_config.enable_autograd_cache and partition_fn.cacheable
+        ):
             return compile_fx(gm, example_inputs)
     if inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
