@@ -19,11 +19,17 @@ class SequenceParallelModule(torch.nn.Module):
     outputs that run along the sequence (logits, hidden states) come back as this rank's shard: positions
     [r*S/P, (r+1)*S/P) for SP rank r."""
 
-    def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup):
+    def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable):
         super().__init__()
         self.module = model
         self._compiled = compiled
         self.sp_group = sp_group
+        self._backend = backend
+
+    @property
+    def partition_records(self) -> list:
+        """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
+        return list(getattr(self._backend, "partition_fn").records)
 
     def forward(self, *args, **kwargs):
         try:
@@ -80,7 +86,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
-    return SequenceParallelModule(model, compiled, sp_group)
+    return SequenceParallelModule(model, compiled, sp_group, sp_backend)
 
 
 def backend(

@@ -7,13 +7,14 @@ scaled by dp_size for backward, because AutoSP averages gradients over replicas.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.activations import compiled_breakdown
 from autosp.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
 
@@ -43,6 +44,14 @@ class AutoSPTrainStep(TrainStep):
         if ctx.dp_size > 1:
             dist.all_reduce(total, group=ctx.dp_group)
         return total
+
+    def metrics(self) -> dict[str, Any]:
+        """Bytes each compiled graph saves for backward, total and by operator category (the SAC comparison)."""
+        records = self.compiled.partition_records
+        if not records:
+            return {}
+        return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
+                "saved_by_category": compiled_breakdown(records)}
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

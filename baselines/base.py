@@ -11,7 +11,7 @@ produce, on every rank, the loss of the whole global batch as single-process tra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -43,6 +43,10 @@ class TrainStep(ABC):
     @abstractmethod
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter's full (unsharded) value on CPU, keyed like `model.named_parameters()`."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Method-specific numbers for the record's `extra` (e.g. bytes saved for backward); read after the steps."""
+        return {}
 
 
 class Strategy(ABC):

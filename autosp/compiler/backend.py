@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import sync_gradients
+from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.specialize import is_symbolic, per_length
 from autosp.errors import SequenceParallelError
@@ -31,9 +32,9 @@ def make_backend(
     are summed over it and divided by `dp_size` during backward."""
     if inner not in INNER_BACKENDS:
         raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
-    from autosp.compiler.sac import parse_policy  # validated before any compilation starts
-
-    parse_policy(sac)
+    # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the records of
+    # what every graph saves exist on each run, not only on a cold cache
+    partition_fn = make_partition_fn(sac, cacheable=False)  # also validates the policy before any compilation
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -46,15 +47,9 @@ def make_backend(
 
     def compile_static(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
-        return lower(gm, example_inputs, sac=sac, inner=inner)
+        if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
+            return gm.forward
+        return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
 
+    compile_graph.partition_fn = partition_fn  # its .records tell what each compiled graph saves for backward
     return compile_graph
-
-
-def lower(gm: fx.GraphModule, example_inputs: list[Any], *, sac: str, inner: str) -> Callable:
-    """Compile the rewritten graph: forward+backward through aot_autograd with the SAC partition function."""
-    if inner == "eager":
-        return gm.forward
-    from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
-
-    return compile_with_partitioner(gm, example_inputs, partition_fn=make_partition_fn(sac), inner=inner)

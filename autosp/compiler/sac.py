@@ -40,7 +40,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autosp.config import ConfigError
+from autosp.errors import ConfigError
 
 aten = torch.ops.aten
 
