@@ -71,7 +71,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     shown = table.assign(iter_ms=table["iter_time_s"] * 1e3, min_ms=table["iter_time_min_s"] * 1e3,
                          max_ms=table["iter_time_max_s"] * 1e3)
     columns = ["model", "seq_len", "method", "repeats", "iter_ms", "min_ms", "max_ms", "tokens_per_s",
-               f"speed_vs_{ratio_to}"]
+               f"speed_vs_{ratio_to}", f"tokens_per_s_vs_{ratio_to}"]
     with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
         print(shown[columns].to_string(index=False))
     return 0

@@ -76,6 +76,7 @@ def test_throughput_spread_over_repeats_and_speed_ratio() -> None:
     row = t.loc[(1024, "autosp")]
     assert (row["repeats"], row["iter_time_s"], row["iter_time_min_s"], row["iter_time_max_s"]) == (3, 2.0, 1.8, 2.2)
     assert row["speed_vs_ulysses"] == pytest.approx(0.5)
+    assert row["tokens_per_s_vs_ulysses"] == pytest.approx(0.5)  # same tokens per step here
     assert math.isnan(t.loc[(2048, "autosp"), "speed_vs_ulysses"])
 
 
