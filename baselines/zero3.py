@@ -3,8 +3,10 @@ partitioned over the data-parallel ranks; every rank trains its own full-length 
 
 `stage3_param_persistence_threshold: 0` partitions every parameter, however small (DeepSpeed's default keeps
 parameters under 100K elements whole on every rank, which on the small CPU presets would be nearly all of them
-and turn ZeRO-3 into plain data parallelism). The optimizer is the same torch AdamW as the reference, handed to
-DeepSpeed as a client optimizer (DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages
+and turn ZeRO-3 into plain data parallelism). Its communication buckets are capped at the model's parameter
+count: DeepSpeed allocates the whole reduce bucket (default 5e8 elements, 1.9 GiB in fp32) up front, which on a
+model smaller than that is pure overhead no tuned setup would keep. The optimizer is the same torch AdamW as the
+reference, handed to DeepSpeed as a client optimizer (DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages
 gradients over the dp ranks, so the backward loss (each rank's share of the global token mean) is multiplied
 by dp_size to make that average a sum. On gloo the shared-memory comm op build is skipped (`deepspeed_env`).
 """
@@ -25,7 +27,13 @@ if TYPE_CHECKING:
     from autosp.parallel import ParallelContext
 
 
-def zero3_config(cfg: RunConfig) -> dict[str, Any]:
+#: DeepSpeed's defaults (elements); its reduce bucket is allocated whole (5e8 fp32 = 1.9 GiB) at the first backward
+DEFAULT_REDUCE_BUCKET = 500_000_000
+DEFAULT_PREFETCH_BUCKET = 50_000_000
+
+
+def zero3_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
+    """ZeRO-3 as tuned for this model: every parameter partitioned, buckets no larger than the model."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.batch_size,
         "gradient_accumulation_steps": 1,
@@ -35,6 +43,8 @@ def zero3_config(cfg: RunConfig) -> dict[str, Any]:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": min(DEFAULT_REDUCE_BUCKET, num_params),
+            "stage3_prefetch_bucket_size": min(DEFAULT_PREFETCH_BUCKET, num_params),
             "contiguous_gradients": True,
             "overlap_comm": cfg.device != "cpu",
         },
@@ -53,7 +63,8 @@ class Zero3Step(TrainStep):
         self.deepspeed = import_deepspeed("zero3")
         self.ctx = ctx
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_config(cfg))
+        config = zero3_config(cfg, sum(p.numel() for p in model.parameters()))
+        self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:
         loss, total = local_loss(self.engine, batch, self.ctx)

@@ -33,3 +33,12 @@ def _every_parameter_partitioned(rank: int, world: int) -> None:
 def test_zero3_partitions_even_tiny_parameters() -> None:
     run_ranks(2, _every_parameter_partitioned)
 
+
+
+def test_zero3_buckets_never_exceed_the_model() -> None:
+    from baselines.zero3 import DEFAULT_REDUCE_BUCKET, zero3_config
+
+    zero = zero3_config(RunConfig("zero3", "tiny", 64, world_size=2), num_params=1000)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 1000
+    big = zero3_config(RunConfig("zero3", "tiny", 64, world_size=2), num_params=8 * 10**9)["zero_optimization"]
+    assert big["reduce_bucket_size"] == DEFAULT_REDUCE_BUCKET
