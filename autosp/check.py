@@ -19,8 +19,9 @@ Low-precision dtypes get looser, uncalibrated defaults (see `default_tolerance`)
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from autosp.config import ConfigError, DataConfig, RunConfig
 from autosp.measure import format_size, parse_size

@@ -23,8 +23,9 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,7 +152,7 @@ def _init_group(device: str, rank: int, world_size: int, timeout_s: float) -> No
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, results: "mp.Queue") -> None:
+            fn: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
     """Body of a spawned rank: own process group, bind device, join the group, run, report, leave."""
     os.setpgid(0, 0)  # the parent ends this rank and everything it starts with one killpg
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -249,7 +250,7 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
     return _failed(failures, values, elapsed)
 
 
-def _drain(results: "mp.Queue", take: Callable[[tuple], None]) -> None:
+def _drain(results: mp.Queue, take: Callable[[tuple], None]) -> None:
     try:
         while True:
             take(results.get(timeout=0.2))

@@ -32,12 +32,13 @@ Memory, per device kind:
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 import re
 import statistics
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,7 +65,7 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def format_size(num_bytes: int | float | None) -> str:
+def format_size(num_bytes: float | None) -> str:
     """Human-readable binary size, e.g. 1.50 GiB."""
     if num_bytes is None:
         return "-"

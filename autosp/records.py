@@ -12,11 +12,12 @@ import platform
 import socket
 import subprocess
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import platform
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _SAC = re.compile(r"^(off|sac|full|budget=(0(\.\d+)?|1(\.0+)?))$")
 
 
-def _positive(name: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
     if value is None or value < 0 or (value == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
         raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
@@ -126,9 +127,9 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
                               "losses": losses, "samples": [], "status": "ok"}
     if device.type == "cpu" and cfg.memory_budget is not None:
         # All ranks decide together (max over ranks) so none is left waiting in a collective.
-        worst = _max_over_ranks(meter.report().peak_bytes)
-        if worst > cfg.memory_budget:
-            result.update(status="oom", peak=meter.report().peak_bytes, memory=meter.report().detail)
+        measured = meter.report()
+        if _max_over_ranks(measured.peak_bytes) > cfg.memory_budget:
+            result.update(status="oom", peak=measured.peak_bytes, memory=measured.detail)
             return result
     for _ in range(cfg.steps):
         loss, seconds = timed(lambda: train_step(step, batch), device)

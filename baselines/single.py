@@ -22,7 +22,7 @@ class SingleTrainStep(TrainStep):
         self.device = device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # torch defaults, as every method uses
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         loss = self.model(**batch.to(self.device).model_kwargs()).loss
         loss.backward()
         return loss.detach()
@@ -50,5 +50,5 @@ class Single(Strategy):
         if cfg.sp_size not in (None, 1):
             raise ConfigError(f"--method single has no sequence parallelism; drop --sp-size {cfg.sp_size}")
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return SingleTrainStep(model, ctx.device, cfg.lr)

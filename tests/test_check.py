@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from autosp.check import CheckReport, compare, check, parameter_group, relative_error
+from autosp.check import CheckReport, check, compare, parameter_group, relative_error
 from autosp.config import DataConfig, RunConfig
 
 PERTURBED_MODULE = "tests.perturbed_method"
