@@ -35,7 +35,7 @@ def _flash_ring(group: dist.ProcessGroup) -> Callable[[Tensor, Tensor, Tensor], 
     from ring_flash_attn import zigzag_ring_flash_attn_func
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, H, S/P, D] <-> flash-attn's [B, S/P, H, D]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         return zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group).transpose(1, 2)
 
     return attend
