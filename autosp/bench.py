@@ -60,17 +60,17 @@ def run_bench(
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from autosp.search import config_from_args
+    from autosp.cli import run_config_from_args
 
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
         raise ConfigError("--methods needs at least one method, e.g. --methods autosp,ulysses")
     ratio_to = args.ratio_to or (methods[0] if "ulysses" not in methods else "ulysses")
-    table = run_bench(config_from_args(args, method=methods[0]), methods=methods, seq_lens=_seq_lens(args.seq_lens),
+    table = run_bench(run_config_from_args(args, method=methods[0], seq_len=1), methods=methods, seq_lens=_seq_lens(args.seq_lens),
                       repeats=args.repeats, out=args.out, ratio_to=ratio_to)
     shown = table.assign(iter_ms=table["iter_time_s"] * 1e3, min_ms=table["iter_time_min_s"] * 1e3,
-                         max_ms=table["iter_time_max_s"] * 1e3)
-    columns = ["model", "seq_len", "method", "repeats", "iter_ms", "min_ms", "max_ms", "tokens_per_s",
+                         max_ms=table["iter_time_max_s"] * 1e3, peak_mib=table["peak_mem_bytes"] / 2**20)
+    columns = ["model", "seq_len", "method", "repeats", "peak_mib", "iter_ms", "min_ms", "max_ms", "tokens_per_s",
                f"speed_vs_{ratio_to}", f"tokens_per_s_vs_{ratio_to}"]
     with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
         print(shown[columns].to_string(index=False))
@@ -89,7 +89,7 @@ def _seq_lens(text: str) -> list[int]:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp bench --methods a,b --model X --seq-lens 1024,2048 --world-size P --repeats N --out FILE`."""
-    from autosp.search import add_run_options
+    from autosp.cli import add_run_config_arguments
 
     p = subparsers.add_parser("bench", help="iteration time and tokens/s of several methods at fixed lengths")
     p.add_argument("--methods", required=True, help="comma-separated, e.g. autosp,ulysses,zero3")
@@ -97,5 +97,5 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="independent runs per (method, length)")
     p.add_argument("--ratio-to", default=None, help="reference method for speed ratios (default: ulysses if given)")
     p.add_argument("--out", default="results/bench.jsonl")
-    add_run_options(p, steps=3)
+    add_run_config_arguments(p, varied=("method", "seq_len"))
     p.set_defaults(func=_cmd_bench)

@@ -41,13 +41,17 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.defau
 _DATA_DEFAULTS = DataConfig()
 
 
-def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field (and per DataConfig field, prefixed), defaults taken from the dataclasses."""
+def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequence[str] = ()) -> None:
+    """One flag per RunConfig field (and per DataConfig field, prefixed), defaults taken from the dataclasses.
+
+    `varied`: fields a command sets itself (e.g. `search` varies seq_len, `bench` also the method)."""
     d = _DEFAULTS
     g = parser.add_argument_group("run configuration")
-    g.add_argument("--method", required=True, help="training method (see `autosp methods`), e.g. single, autosp")
+    if "method" not in varied:
+        g.add_argument("--method", required=True, help="training method (see `autosp methods`), e.g. single, autosp")
     g.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.2-1b, hf:tiny")
-    g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    if "seq_len" not in varied:
+        g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per data-parallel replica")
     g.add_argument("--world-size", type=int, default=d["world_size"], help="number of ranks")
     g.add_argument("--sp-size", type=int, default=d["sp_size"], help="SP degree (default: the method's)")
@@ -73,16 +77,17 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
 
 
-def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig the flags of `add_run_config_arguments` describe (sizes parsed, e.g. 512MiB)."""
+def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
+    """The RunConfig the flags of `add_run_config_arguments` describe (sizes parsed, e.g. 512MiB); `varied`
+    supplies the fields the command set itself (a placeholder method or length for search/bench)."""
     budget = parse_size(args.memory_budget) if args.memory_budget is not None else None
     data = DataConfig(ignore_fraction=args.data_ignore_fraction, packed_documents=args.packed_documents,
                       pad_fraction=args.pad_fraction)
-    return RunConfig(method=args.method, model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                     world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype, device=args.device,
-                     seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
-                     compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s,
-                     data=data)
+    fields = dict(method=getattr(args, "method", None), model=args.model, seq_len=getattr(args, "seq_len", None),
+                  batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
+                  device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
+                  compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data)
+    return RunConfig(**{**fields, **varied})
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -284,43 +284,11 @@ def run_search(
     return row
 
 
-def add_run_options(p: argparse.ArgumentParser, *, steps: int) -> None:
-    """Options that fix a run apart from method and length (shared by `search` and `bench`).
-
-    Same flags and defaults as `autosp run` (autosp.cli), minus --method/--seq-len, which these commands vary.
-    """
-    from autosp.measure import parse_size
-
-    d = RunConfig(method="", model="", seq_len=1)
-    p.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.1-8b, hf:tiny")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks P")
-    p.add_argument("--sp-size", type=int, default=d.sp_size, help="SP degree (default: the method's own)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per data-parallel replica")
-    p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float16")
-    p.add_argument("--device", default=d.device, help="cpu | cuda (ROCm builds of torch use cuda too)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sac", default=d.sac, help="autosp checkpointing: off | sac | full | budget=<fraction>")
-    p.add_argument("--compile-backend", default=d.compile_backend, help="inductor | aot_eager | eager")
-    p.add_argument("--memory-budget", type=parse_size, default=None,
-                   help="per-rank bytes, e.g. 64MiB (CPU: emulated device size, required; GPU: default = device)")
-    p.add_argument("--steps", type=int, default=steps, help="timed steps per run (after warm-up and the measured step)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps (>= 1 so AdamW's states exist at the peak)")
-    p.add_argument("--timeout", "--timeout-s", dest="timeout_s", type=float, default=d.timeout_s, help="seconds per run")
-
-
-def config_from_args(args: argparse.Namespace, *, method: str) -> RunConfig:
-    return RunConfig(
-        method=method, model=args.model, seq_len=1, batch_size=args.batch_size, world_size=args.world_size,
-        sp_size=args.sp_size, dtype=args.dtype, device=args.device, seed=args.seed, steps=args.steps,
-        warmup=args.warmup, sac=args.sac, compile_backend=args.compile_backend, memory_budget=args.memory_budget,
-        timeout_s=args.timeout_s,
-    )
-
-
 def _cmd_search(args: argparse.Namespace) -> int:
+    from autosp.cli import run_config_from_args
     from autosp.measure import format_size
 
-    cfg = config_from_args(args, method=args.method)
+    cfg = run_config_from_args(args, seq_len=1)
     row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
                      start_len=args.start_len, resume=args.resume)
     ratio = row["achieved_over_limit"]
@@ -337,9 +305,11 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp search --method M --model X --world-size P [--memory-budget B] ... --out FILE`."""
+    from autosp.cli import add_run_config_arguments
+
     p = subparsers.add_parser("search", help="maximum trainable sequence length of one method (OOM search)")
-    p.add_argument("--method", required=True)
-    add_run_options(p, steps=1)
+    add_run_config_arguments(p, varied=("seq_len",))
+    p.set_defaults(steps=1)
     p.add_argument("--granularity", type=int, default=None, help="length step (default 2*P*128)")
     p.add_argument("--min-len", type=int, default=None, help="shortest length tried (default: the granularity)")
     p.add_argument("--max-len", type=int, default=1 << 20, help="longest length tried")
