@@ -16,14 +16,14 @@ from torch import nn
 import autosp
 from autosp.activations import compiled_breakdown
 from autosp.config import ConfigError, RunConfig
-from baselines.base import Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
     from autosp.parallel import ParallelContext
 
 
-class AutoSPTrainStep(TrainStep):
+class AutoSPTrainStep(ReplicatedTrainStep):
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
         self.model = model
         self.ctx = ctx
@@ -52,17 +52,6 @@ class AutoSPTrainStep(TrainStep):
             return {}
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records)}
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
-                for n, p in self.model.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
 
 
 @register

@@ -49,6 +49,25 @@ class TrainStep(ABC):
         return {}
 
 
+class ReplicatedTrainStep(TrainStep):
+    """A step whose model and AdamW state are replicated on every rank (`self.model`, `self.optimizer`):
+    gradients are already full after backward, so the full values are the local ones."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+                for n, p in self.model.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+
+
 class Strategy(ABC):
     """A training method, registered by name (`--method NAME`)."""
 

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from autosp.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
 from autosp.models.presets import is_hf_name
-from baselines.base import TrainStep
+from baselines.base import ReplicatedTrainStep
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -113,7 +113,7 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
             bucket, size = [], 0
 
 
-class SequenceParallelStep(TrainStep):
+class SequenceParallelStep(ReplicatedTrainStep):
     """A training step around a model whose attention core was replaced by a sequence-parallel one.
 
     `positions(seq_len)` gives the global sequence positions this rank holds; `set_full_mask` is told the full
@@ -155,13 +155,3 @@ class SequenceParallelStep(TrainStep):
 
     def metrics(self) -> dict[str, object]:
         return dict(self.extra)
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}

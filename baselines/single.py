@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from autosp.config import ConfigError, RunConfig
-from baselines.base import Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
     from autosp.parallel import ParallelContext
 
 
-class SingleTrainStep(TrainStep):
+class SingleTrainStep(ReplicatedTrainStep):
     implementation = "torch-eager"
 
     def __init__(self, model: nn.Module, device: torch.device, lr: float):
@@ -26,17 +26,6 @@ class SingleTrainStep(TrainStep):
         loss = self.model(**batch.to(self.device).model_kwargs()).loss
         loss.backward()
         return loss.detach()
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
-                for n, p in self.model.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
 
 
 @register
