@@ -38,15 +38,16 @@ def make_backend(
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        sync_gradients(
-            (t for t in example_inputs if isinstance(t, torch.nn.Parameter)), reduce_group or sp_group, dp_size
-        )
+        if dist.get_world_size(reduce_group or sp_group) > 1:
+            params = (t for t in example_inputs if isinstance(t, torch.nn.Parameter))
+            sync_gradients(params, reduce_group or sp_group, dp_size)
         if is_symbolic(example_inputs):
             return per_length(gm, compile_static)
         return compile_static(gm, example_inputs)
 
     def compile_static(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
+        if sp_size > 1:  # an SP degree of 1 is single-device training: only the checkpointing policy applies
+            gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
         if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
             return gm.forward
         return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)

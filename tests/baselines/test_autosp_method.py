@@ -28,6 +28,7 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
     ("tiny-mha", 4, dict(packed_documents=3)),  # MHA, packed documents through position_ids
     ("tiny", 4, dict(pad_fraction=0.25, ignore_fraction=0.2)),  # 2 KV heads < SP 4: replicated; padding mask
     ("small", 4, dict(sp_size=2, ignore_fraction=0.3)),  # 2-D mesh: 2 SP groups x 2 data-parallel replicas
+    ("tiny", 2, dict(sp_size=1, ignore_fraction=0.3)),  # SP degree 1: compiled data parallelism only
 ])
 def test_project_llama_matches_single_process(model, world_size, options):
     _check(model, world_size, sac="off" if world_size == 4 else "sac", **options)
