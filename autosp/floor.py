@@ -20,26 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, asdict
-from typing import Protocol
 
 import torch
 
 from autosp.config import ConfigError
+from autosp.models.presets import ModelPreset
 
 FP32_BYTES = 4
 ADAMW_STATES_PER_PARAM = 2  # exp_avg and exp_avg_sq
-
-
-class PresetLike(Protocol):
-    """The model shape the floor needs (autosp.models.ModelPreset satisfies it)."""
-
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -109,7 +97,7 @@ def sharding_of(method: str) -> MethodSharding:
     return METHOD_SHARDING[method]
 
 
-def layer_parameter_count(preset: PresetLike) -> int:
+def layer_parameter_count(preset: ModelPreset) -> int:
     """Parameters of one decoder layer: attention projections (GQA), SwiGLU MLP, two RMSNorm weights."""
     d = preset.hidden_size
     head_dim = d // preset.num_attention_heads
@@ -119,7 +107,7 @@ def layer_parameter_count(preset: PresetLike) -> int:
     return attention + mlp + 2 * d
 
 
-def parameter_count(preset: PresetLike) -> int:
+def parameter_count(preset: ModelPreset) -> int:
     """All parameters: embedding, layers, final norm, and the LM head unless tied to the embedding."""
     embedding = preset.vocab_size * preset.hidden_size
     head = 0 if preset.tie_word_embeddings else embedding
@@ -128,7 +116,7 @@ def parameter_count(preset: PresetLike) -> int:
 
 def memory_floor(
     method: str,
-    preset: PresetLike,
+    preset: ModelPreset,
     *,
     world_size: int,
     batch_size: int = 1,
