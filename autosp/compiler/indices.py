@@ -16,9 +16,23 @@ from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
 
-def is_index_value(value: object) -> bool:
+def trainable_nodes(graph: fx.Graph, original: dict[fx.Node, object]) -> set[fx.Node]:
+    """Nodes a trainable parameter flows into. Read off the graph, not off `requires_grad`, so a graph traced
+    under `torch.no_grad()` (evaluation) finds the same frontier as a training graph."""
+    trainable: set[fx.Node] = set()
+    for node in graph.nodes:
+        value = original.get(node)
+        if node.op == "placeholder":
+            if isinstance(value, torch.Tensor) and (value.requires_grad or isinstance(value, torch.nn.Parameter)):
+                trainable.add(node)
+        elif any(n in trainable for n in node.all_input_nodes):
+            trainable.add(node)
+    return trainable
+
+
+def is_index_value(ctx: SPContext, node: fx.Node) -> bool:
     """A tensor that no trainable parameter flows into."""
-    return isinstance(value, torch.Tensor) and not value.requires_grad
+    return isinstance(ctx.original.get(node), torch.Tensor) and node not in ctx.trainable
 
 
 def sequence_dim(ctx: SPContext, node: fx.Node) -> int | None:
@@ -36,16 +50,15 @@ def sequence_dim(ctx: SPContext, node: fx.Node) -> int | None:
 
 def is_frontier(ctx: SPContext, node: fx.Node) -> bool:
     """True where trainable computation starts consuming a full index tensor (e.g. the token embedding)."""
-    out = ctx.original.get(node)
-    if not (isinstance(out, torch.Tensor) and out.requires_grad):
+    if not isinstance(ctx.original.get(node), torch.Tensor) or node not in ctx.trainable:
         return False
-    return any(is_index_value(ctx.original.get(n)) and sequence_dim(ctx, n) is not None for n in node.all_input_nodes)
+    return any(is_index_value(ctx, n) and sequence_dim(ctx, n) is not None for n in node.all_input_nodes)
 
 
 def localize_frontier(ctx: SPContext, node: fx.Node) -> None:
     """Feed `node` this rank's canonical shard of each full index tensor it consumes."""
     for inp in node.all_input_nodes:
-        if is_index_value(ctx.original.get(inp)):
+        if is_index_value(ctx, inp):
             dim = sequence_dim(ctx, inp)
             if dim is not None:
                 spec = canonical_spec(dim, ctx.seq_len, ctx.sp_rank, ctx.sp_size)

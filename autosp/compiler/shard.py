@@ -33,7 +33,7 @@ def localize_partners(ctx: SPContext, node: fx.Node) -> None:
     spec = ctx.spec(local)
     local_ndim = ctx.current[local].dim()
     for inp in node.all_input_nodes:
-        if ctx.is_local(inp) or not is_index_value(ctx.original.get(inp)):
+        if ctx.is_local(inp) or not is_index_value(ctx, inp):
             continue
         shape = ctx.original[inp].shape
         if node.target in _TARGET_ALIGNED:

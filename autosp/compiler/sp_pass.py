@@ -30,7 +30,8 @@ def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, gr
     check_sp_degree(analysis, sp_size)
     original = {n: n.meta.get("example_value") for n in gm.graph.nodes}
     fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
-    ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original)
+    ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original,
+                    trainable=indices.trainable_nodes(gm.graph, original))
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
     gm.graph.lint()

@@ -67,6 +67,7 @@ class SPContext:
     group_name: str
     fake_mode: Any
     original: dict[fx.Node, Any]  # each node's value before the rewrite (Dynamo's fake example values)
+    trainable: set[fx.Node] = field(default_factory=set)  # nodes a trainable parameter flows into
     current: dict[fx.Node, Any] = field(default_factory=dict)  # values after the rewrite
     specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
     full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from

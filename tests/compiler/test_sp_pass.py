@@ -48,6 +48,14 @@ def test_four_all_to_alls_per_attention_layer_forward_and_backward(name):
         assert sum(1 for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is a2a_packet) == 4 * layers
 
 
+def test_graph_traced_without_grad_is_rewritten_the_same_way():
+    model = build_model("tiny", seed=0)
+    batch = make_batch(DataConfig(), batch_size=2, seq_len=64, vocab_size=get_preset("tiny").vocab_size, seed=0)
+    with torch.no_grad():  # evaluation: nothing requires grad, the frontier must still be found
+        gm, _ = capture(model, **batch.model_kwargs())
+    assert count(_sp(gm), A2A) == 4 * get_preset("tiny").num_layers
+
+
 def test_sequence_inputs_are_sharded_at_the_trainable_frontier_with_global_offsets():
     gm, _ = _llama_graph("tiny", seq_len=64, packed_documents=2)
     gm = _sp(gm, sp_size=4, sp_rank=3)
