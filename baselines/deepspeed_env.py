@@ -41,3 +41,8 @@ def import_deepspeed(method: str) -> ModuleType:
             deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     return deepspeed
+
+
+def precision_config(dtype: str) -> dict[str, dict[str, bool]]:
+    """The DeepSpeed config section for a training dtype (fp32: none)."""
+    return {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(dtype, {})

@@ -28,7 +28,7 @@ from torch import nn
 
 from autosp.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
-from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -45,11 +45,7 @@ def autosp_config(cfg: RunConfig, sp_size: int) -> dict[str, Any]:
         "compile": {"deepcompile": True, "passes": ["autosp"]},
         "sequence_parallel_size": sp_size,
     }
-    if cfg.dtype == "bfloat16":
-        config["bf16"] = {"enabled": True}
-    elif cfg.dtype == "float16":
-        config["fp16"] = {"enabled": True}
-    return config
+    return {**config, **precision_config(cfg.dtype)}
 
 
 class DeepSpeedAutoSPStep(TrainStep):

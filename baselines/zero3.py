@@ -20,7 +20,7 @@ from torch import nn
 from autosp.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
-from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -49,11 +49,7 @@ def zero3_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
             "overlap_comm": cfg.device != "cpu",
         },
     }
-    if cfg.dtype == "bfloat16":
-        config["bf16"] = {"enabled": True}
-    elif cfg.dtype == "float16":
-        config["fp16"] = {"enabled": True}
-    return config
+    return {**config, **precision_config(cfg.dtype)}
 
 
 class Zero3Step(TrainStep):
