@@ -20,8 +20,8 @@ from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
-# Ops that only read their input's dtype/device: their output is a fresh full value.
-_SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", torch.zeros_like, torch.ones_like}
+# Ops that only read their input's dtype/device (sizes are their own arguments): the output is a fresh full value.
+_SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"}
 
 
 def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str) -> fx.GraphModule:
