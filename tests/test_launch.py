@@ -162,7 +162,8 @@ def body(fail):
     return dist.get_rank() * 10
 
 result = launch(body, (sys.argv[1] == "fail",), world_size=2, timeout_s=60)
-print(f"RESULT {dist.get_rank()} {result.status} {result.results} {result.error}")
+with open(f"{sys.argv[2]}/rank{dist.get_rank()}.txt", "w") as out:  # one file per rank: no interleaved output
+    out.write(f"RESULT {dist.get_rank()} {result.status} {result.results} {result.error}")
 """
 
 
@@ -172,10 +173,10 @@ def test_joins_a_torchrun_job(tmp_path, mode: str) -> None:
     script.write_text(JOB_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(launch_mod.free_port()), str(script), mode],
+                          "--master-port", str(launch_mod.free_port()), str(script), mode, str(tmp_path)],
                          capture_output=True, text=True, timeout=120, env=env, check=False)
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    lines = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
     if mode == "ok":
-        assert lines == ["RESULT 0 ok [0, 10] None", "RESULT 1 ok [0, 10] None"]
+        assert lines == ["RESULT 0 ok [0, 10] None", "RESULT 1 ok [0, 10] None"], out.stderr[-2000:]
     else:
-        assert lines == [f"RESULT {r} error [0, None] rank 1: ValueError: bad rank" for r in (0, 1)]
+        assert lines == [f"RESULT {r} error [0, None] rank 1: ValueError: bad rank" for r in (0, 1)], out.stderr[-2000:]
