@@ -30,7 +30,7 @@ def bind_sizes(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
     static.recompile()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
-    with mode, torch.enable_grad():  # requires_grad marks the trainable frontier: propagate it as Dynamo did
+    with mode, torch.enable_grad():  # propagate requires_grad as Dynamo did for the training graph
         _RecordValues(static).run(*fake_inputs)
     for node, x in zip(placeholders, inputs):  # parameters stay recognisable to the analysis
         if isinstance(x, torch.nn.Parameter):
