@@ -70,6 +70,4 @@ class AutoSP(Strategy):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        if ctx.sp_group is None:
-            raise ConfigError("--method autosp needs torch.distributed; run it through `autosp run/check`")
         return AutoSPTrainStep(model, ctx, cfg)

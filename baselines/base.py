@@ -75,12 +75,17 @@ class Strategy(ABC):
     description: ClassVar[str]
     #: True for methods that split the sequence (their default sp_size is the world size)
     sequence_parallel: ClassVar[bool] = False
+    #: True for methods that need a process group, i.e. at least 2 ranks
+    distributed: ClassVar[bool] = True
 
     def default_sp_size(self, world_size: int) -> int:
         return world_size if self.sequence_parallel else 1
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         """Raise ConfigError for a configuration this method cannot run (before any rank starts)."""
+        if self.distributed and cfg.world_size < 2:
+            raise ConfigError(f"--method {cfg.method} needs a process group; use --world-size >= 2 "
+                              "(or --method single)")
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.world_size % sp:
             raise ConfigError(f"--sp-size {sp} must divide --world-size {cfg.world_size}")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.config import RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
@@ -106,6 +106,4 @@ class DeepSpeedAutoSP(Strategy):
         super().validate(cfg, num_heads, num_kv_heads)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        if ctx.mesh is None:
-            raise ConfigError("--method ds-autosp needs a process group; use --world-size >= 2")
         return DeepSpeedAutoSPStep(model, ctx, cfg)

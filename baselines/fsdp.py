@@ -60,8 +60,6 @@ class FSDPStrategy(Strategy):
         super().validate(cfg, num_heads, num_kv_heads)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        if ctx.mesh is None:
-            raise ConfigError("--method fsdp needs a process group; use --world-size >= 2 (or --method single)")
         mesh = ctx.mesh["dp"]
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:

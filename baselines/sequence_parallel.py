@@ -130,8 +130,6 @@ class SequenceParallelStep(ReplicatedTrainStep):
         implementation: str,
         forward: Callable[..., object] | None = None,
     ) -> None:
-        if ctx.mesh is None:
-            raise ConfigError(f"--method {cfg.method} needs a process group; use --world-size >= 2")
         self.model, self.ctx = model, ctx
         self.forward = model if forward is None else forward
         self.positions, self.set_full_mask = positions, set_full_mask

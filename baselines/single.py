@@ -32,6 +32,7 @@ class SingleTrainStep(ReplicatedTrainStep):
 class Single(Strategy):
     name = "single"
     description = "one process, the whole batch and sequence: the correctness reference (world size 1)"
+    distributed = False
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         if cfg.world_size != 1:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.config import RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
@@ -94,6 +94,4 @@ class Zero3Strategy(Strategy):
         super().validate(cfg, num_heads, num_kv_heads)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        if ctx.mesh is None:
-            raise ConfigError("--method zero3 needs a process group; use --world-size >= 2 (or --method single)")
         return Zero3Step(model, ctx, cfg)
