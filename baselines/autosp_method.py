@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
-from autosp.activations import compiled_breakdown
-from autosp.config import ConfigError, RunConfig
+from autosp.experiments.activations import compiled_breakdown
+from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 class AutoSPTrainStep(ReplicatedTrainStep):

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 class TrainStep(ABC):

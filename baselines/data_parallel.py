@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 def reject_sequence_parallel(cfg: RunConfig, method: str) -> None:

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch.distributed as dist
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp.config import RunConfig
+from autosp.harness.config import RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 def autosp_config(cfg: RunConfig, sp_size: int) -> dict[str, Any]:

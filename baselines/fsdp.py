@@ -14,13 +14,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

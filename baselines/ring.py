@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.ring_attention import zigzag_positions, zigzag_ring_attention
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 

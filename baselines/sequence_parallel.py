@@ -27,14 +27,14 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.checkpoint import checkpoint
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
 from autosp.models.presets import is_hf_name
 from baselines.base import ReplicatedTrainStep
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 #: gradient all-reduce bucket, in elements (DDP's default bucket is 25 MB)
 BUCKET_ELEMENTS = 8 * 1024 * 1024

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 class SingleTrainStep(ReplicatedTrainStep):

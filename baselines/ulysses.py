@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import sdpa_attention
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import import_deepspeed, require_deepspeed
@@ -32,7 +32,7 @@ from baselines.sequence_parallel import (
 )
 
 if TYPE_CHECKING:
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 class UlyssesAttention:

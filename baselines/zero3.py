@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autosp.config import RunConfig
+from autosp.harness.config import RunConfig
 from baselines.base import Strategy, TrainStep, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
-    from autosp.parallel import ParallelContext
+    from autosp.harness.parallel import ParallelContext
 
 
 #: DeepSpeed's defaults (elements); its reduce bucket is allocated whole (5e8 fp32 = 1.9 GiB) at the first backward

@@ -3,7 +3,7 @@
 Imported into ranks with `extra_imports` / `--import tests.perturbed_method` (registers on import)."""
 import torch
 
-from autosp.config import RunConfig
+from autosp.harness.config import RunConfig
 from baselines.base import TrainStep, register
 from baselines.single import Single, SingleTrainStep
 

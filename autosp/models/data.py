@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from autosp.config import ConfigError, DataConfig
+from autosp.harness.config import ConfigError, DataConfig
 from autosp.models.llama import IGNORE_INDEX
 
 PAD_TOKEN_ID = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models.presets import ModelPreset
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 HF_PREFIX = "hf:"
 

@@ -1,8 +1,8 @@
 """`autosp check` of a baseline on tiny presets: method on P gloo ranks vs single-process training."""
 from __future__ import annotations
 
-from autosp.check import CheckReport, check
-from autosp.config import DataConfig, RunConfig
+from autosp.harness.check import CheckReport, check
+from autosp.harness.config import DataConfig, RunConfig
 
 DATA_OPTIONS = ("ignore_fraction", "packed_documents", "pad_fraction")
 

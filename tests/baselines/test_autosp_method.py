@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import autosp
-from autosp.check import check
-from autosp.config import ConfigError, DataConfig, RunConfig
+from autosp.harness.check import check
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.errors import SequenceParallelError
-from autosp.launch import launch
-from autosp.runner import validate
+from autosp.harness.launch import launch
+from autosp.harness.runner import validate
 
 
 def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", **kw):

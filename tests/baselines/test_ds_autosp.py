@@ -1,7 +1,7 @@
 """DeepSpeed's AutoSP is a peer: the adapter runs it as documented and reports what happens, right or wrong."""
 
-from autosp.config import RunConfig
-from autosp.runner import run
+from autosp.harness.config import RunConfig
+from autosp.harness.runner import run
 from baselines.ds_autosp import autosp_config
 
 

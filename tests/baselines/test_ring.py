@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autosp.config import ConfigError, DataConfig, RunConfig
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from baselines.base import get_strategy
 from baselines.ring import choose_ring
 from tests.baselines.checking import assert_check_passes

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from autosp.models import build_model
 from autosp.models.data import make_batch
-from autosp.parallel import build_context
+from autosp.harness.parallel import build_context
 from baselines.base import get_strategy
 
 

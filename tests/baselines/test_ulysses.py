@@ -1,6 +1,6 @@
 import pytest
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import get_strategy
 from tests.baselines.checking import assert_check_passes
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import autosp.comm  # noqa: F401
-from autosp.launch import launch
+from autosp.harness.launch import launch
 
 
 def _all_to_all_rank() -> None:

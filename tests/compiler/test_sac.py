@@ -17,7 +17,7 @@ from autosp.compiler.sac import (
     parse_policy,
     sac_backend,
 )
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
 SEQ = 32

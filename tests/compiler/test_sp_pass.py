@@ -9,7 +9,7 @@ from torch._functorch.partitioners import default_partition
 
 import autosp.comm  # noqa: F401
 from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.config import DataConfig
+from autosp.harness.config import DataConfig
 from autosp.errors import SequenceParallelError
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch

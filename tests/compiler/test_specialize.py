@@ -6,8 +6,8 @@ import torch
 import autosp
 from autosp.compiler.specialize import bind_sizes, is_symbolic
 from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.config import DataConfig
-from autosp.launch import launch
+from autosp.harness.config import DataConfig
+from autosp.harness.launch import launch
 from autosp.models import build_model
 from autosp.models.data import make_batch
 from tests.compiler.graphs import capture, count

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autosp.config import ConfigError, DataConfig
+from autosp.harness.config import ConfigError, DataConfig
 from autosp.models.data import Batch, make_batch
 
 PLAIN = DataConfig()

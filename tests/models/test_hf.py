@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from autosp.config import ConfigError, DataConfig
+from autosp.harness.config import ConfigError, DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.build import init_parameters
 from autosp.models.data import make_batch

@@ -1,6 +1,6 @@
 import pytest
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models import get_preset, model_names, parameter_count
 
 # Exact counts of the published checkpoints (HF hub; tied embeddings counted once).

@@ -23,7 +23,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models.presets import ModelPreset
 
 FP32_BYTES = 4
@@ -91,7 +91,7 @@ class MemoryFloor:
 def sharding_of(method: str) -> MethodSharding:
     if method not in METHOD_SHARDING:
         raise ConfigError(
-            f"no memory-floor entry for method {method!r}; add it to autosp.floor.METHOD_SHARDING "
+            f"no memory-floor entry for method {method!r}; add it to autosp.experiments.floor.METHOD_SHARDING "
             f"(known: {', '.join(sorted(METHOD_SHARDING))})"
         )
     return METHOD_SHARDING[method]

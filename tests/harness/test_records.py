@@ -4,8 +4,8 @@ import multiprocessing as mp
 import pandas as pd
 import pytest
 
-from autosp.config import DataConfig, RunConfig
-from autosp.records import FIELDS, SCHEMA_VERSION, append_record, load_records, new_record, write_json_atomic
+from autosp.harness.config import DataConfig, RunConfig
+from autosp.harness.records import FIELDS, SCHEMA_VERSION, append_record, load_records, new_record, write_json_atomic
 
 CFG = RunConfig(method="single", model="tiny", seq_len=64, data=DataConfig(pad_fraction=0.25))
 

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosp.config import ConfigError, RunConfig
-from autosp.launch import check_device, current_device, existing_job, launch
-from autosp.measure import apply_device_budget, format_size, memory_meter, summarize_times, timed
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.launch import check_device, current_device, existing_job, launch
+from autosp.harness.measure import apply_device_budget, format_size, memory_meter, summarize_times, timed
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
-from autosp.parallel import build_context
-from autosp.records import append_record, new_record
+from autosp.harness.parallel import build_context
+from autosp.harness.records import append_record, new_record
 from baselines.base import Strategy, TrainStep, get_strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

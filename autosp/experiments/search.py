@@ -2,7 +2,7 @@
 
 The search is split in two so it can be tested without training anything:
 - `search_max_length(probe, ...)`: pure logic over a `probe(seq_len) -> status` oracle;
-- `run_search(cfg, ...)`: the oracle is a real measured run (`autosp.runner.run`: warm-up plus at least one
+- `run_search(cfg, ...)`: the oracle is a real measured run (`autosp.harness.runner.run`: warm-up plus at least one
   full step with the optimizer, so AdamW's states exist at the peak), every probe record and one result
   row are appended to a JSONL file.
 
@@ -19,7 +19,7 @@ mistaken for a memory limit.
 Default granularity 2·P·128: every SP method needs the length divisible by P (Ulysses, AutoSP), zig-zag
 ring attention needs 2·P chunks, and 128 keeps each chunk a whole flash-attention block on GPUs.
 
-Compiled-graph reuse: each probe runs in fresh rank processes (`autosp.runner.run`), which is also what a
+Compiled-graph reuse: each probe runs in fresh rank processes (`autosp.harness.runner.run`), which is also what a
 real GPU OOM needs (the allocator state after an OOM is not trustworthy). What carries over between probes
 is the on-disk inductor/AOTAutograd cache; a method that marks the sequence dimension dynamic
 (`torch._dynamo.mark_dynamic(input_ids, 1)`) compiles one symbolic graph whose cache entry every later
@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from autosp.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 
 #: probe statuses the runner reports; only OOM bounds the length
 OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
@@ -186,7 +186,7 @@ def search_key(cfg: RunConfig, granularity: int) -> str:
 
 def previous_answer(out: str, key: str) -> int | None:
     """max_seq_len of the latest search with this key in `out` (None if there is none)."""
-    from autosp.records import read_records
+    from autosp.harness.records import read_records
 
     if not os.path.exists(out):
         return None
@@ -210,14 +210,14 @@ def run_search(
 
     `cfg` fixes everything but the length (method, model, ranks, budget, ...); each probe runs it with
     `seq_len` set. With `resume`, the search starts from the answer of the latest identical search in `out`
-    (two probes re-confirm an unchanged answer). `run` is `autosp.runner.run` unless a test passes another
+    (two probes re-confirm an unchanged answer). `run` is `autosp.harness.runner.run` unless a test passes another
     oracle. Returns the result row.
     """
-    from autosp.floor import floor_for
-    from autosp.records import append_record, new_record
+    from autosp.experiments.floor import floor_for
+    from autosp.harness.records import append_record, new_record
 
     if run is None:
-        from autosp.runner import run
+        from autosp.harness.runner import run
     if cfg.device == "cpu" and cfg.memory_budget is None:
         raise ConfigError("a CPU search needs --memory-budget (e.g. 64MiB): without it nothing ever runs out of memory")
     granularity = granularity or default_granularity(cfg.world_size)
@@ -285,8 +285,8 @@ def run_search(
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from autosp.cli import run_config_from_args
-    from autosp.measure import format_size
+    from autosp.harness.flags import run_config_from_args
+    from autosp.harness.measure import format_size
 
     cfg = run_config_from_args(args, seq_len=1)
     row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
@@ -305,7 +305,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp search --method M --model X --world-size P [--memory-budget B] ... --out FILE`."""
-    from autosp.cli import add_run_config_arguments
+    from autosp.harness.flags import add_run_config_arguments
 
     p = subparsers.add_parser("search", help="maximum trainable sequence length of one method (OOM search)")
     add_run_config_arguments(p, varied=("seq_len",))

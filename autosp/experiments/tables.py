@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 #: runs are comparable only within one (model, ranks, device, budget) setting
 TRAINABILITY_GROUP = ["model", "world_size", "device", "memory_budget"]
@@ -112,7 +112,7 @@ def write_csv_atomic(table: pd.DataFrame, path: str | Path) -> None:
 
 def format_table(table: pd.DataFrame) -> str:
     """The table as aligned text: budgets in binary units, ratios to 3 significant digits."""
-    from autosp.measure import format_size
+    from autosp.harness.measure import format_size
 
     shown = table.copy()
     if "memory_budget" in shown:
@@ -122,7 +122,7 @@ def format_table(table: pd.DataFrame) -> str:
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
-    from autosp.records import load_records
+    from autosp.harness.records import load_records
 
     records = load_records(args.inputs)
     if args.kind == "trainability":

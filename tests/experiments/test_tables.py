@@ -1,5 +1,5 @@
 """Tables from records (trainability ratios, throughput spread and speed ratios, paper claims) and the
-figures drawn from them (autosp.plots)."""
+figures drawn from them (autosp.experiments.plots)."""
 from __future__ import annotations
 
 import math
@@ -7,9 +7,9 @@ import math
 import pandas as pd
 import pytest
 
-from autosp.config import ConfigError
-from autosp.plots import _trainability_claim_rows, throughput_figure, trainability_figure
-from autosp.tables import paper_claims, throughput_table, trainability_table, write_csv_atomic
+from autosp.harness.config import ConfigError
+from autosp.experiments.plots import _trainability_claim_rows, throughput_figure, trainability_figure
+from autosp.experiments.tables import paper_claims, throughput_table, trainability_table, write_csv_atomic
 
 MiB = 2**20
 

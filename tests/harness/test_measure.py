@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from autosp.config import ConfigError, RunConfig
-from autosp.measure import CpuAllocationMeter, format_size, parse_size, settled_collectives, summarize_times
-from autosp.runner import run
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.measure import CpuAllocationMeter, format_size, parse_size, settled_collectives, summarize_times
+from autosp.harness.runner import run
 
 
 @pytest.mark.parametrize("text,expected", [("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("800MB", 800 * 10**6),
@@ -55,7 +55,7 @@ def test_cpu_peak_is_deterministic_and_grows_with_sequence_length() -> None:
 
 
 def test_two_rank_peak_is_deterministic() -> None:
-    """Collectives free tensors from gloo's worker threads unless the meter settles them (see autosp.measure)."""
+    """Collectives free tensors from gloo's worker threads unless the meter settles them (see autosp.harness.measure)."""
     cfg = RunConfig(method="ulysses", model="tiny", seq_len=512, world_size=2, steps=1, warmup=1, timeout_s=180)
     first, second = run(cfg), run(cfg)
     assert first["status"] == second["status"] == "ok", (first["error"], second["error"])

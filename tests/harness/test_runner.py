@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autosp.config import ConfigError, RunConfig
-from autosp.launch import free_port
-from autosp.records import FIELDS, load_records
-from autosp.runner import global_batch, run, validate
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.launch import free_port
+from autosp.harness.records import FIELDS, load_records
+from autosp.harness.runner import global_batch, run, validate
 
 MEASURED = ("implementation", "device_name", "peak_mem_bytes", "peak_mem_by_rank", "iter_time_s", "tokens_per_s",
             "loss", "git_commit", "versions", "hostname", "timestamp", "config_hash")
@@ -65,7 +65,7 @@ def test_bad_configurations_are_config_errors(change, message) -> None:
 
 def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_records(tmp_path) -> None:
     out = tmp_path / "runs.jsonl"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), "-m", "autosp", "run", "--method", "fsdp", "--model", "tiny",
                            "--seq-len", "128", "--world-size", "2", "--steps", "2", "--out", str(out)],

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from autosp.config import ConfigError
-from autosp.search import (
+from autosp.harness.config import ConfigError
+from autosp.experiments.search import (
     ERROR,
     FOUND,
     NO_OOM_UP_TO_MAX,
@@ -162,14 +162,14 @@ def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() 
 
 
 class FakeRunner:
-    """Stands in for autosp.runner.run: peak = per_token * S, OOM above the budget, an error at `error_at`."""
+    """Stands in for autosp.harness.runner.run: peak = per_token * S, OOM above the budget, an error at `error_at`."""
 
     def __init__(self, per_token: int, error_at: int | None = None) -> None:
         self.per_token, self.error_at = per_token, error_at
         self.configs: list = []
 
     def __call__(self, cfg):
-        from autosp.records import new_record
+        from autosp.harness.records import new_record
 
         self.configs.append(cfg)
         record = new_record(cfg, sp_size=cfg.world_size)
@@ -182,14 +182,14 @@ class FakeRunner:
 
 
 def _cfg(**kw):
-    from autosp.config import RunConfig
+    from autosp.harness.config import RunConfig
 
     return RunConfig(method="ulysses", model="tiny", seq_len=1, world_size=2, memory_budget=64 << 20, **kw)
 
 
 def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
-    from autosp.records import load_records
-    from autosp.search import run_search
+    from autosp.harness.records import load_records
+    from autosp.experiments.search import run_search
 
     out = tmp_path / "trainability.jsonl"
     runner = FakeRunner(per_token=(64 << 20) // 3000)
@@ -207,7 +207,7 @@ def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
 
 
 def test_run_search_reports_an_error_probe_as_error(tmp_path) -> None:
-    from autosp.search import run_search
+    from autosp.experiments.search import run_search
 
     # the second probe (a plain doubling: one peak cannot guide yet) fails although memory would allow more
     row = run_search(_cfg(), out=str(tmp_path / "t.jsonl"), run=FakeRunner(per_token=1000, error_at=1024))
@@ -216,7 +216,7 @@ def test_run_search_reports_an_error_probe_as_error(tmp_path) -> None:
 
 
 def test_cpu_search_without_budget_is_a_config_error(tmp_path) -> None:
-    from autosp.search import run_search
+    from autosp.experiments.search import run_search
 
     with pytest.raises(ConfigError, match="--memory-budget"):
         run_search(_cfg().replace(memory_budget=None), out=str(tmp_path / "t.jsonl"), run=FakeRunner(per_token=1))
@@ -226,7 +226,7 @@ def test_cpu_search_without_budget_is_a_config_error(tmp_path) -> None:
 def test_real_tiny_search_is_deterministic(tmp_path) -> None:
     """Two real searches (ranks launched, AdamW steps, CPU allocation peaks) give identical probes and answer."""
     from autosp.cli import main
-    from autosp.records import load_records
+    from autosp.harness.records import load_records
 
     runs = []
     for i in range(2):
@@ -244,7 +244,7 @@ def test_real_tiny_search_is_deterministic(tmp_path) -> None:
 
 
 def test_resume_starts_from_the_previous_answer_of_the_same_search(tmp_path) -> None:
-    from autosp.search import run_search
+    from autosp.experiments.search import run_search
 
     out = str(tmp_path / "t.jsonl")
     first = run_search(_cfg(), out=out, run=FakeRunner(per_token=(64 << 20) // 3000))

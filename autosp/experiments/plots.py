@@ -1,6 +1,6 @@
 """Paper-style figures from the result tables, with the paper's claims drawn beside our measurements.
 
-Claims come from `autosp.tables.paper_claims()` and are always drawn hatched and labelled "paper claim"
+Claims come from `autosp.experiments.tables.paper_claims()` and are always drawn hatched and labelled "paper claim"
 with their hardware, so a reader never mistakes them for something this project measured.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only: no display on clusters or CI
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from autosp.tables import THROUGHPUT_GROUP, TRAINABILITY_GROUP, paper_claims  # noqa: E402
+from autosp.experiments.tables import THROUGHPUT_GROUP, TRAINABILITY_GROUP, paper_claims  # noqa: E402
 
 #: the paper's names for the baselines (paper_claims.csv `autosp_vs`) -> our methods that stand for them
 CLAIM_BASELINE_METHODS = {
@@ -152,8 +152,8 @@ def throughput_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFram
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from autosp.records import load_records
-    from autosp.tables import throughput_table, trainability_table
+    from autosp.harness.records import load_records
+    from autosp.experiments.tables import throughput_table, trainability_table
 
     records = load_records(args.inputs)
     if args.kind == "trainability":

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from autosp.config import RunConfig
-from autosp.launch import launch
-from autosp.runner import build_train_step, global_batch, validate
+from autosp.harness.config import RunConfig
+from autosp.harness.launch import launch
+from autosp.harness.runner import build_train_step, global_batch, validate
 
 DEFAULT_TOLERANCE = 1e-4
 _LOW_PRECISION_TOLERANCE = {"bfloat16": 3e-2, "float16": 1e-2}

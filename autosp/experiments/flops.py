@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models import ModelPreset, get_preset
 
 BACKWARD_FACTOR = 2  # backward FLOPs per forward FLOP

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from autosp.check import CheckReport, check, compare, parameter_group, relative_error
-from autosp.config import DataConfig, RunConfig
+from autosp.harness.check import CheckReport, check, compare, parameter_group, relative_error
+from autosp.harness.config import DataConfig, RunConfig
 
 PERTURBED_MODULE = "tests.perturbed_method"
 

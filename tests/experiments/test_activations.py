@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autosp.activations import (
+from autosp.experiments.activations import (
     UNATTRIBUTED,
     SavedActivationRecorder,
     breakdown_table,
@@ -13,7 +13,7 @@ from autosp.activations import (
     compiled_breakdown,
 )
 from autosp.compiler.sac import sac_backend
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.models import build_model
 
 

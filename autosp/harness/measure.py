@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 from autosp.compiler.sac import PartitionRecord, is_attention_value, is_collective_value, node_nbytes
 
 CATEGORIES = ("attention", "mlp", "norm", "other")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from autosp.bench import run_bench
-from autosp.config import ConfigError, RunConfig
-from autosp.records import load_records, new_record
+from autosp.experiments.bench import run_bench
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.records import load_records, new_record
 
 STEP_S = {"ulysses": 0.010, "autosp": 0.0125}
 

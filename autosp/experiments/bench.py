@@ -13,8 +13,8 @@ from typing import Callable
 
 import pandas as pd
 
-from autosp.config import ConfigError, RunConfig
-from autosp.tables import throughput_table
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.experiments.tables import throughput_table
 
 
 def run_bench(
@@ -28,10 +28,10 @@ def run_bench(
     run: Callable[[RunConfig], dict] | None = None,
 ) -> pd.DataFrame:
     """Run every (method, length) `repeats` times, append each record to `out`; return the throughput table."""
-    from autosp.records import append_record, load_records
+    from autosp.harness.records import append_record, load_records
 
     if run is None:
-        from autosp.runner import run, validate
+        from autosp.harness.runner import run, validate
 
         for method in methods:  # a typo fails before the first run, not an hour in
             for seq_len in seq_lens:
@@ -60,7 +60,7 @@ def run_bench(
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from autosp.cli import run_config_from_args
+    from autosp.harness.flags import run_config_from_args
 
     methods = [m for m in args.methods.split(",") if m]
     if not methods:
@@ -89,7 +89,7 @@ def _seq_lens(text: str) -> list[int]:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp bench --methods a,b --model X --seq-lens 1024,2048 --world-size P --repeats N --out FILE`."""
-    from autosp.cli import add_run_config_arguments
+    from autosp.harness.flags import add_run_config_arguments
 
     p = subparsers.add_parser("bench", help="iteration time and tokens/s of several methods at fixed lengths")
     p.add_argument("--methods", required=True, help="comma-separated, e.g. autosp,ulysses,zero3")

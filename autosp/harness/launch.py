@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 #: how long a rank that already failed gives the others to report, so the first failure's message wins
 _GRACE_S = 1.0

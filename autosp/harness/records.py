@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from autosp.config import RunConfig
+from autosp.harness.config import RunConfig
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "error")
@@ -55,7 +55,7 @@ def software_versions() -> dict[str, str | None]:
 @lru_cache(maxsize=1)
 def git_state() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout this package runs from; (None, None) outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autosp.config import ConfigError
+from autosp.harness.config import ConfigError
 
 
 @dataclass

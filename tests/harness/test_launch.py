@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autosp import launch as launch_mod
-from autosp.config import ConfigError
-from autosp.launch import check_device, existing_job, launch
+from autosp.harness import launch as launch_mod
+from autosp.harness.config import ConfigError
+from autosp.harness.launch import check_device, existing_job, launch
 
 
 def sum_ranks(tag: str) -> tuple:
@@ -154,7 +154,7 @@ def test_torchrun_environment(monkeypatch) -> None:
 JOB_SCRIPT = """
 import sys
 import torch.distributed as dist
-from autosp.launch import launch
+from autosp.harness.launch import launch
 
 def body(fail):
     if fail and dist.get_rank() == 1:
@@ -171,7 +171,7 @@ with open(f"{sys.argv[2]}/rank{dist.get_rank()}.txt", "w") as out:  # one file p
 def test_joins_a_torchrun_job(tmp_path, mode: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(launch_mod.free_port()), str(script), mode, str(tmp_path)],
                          capture_output=True, text=True, timeout=120, env=env, check=False)

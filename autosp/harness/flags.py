@@ -1,0 +1,63 @@
+"""The run flags shared by every command that describes runs (`run`, `check`, `search`, `bench`, ...):
+one flag per RunConfig/DataConfig field, defaults taken from the dataclasses, and the RunConfig they describe.
+Lives in the harness beside RunConfig so the experiments need not import the CLI."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+from autosp.harness.config import DataConfig, RunConfig
+from autosp.harness.measure import parse_size
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
+_DATA_DEFAULTS = DataConfig()
+
+
+def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequence[str] = ()) -> None:
+    """One flag per RunConfig field (and per DataConfig field, prefixed), defaults taken from the dataclasses.
+
+    `varied`: fields a command sets itself (e.g. `search` varies seq_len, `bench` also the method)."""
+    d = _DEFAULTS
+    g = parser.add_argument_group("run configuration")
+    if "method" not in varied:
+        g.add_argument("--method", required=True, help="training method (see `autosp methods`), e.g. single, autosp")
+    g.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.2-1b, hf:tiny")
+    if "seq_len" not in varied:
+        g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    g.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per data-parallel replica")
+    g.add_argument("--world-size", type=int, default=d["world_size"], help="number of ranks")
+    g.add_argument("--sp-size", type=int, default=d["sp_size"], help="SP degree (default: the method's)")
+    g.add_argument("--dtype", default=d["dtype"], help="float32 | bfloat16 | float16")
+    g.add_argument("--device", default=d["device"], help="cpu | cuda (ROCm builds of torch use cuda too)")
+    g.add_argument("--seed", type=int, default=d["seed"])
+    g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
+    g.add_argument("--steps", type=int, default=d["steps"], help="timed steps")
+    g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
+    g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction>")
+    g.add_argument("--compile-backend", default=d["compile_backend"], help="inductor | aot_eager | eager")
+    g.add_argument("--memory-budget", default=None,
+                   help="emulated device size, e.g. 512MiB or 2GiB: a higher peak ends the run as oom")
+    g.add_argument("--timeout", "--timeout-s", dest="timeout_s", type=float, default=d["timeout_s"],
+                   help="seconds before the whole run is ended as timeout")
+    g.add_argument("--data-ignore-fraction", type=float, default=_DATA_DEFAULTS.ignore_fraction,
+                   help="fraction of labels set to -100 (in uneven runs)")
+    g.add_argument("--packed-documents", type=int, default=_DATA_DEFAULTS.packed_documents,
+                   help="documents packed per row (position_ids restart per document)")
+    g.add_argument("--pad-fraction", type=float, default=_DATA_DEFAULTS.pad_fraction,
+                   help="fraction of each row that is right padding (attention_mask 0)")
+    g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
+
+
+def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
+    """The RunConfig the flags of `add_run_config_arguments` describe (sizes parsed, e.g. 512MiB); `varied`
+    supplies the fields the command set itself (a placeholder method or length for search/bench)."""
+    budget = parse_size(args.memory_budget) if args.memory_budget is not None else None
+    data = DataConfig(ignore_fraction=args.data_ignore_fraction, packed_documents=args.packed_documents,
+                      pad_fraction=args.pad_fraction)
+    fields = dict(method=getattr(args, "method", None), model=args.model, seq_len=getattr(args, "seq_len", None),
+                  batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
+                  device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
+                  compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data)
+    return RunConfig(**{**fields, **varied})
