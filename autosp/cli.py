@@ -2,7 +2,9 @@
 their own commands through `add_<cmd>_parser(subparsers)` (listed in SUBCOMMANDS), which set `func` to a
 function taking the parsed arguments and returning the exit code.
 
-Bad input (ConfigError, bad flags) ends with one line on stderr and exit code 2, never a traceback.
+Bad input (ConfigError, bad flags) ends with one line on stderr and exit code 2, never a traceback. Commands
+that start ranks set `starts_ranks` and run with SIGTERM/SIGINT trapped: the run in flight is ended and recorded
+as `interrupted`, and the command exits with INTERRUPTED_EXIT_CODE.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import sys
 from collections.abc import Sequence
 
 from autosp.harness.config import ConfigError
 from autosp.harness.flags import add_run_config_arguments, run_config_from_args
 from autosp.harness.measure import format_size
+from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 
 #: (module, function) pairs that add a subcommand; a module that does not exist (yet) is skipped
 SUBCOMMANDS = (
@@ -26,7 +30,7 @@ SUBCOMMANDS = (
     ("autosp.experiments.flops", "add_flops_parser"),
 )
 #: exit codes of `autosp run` per record status
-RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3}
+RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}
 USAGE_ERROR = 2
 
 
@@ -51,7 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     f"{record['tokens_per_s']:.0f} tokens/s, loss {record['loss']:.4f}")
     if record["error"]:
         summary += f" | {record['error']}"
-    print(summary + (f" -> {args.out}" if args.out else ""))
+    print(summary + (f" -> {args.out}" if args.out else ""), flush=True)
     return RUN_EXIT_CODES[record["status"]]
 
 
@@ -60,9 +64,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if args.check_steps < 1:
         raise ConfigError(f"--check-steps must be positive, got {args.check_steps}")
+    if args.tolerance is not None and not 0 < args.tolerance < math.inf:
+        raise ConfigError(f"--tolerance must be positive (a finite number), got {args.tolerance}")
+    if args.json_out:
+        from autosp.harness.records import check_writable
+
+        check_writable(args.json_out, "--json-out")
     report = check(run_config_from_args(args), tolerance=args.tolerance, steps=args.check_steps,
                    extra_imports=args.extra_imports)
     print(report.format())
+    if report.status == "interrupted":
+        return INTERRUPTED_EXIT_CODE
     if args.json_out:
         from autosp.harness.records import write_json_atomic
 
@@ -85,11 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="one measured training run, appended as a JSON record",
-                       epilog="exit code: 0 ok, 3 oom, 1 error or timeout, 2 bad input")
+                       epilog=f"exit code: 0 ok, 3 oom, 1 error or timeout, {INTERRUPTED_EXIT_CODE} interrupted "
+                              "(SIGTERM/SIGINT), 2 bad input")
     add_run_config_arguments(p)
     p.add_argument("--out", default="results/runs.jsonl", help="JSONL file the record is appended to")
     p.add_argument("--json", action="store_true", help="also print the record")
-    p.set_defaults(func=_cmd_run)
+    p.set_defaults(func=_cmd_run, starts_ranks=True)
 
     p = sub.add_parser("check", help="compare a method on P ranks with single-process training",
                        epilog="exit code: 0 within tolerance, 1 not (or the run failed), 2 bad input")
@@ -97,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=None, help="relative error bound (default: 1e-4 in fp32)")
     p.add_argument("--check-steps", type=int, default=2, help="AdamW steps compared")
     p.add_argument("--json-out", help="write the report as JSON here")
-    p.set_defaults(func=_cmd_check)
+    p.set_defaults(func=_cmd_check, starts_ranks=True)
 
     p = sub.add_parser("methods", help="list the registered training methods")
     p.set_defaults(func=_cmd_methods)
@@ -115,7 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        if not getattr(args, "starts_ranks", False):
+            return args.func(args)
+        from autosp.harness.launch import interruptible
+
+        with interruptible():  # SIGTERM/SIGINT: ranks ended, `interrupted` recorded, a normal exit
+            return args.func(args)
     except ConfigError as exc:
         print(f"autosp {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

@@ -14,6 +14,7 @@ from typing import Callable
 import pandas as pd
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE, stop_requested
 from autosp.experiments.tables import throughput_table
 
 
@@ -28,7 +29,7 @@ def run_bench(
     run: Callable[[RunConfig], dict] | None = None,
 ) -> pd.DataFrame:
     """Run every (method, length) `repeats` times, append each record to `out`; return the throughput table."""
-    from autosp.harness.records import append_record, load_records
+    from autosp.harness.records import append_record, check_writable, load_records
 
     if run is None:
         from autosp.harness.runner import run, validate
@@ -40,18 +41,20 @@ def run_bench(
         raise ConfigError(f"--repeats must be positive, got {repeats}")
     if ratio_to is not None and ratio_to not in methods:
         raise ConfigError(f"--ratio-to {ratio_to} is not among --methods {','.join(methods)}; add it or drop the ratio")
+    check_writable(out)
     bench_id = uuid.uuid4().hex
-    for repeat in range(repeats):
-        for seq_len in seq_lens:
-            for method in methods:
-                record = run(cfg.replace(method=method, seq_len=seq_len))
-                record["bench_id"] = bench_id
-                record["extra"]["repeat"] = repeat
-                append_record(out, record)
-                median = (record.get("iter_time_s") or {}).get("median")
-                timing = f"{median * 1e3:.1f} ms/iter" if median else record.get("error") or ""
-                print(f"  [{repeat + 1}/{repeats}] {method} S={seq_len}: {record['status']} {timing}", flush=True)
-    records = load_records(out)
+    runs = [(repeat, seq_len, method) for repeat in range(repeats) for seq_len in seq_lens for method in methods]
+    for repeat, seq_len, method in runs:
+        record = run(cfg.replace(method=method, seq_len=seq_len))
+        record["bench_id"] = bench_id
+        record["extra"]["repeat"] = repeat
+        append_record(out, record)
+        median = (record.get("iter_time_s") or {}).get("median")
+        timing = f"{median * 1e3:.1f} ms/iter" if median else record.get("error") or ""
+        print(f"  [{repeat + 1}/{repeats}] {method} S={seq_len}: {record['status']} {timing}", flush=True)
+        if record["status"] == "interrupted":  # SIGTERM/SIGINT: the remaining runs are not started
+            break
+    records = load_records(out, skip_bad_lines=True)  # only this bench's rows are read
     mine = records[records["bench_id"] == bench_id]
     failed = mine[mine["status"] != "ok"]
     for _, row in failed.iterrows():
@@ -74,7 +77,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                f"speed_vs_{ratio_to}", f"tokens_per_s_vs_{ratio_to}"]
     with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
         print(shown[columns].to_string(index=False))
-    return 0
+    return INTERRUPTED_EXIT_CODE if stop_requested() else 0
 
 
 def _seq_lens(text: str) -> list[int]:
@@ -98,4 +101,4 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ratio-to", default=None, help="reference method for speed ratios (default: ulysses if given)")
     p.add_argument("--out", default="results/bench.jsonl")
     add_run_config_arguments(p, varied=("method", "seq_len"))
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, starts_ranks=True)

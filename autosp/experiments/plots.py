@@ -15,7 +15,9 @@ matplotlib.use("Agg")  # files only: no display on clusters or CI
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from autosp.experiments.tables import THROUGHPUT_GROUP, TRAINABILITY_GROUP, paper_claims  # noqa: E402
+from autosp.experiments.tables import (  # noqa: E402
+    THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, paper_claims)
+from autosp.harness.config import ConfigError  # noqa: E402
 
 #: the paper's names for the baselines (paper_claims.csv `autosp_vs`) -> our methods that stand for them
 CLAIM_BASELINE_METHODS = {
@@ -151,11 +153,24 @@ def throughput_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFram
     _save(fig, path)
 
 
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from autosp.harness.records import load_records
-    from autosp.experiments.tables import throughput_table, trainability_table
+def check_figure_path(path: str | Path) -> None:
+    """ConfigError unless matplotlib can write a figure of this file type at `path` (checked before any work)."""
+    from autosp.harness.records import check_writable
 
-    records = load_records(args.inputs)
+    kinds = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in kinds:
+        raise ConfigError(f"--out {path}: cannot write a figure as {suffix or 'a file without a suffix'!r}; use one "
+                          f"of .{', .'.join(sorted(kinds))}")
+    check_writable(path)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from autosp.experiments.tables import records_from_args, throughput_table, trainability_table
+
+    check_figure_path(args.out)
+    records = records_from_args(args)
     if args.kind == "trainability":
         trainability_figure(trainability_table(records), args.out)
     else:
@@ -168,7 +183,7 @@ def add_plot_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp plot trainability|throughput --in FILES... --out figure.png`."""
     p = subparsers.add_parser("plot", help="paper-style figures (with the paper's claims) from result records")
     p.add_argument("kind", choices=["trainability", "throughput"])
-    p.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL record files")
+    add_records_arguments(p)
     p.add_argument("--out", required=True, help="figure file (.png or .pdf)")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method")
     p.set_defaults(func=_cmd_plot)

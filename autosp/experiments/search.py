@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 
-#: probe statuses the runner reports; only OOM bounds the length
-OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
+#: probe statuses the runner reports; only OOM bounds the length, the others after OK stop the search
+OK, OOM, ERROR, TIMEOUT, INTERRUPTED = "ok", "oom", "error", "timeout", "interrupted"
+STOPPING = (ERROR, TIMEOUT, INTERRUPTED)
 #: search outcomes
 FOUND = "found"  # bracketed: max_seq_len ok, max_seq_len + granularity oom
 NO_OOM_UP_TO_MAX = "no_oom_up_to_max_len"  # max_len itself trains: the true limit is higher
@@ -47,7 +49,7 @@ OOM_AT_MIN = "oom_at_min_len"  # not even min_len trains
 
 @dataclass
 class SearchOutcome:
-    status: str  # found | no_oom_up_to_max_len | oom_at_min_len | error | timeout
+    status: str  # found | no_oom_up_to_max_len | oom_at_min_len | error | timeout | interrupted
     max_seq_len: int | None  # longest length seen training (None if none did)
     first_oom_seq_len: int | None  # shortest length seen OOM (None if none did)
     probes: list[tuple[int, str]] = field(default_factory=list)  # (seq_len, status) in probe order
@@ -98,7 +100,7 @@ def search_max_length(
         status, peak = result if isinstance(result, tuple) else (result, None)
         outcome.probes.append((k * granularity, status))
         if status not in (OK, OOM):
-            return status if status in (ERROR, TIMEOUT) else ERROR
+            return status if status in STOPPING else ERROR
         if peak is not None:
             peaks[k] = peak
         if status == OK:
@@ -185,13 +187,17 @@ def search_key(cfg: RunConfig, granularity: int) -> str:
 
 
 def previous_answer(out: str, key: str) -> int | None:
-    """max_seq_len of the latest search with this key in `out` (None if there is none)."""
+    """max_seq_len of the latest search with this key in `out` (None if there is none); lines that are not
+    records are reported and skipped (a resume needs only the last answer)."""
     from autosp.harness.records import read_records
 
     if not os.path.exists(out):
         return None
-    answers = [r["max_seq_len"] for r in read_records(out)
+    skipped: list[str] = []
+    answers = [r["max_seq_len"] for r in read_records(out, skipped=skipped)
                if r.get("kind") == "search" and r.get("search_key") == key and r.get("max_seq_len")]
+    for problem in skipped:
+        print(f"  skipped {problem}", flush=True)
     return answers[-1] if answers else None
 
 
@@ -214,14 +220,24 @@ def run_search(
     oracle. Returns the result row.
     """
     from autosp.experiments.floor import floor_for
-    from autosp.harness.records import append_record, new_record
+    from autosp.harness.records import append_record, check_writable, new_record
 
-    if run is None:
-        from autosp.harness.runner import run
     if cfg.device == "cpu" and cfg.memory_budget is None:
         raise ConfigError("a CPU search needs --memory-budget (e.g. 64MiB): without it nothing ever runs out of memory")
-    granularity = granularity or default_granularity(cfg.world_size)
-    min_len = min_len or granularity
+    granularity = default_granularity(cfg.world_size) if granularity is None else granularity
+    min_len = granularity if min_len is None else min_len
+    for flag, value in (("--granularity", granularity), ("--min-len", min_len), ("--max-len", max_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if run is None:
+        from autosp.harness.runner import run, validate
+
+        try:  # every probe length is a multiple of the granularity: a length the method refuses is bad input
+            validate(cfg.replace(seq_len=granularity))
+        except ConfigError as exc:
+            raise ConfigError(f"--granularity {granularity} makes probe lengths the method refuses ({exc}); use a "
+                              f"multiple of {default_granularity(cfg.world_size)}") from None
+    check_writable(out)
     key = search_key(cfg, granularity)
     if resume and start_len is None:
         start_len = previous_answer(out, key)
@@ -256,7 +272,7 @@ def run_search(
 
     limit = floor.max_seq_len(budget, granularity) if floor is not None and budget is not None else None
     sp_size = last_record.get("sp_size") or cfg.sp_size or 1  # the probes' records know the method's default
-    row = new_record(cfg.replace(seq_len=outcome.max_seq_len or 0), sp_size=sp_size)
+    row = new_record(cfg.replace(seq_len=outcome.max_seq_len or granularity), sp_size=sp_size)
     for inherited in ("device_name", "implementation"):  # what only a probe knows
         row[inherited] = last_record.get(inherited, row[inherited])
     row.update(
@@ -265,7 +281,8 @@ def run_search(
         search_key=key,
         run_id=search_id,
         status=outcome.status,
-        error=last_record.get("error") if outcome.status in (ERROR, TIMEOUT) else None,
+        error=last_record.get("error") if outcome.status in STOPPING else None,
+        seq_len=outcome.max_seq_len or 0,
         max_seq_len=outcome.max_seq_len,
         first_oom_seq_len=outcome.first_oom_seq_len,
         peak_mem_bytes=peaks.get(outcome.max_seq_len) if outcome.max_seq_len else None,
@@ -297,7 +314,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
           f"floor limit={row['floor_limit_seq_len']}"
           + (f" (achieved {ratio:.0%} of it)" if ratio else "")
           + f", {row['num_probes']} probes in {row['wall_s']:.0f} s -> {args.out}")
-    if row["status"] in (ERROR, TIMEOUT):
+    if row["status"] == INTERRUPTED:
+        print(f"search stopped: {row['error']}")
+        return INTERRUPTED_EXIT_CODE
+    if row["status"] in STOPPING:
         print(f"search stopped by a failed probe: {row['error']}")
         return 1 if args.fail_on_error else 0
     return 0
@@ -318,6 +338,7 @@ def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="start from the answer of the latest identical search in --out (re-checks it in ~2 probes)")
     p.add_argument("--fail-on-error", action=argparse.BooleanOptionalAction, default=True,
-                   help="exit 1 when a probe ends in error/timeout (the result row is written either way)")
+                   help=f"exit 1 when a probe ends in error/timeout (the result row is written either way); "
+                        f"SIGTERM/SIGINT end the search as interrupted, exit {INTERRUPTED_EXIT_CODE}")
     p.add_argument("--out", default="results/trainability.jsonl", help="JSONL file for probe records and the result")
-    p.set_defaults(func=_cmd_search)
+    p.set_defaults(func=_cmd_search, starts_ranks=True)

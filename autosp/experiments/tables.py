@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -121,10 +122,29 @@ def format_table(table: pd.DataFrame) -> str:
         return shown.to_string(index=False)
 
 
-def _cmd_table(args: argparse.Namespace) -> int:
+def add_records_arguments(parser: argparse.ArgumentParser) -> None:
+    """--in and --skip-bad-lines: the record files a reporting command reads (`table`, `plot`)."""
+    parser.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL record files")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="leave out lines that are not records (each one reported) instead of failing")
+
+
+def records_from_args(args: argparse.Namespace) -> pd.DataFrame:
+    """The records `add_records_arguments` names; skipped lines are reported on stderr, one line each."""
     from autosp.harness.records import load_records
 
-    records = load_records(args.inputs)
+    records = load_records(args.inputs, skip_bad_lines=args.skip_bad_lines)
+    for problem in records.attrs["skipped_lines"]:
+        print(f"skipped {problem}", file=sys.stderr)
+    return records
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    from autosp.harness.records import check_writable
+
+    if args.out:
+        check_writable(args.out)
+    records = records_from_args(args)
     if args.kind == "trainability":
         table = trainability_table(records)
     else:
@@ -139,7 +159,7 @@ def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp table trainability|throughput --in FILES... [--out table.csv]`."""
     p = subparsers.add_parser("table", help="tables (trainability, throughput) from result records")
     p.add_argument("kind", choices=["trainability", "throughput"])
-    p.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL record files")
+    add_records_arguments(p)
     p.add_argument("--out", help="write the table as CSV here")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")
     p.set_defaults(func=_cmd_table)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,11 @@ class DataConfig:
     ignore_fraction: float = 0.0  # fraction of label positions set to -100, in uneven runs
     packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
     pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
+
+    def __post_init__(self) -> None:
+        _check_number("data_ignore_fraction", self.ignore_fraction, low=0.0, below=1.0)
+        _check_number("pad_fraction", self.pad_fraction, low=0.0, below=1.0)
+        _check_integer("packed_documents", self.packed_documents, low=1)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,19 @@ class RunConfig:
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
 
+    def __post_init__(self) -> None:
+        """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""
+        for name in ("seq_len", "batch_size", "world_size", "steps"):
+            _check_integer(name, getattr(self, name), low=1)
+        _check_integer("warmup", self.warmup, low=0)
+        _check_integer("seed", self.seed, low=0, below=2**32)
+        if self.sp_size is not None:
+            _check_integer("sp_size", self.sp_size, low=1)
+        if self.memory_budget is not None:
+            _check_integer("memory_budget", self.memory_budget, low=1)
+        _check_number("lr", self.lr, low=0.0, low_open=True)
+        _check_number("timeout_s", self.timeout_s, low=0.0, low_open=True)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -65,3 +84,30 @@ class RunConfig:
         for timing_only in ("steps", "warmup", "timeout_s"):
             d.pop(timing_only)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: field -> the flag a user typed, where the two differ
+_FLAGS = {"timeout_s": "--timeout"}
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a RunConfig/DataConfig field, for messages."""
+    return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _check_integer(name: str, value: object, *, low: int, below: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (below is not None and value >= below):
+        bound = {0: "non-negative", 1: "positive"}.get(low, f">= {low}")
+        limit = f" below {below}" if below is not None else ""
+        raise ConfigError(f"{flag_name(name)} must be {bound} (an integer{limit}), got {value!r}")
+
+
+def _check_number(name: str, value: object, *, low: float, low_open: bool = False, below: float | None = None) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and (below is None or value < below))
+    if not ok:
+        if below is not None:
+            bound = f"in [{low:g}, {below:g})"
+        else:
+            bound = "positive" if low_open and low == 0 else f">= {low:g}"
+        raise ConfigError(f"{flag_name(name)} must be {bound} (a finite number), got {value!r}")

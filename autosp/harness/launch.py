@@ -7,49 +7,56 @@ Two ways to get ranks:
   SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID with MASTER_ADDR / MASTER_PORT); the function runs here and the
   results are gathered over the process group.
 
-Locally the parent owns the outcome: every rank is the leader of its own process group, so a crashed, killed,
-hung or timed-out run is ended by killing those groups (compile workers and other descendants included) and
-reaping them. The run never hangs past its timeout and leaves no orphans.
+Locally the parent owns the outcome (`autosp.harness.supervisor`): every rank is the leader of its own process
+group from the moment it exists, so a crashed, killed, hung or timed-out run - or SIGTERM/SIGINT to the parent,
+recorded as `interrupted` - is ended by killing those groups (compile workers and other descendants included) and
+reaping them. The run never hangs past its timeout and leaves no process behind.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import pickle
-import queue as queue_mod
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autosp.harness.config import ConfigError
+from autosp.harness.supervisor import RankProcesses, read_report, stop_requested, trap_signals, write_report
 
 #: how long a rank that already failed gives the others to report, so the first failure's message wins
 _GRACE_S = 1.0
 _POLL_S = 0.05
 #: how long ranks that all reported success get to exit normally before their process groups are killed
 _EXIT_GRACE_S = 30.0
+#: resident memory of one idle CPU rank before any model (Python, torch, gloo, the harness): 343 MiB measured on
+#: the 2-core development machine, in line with 64 ranks taking ~22 GB there
+CPU_RANK_BYTES = 350 * 2**20
 
 
 @dataclass
 class LaunchResult:
     """What came back from a launch. `results[r]` is rank r's return value (None if it never returned)."""
 
-    status: str  # ok | oom | error | timeout
+    status: str  # ok | oom | error | timeout | interrupted
     results: list[Any]
     error: str | None = None  # one line: which rank failed and how
     failed_rank: int | None = None
     traceback: str | None = None  # the failing rank's full traceback, when there is one
     elapsed_s: float = 0.0
     rank_errors: dict[int, str] = field(default_factory=dict)
+    output_tail: str = ""  # the last lines the ranks printed, kept when the run did not succeed
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,28 @@ def check_device(device: str, world_size: int) -> None:
         raise ConfigError(f"local rank {job.local_rank} has no GPU: only {per_node} are visible on this node")
 
 
+def check_host_memory(world_size: int) -> None:
+    """ConfigError when this machine cannot hold `world_size` idle CPU ranks (checked before spawning any)."""
+    available = _available_host_memory()
+    if available is not None and world_size * CPU_RANK_BYTES > available:
+        most = available // CPU_RANK_BYTES
+        raise ConfigError(
+            f"--world-size {world_size} needs about {world_size * CPU_RANK_BYTES / 2**30:.1f} GiB of host memory for "
+            f"its CPU ranks before any model ({CPU_RANK_BYTES >> 20} MiB each), but {available / 2**30:.1f} GiB is "
+            f"available; use --world-size {most} or less")
+
+
+def _available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def backend_for(device: str) -> str:
     """gloo on CPU; nccl on CUDA, which ROCm builds of torch route to RCCL."""
     return "gloo" if device == "cpu" else "nccl"
@@ -132,8 +161,21 @@ def _classify(exc: BaseException) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """`Type: first line` of an error and of its root cause: a first line that only introduces what follows
+    ("backend='backend_fn' raised:") takes the next line with it, and an explicit cause (`raise ... from e`) is
+    named after `<-`, so the record's one-line error says what went wrong, not only where it surfaced."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    for line in lines[1:]:
+        if not text.endswith(":"):
+            break
+        text = f"{text} {line}"
+    message = f"{type(exc).__name__}: {text}".rstrip(": ")
+    if exc.__cause__ is not None and exc.__cause__ is not exc:
+        cause = _one_line(exc.__cause__)
+        if cause.split(": ", 1)[-1] not in message:
+            message = f"{message} <- {cause}"
+    return message
 
 
 def _bind_rank(device: str, rank: int, world_size: int, local_rank: int) -> None:
@@ -152,34 +194,20 @@ def _init_group(device: str, rank: int, world_size: int, timeout_s: float) -> No
 
 
 def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
-    """Body of a spawned rank: own process group, bind device, join the group, run, report, leave."""
-    os.setpgid(0, 0)  # the parent ends this rank and everything it starts with one killpg
+            fn: Callable[..., Any], args: tuple, report_path: str) -> None:
+    """Body of a spawned rank: bind device, join the group, run, report through its file, leave."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         _bind_rank(device, rank, world_size, rank)
         _init_group(device, rank, world_size, timeout_s)
-        # Plain pickle copies tensor data into the message; torch's queue reducers would share it through file
-        # descriptors that die with this process, which the parent may already have killed.
+        # Plain pickle copies tensor data into the report (no file descriptors shared with a dying process).
         report = (rank, "ok", pickle.dumps(fn(*args)), None, None)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent, with its kind
         report = (rank, _classify(exc), None, f"rank {rank}: {_one_line(exc)}", traceback.format_exc())
-    results.put(report)
+    write_report(report_path, report)
     if report[1] == "ok" and dist.is_initialized():
         dist.destroy_process_group()
-    results.close()
-    results.join_thread()  # the report is in the pipe before this process can be seen as dead
-
-
-def _kill_groups(procs: list[mp.Process]) -> None:
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # already gone (the group died with its last member)
-    for p in procs:
-        p.join(timeout=10)
 
 
 def _exit_description(code: int | None) -> str:
@@ -190,72 +218,90 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code} without reporting"
 
 
+def interruptible() -> contextlib.AbstractContextManager:
+    """SIGTERM/SIGINT end local launches as `interrupted` (see `supervisor.trap_signals`). Inside a torchrun/SLURM
+    job the signals keep their default meaning: the job's launcher owns the ranks."""
+    return trap_signals() if existing_job() is None else contextlib.nullcontext()
+
+
 def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, device: str = "cpu",
                  timeout_s: float = 600.0) -> LaunchResult:
-    """Spawn `world_size` ranks on this machine and run `fn(*args)` on each (fn must be picklable)."""
+    """Spawn `world_size` ranks on this machine and run `fn(*args)` on each.
+
+    `fn` and `args` are pickled by reference: `fn` must be a module-level function of an importable module.
+    Whatever happens - success, a crash, a hang past `timeout_s`, SIGTERM/SIGINT to this process - every rank and
+    everything it started has ended when this returns.
+    """
     check_device(device, world_size)
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    port = free_port()
+    if device == "cpu":
+        check_host_memory(world_size)
     start = time.monotonic()
-    deadline = start + timeout_s
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, timeout_s, fn, args, results),
-                         name=f"autosp-rank{r}", daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    values: list[Any] = [None] * world_size
-    reported: set[int] = set()
-    failures: list[tuple[int, str, str, str | None]] = []  # (rank, kind, message, traceback)
-
-    def take(report: tuple) -> None:
-        rank, kind, value, message, tb = report
-        reported.add(rank)
-        if kind == "ok":
-            values[rank] = pickle.loads(value)
-        else:
-            failures.append((rank, kind, message, tb))
-
-    try:
-        fail_deadline = None
-        while len(reported) < world_size:
-            now = time.monotonic()
-            if fail_deadline is not None and now >= fail_deadline:
-                break
-            if now >= deadline:
-                missing = sorted(set(range(world_size)) - reported)
-                failures.append((missing[0], "timeout",
-                                 f"rank(s) {missing} did not finish within the {timeout_s:g} s timeout", None))
-                break
-            try:
-                take(results.get(timeout=_POLL_S))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-                if dead:
-                    _drain(results, take)  # a report written just before exit is still in the pipe
-                for r in dead:
-                    if r not in reported:
-                        reported.add(r)
-                        failures.append((r, "error", f"rank {r} {_exit_description(procs[r].exitcode)}", None))
-            if failures and fail_deadline is None:
-                fail_deadline = time.monotonic() + _GRACE_S
-    finally:
-        if not failures:  # let finished ranks exit by themselves (their atexit clean-up runs), then reap the rest
-            for p in procs:
-                p.join(timeout=max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
-        _kill_groups(procs)
-        results.close()
+    with trap_signals(), tempfile.TemporaryDirectory(prefix="autosp-ranks-") as tmp:
+        if stop_requested():
+            return _interrupted([None] * world_size, start, "")
+        workdir = Path(tmp)
+        port = free_port()
+        reports = [str(workdir / f"rank{r}.out") for r in range(world_size)]
+        ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
+                                                 for r in range(world_size)])
+        try:
+            values, failures = _supervise(ranks, reports, start + timeout_s, timeout_s)
+            if not failures and not stop_requested():  # let finished ranks exit by themselves first
+                ranks.wait_all(min(_EXIT_GRACE_S, max(0.0, start + timeout_s - time.monotonic())), stop_requested)
+        finally:
+            ranks.end()
+        tail = ranks.output_tail() if failures or stop_requested() else ""
+        if stop_requested():
+            return _interrupted(values, start, tail)
     elapsed = time.monotonic() - start
     if not failures:
         return LaunchResult("ok", values, elapsed_s=elapsed)
-    return _failed(failures, values, elapsed)
+    result = _failed(failures, values, elapsed)
+    result.output_tail = tail
+    return result
 
 
-def _drain(results: mp.Queue, take: Callable[[tuple], None]) -> None:
-    try:
-        while True:
-            take(results.get(timeout=0.2))
-    except queue_mod.Empty:
-        pass
+def _supervise(ranks: RankProcesses, reports: list[str], deadline: float,
+               timeout_s: float) -> tuple[list[Any], list[tuple[int, str, str, str | None]]]:
+    """Poll the ranks' report files until all reported, one failed (plus a grace for the others), the deadline
+    passed or a stop signal came. Returns (values by rank, failures as (rank, kind, message, traceback))."""
+    world_size = len(reports)
+    values: list[Any] = [None] * world_size
+    reported: set[int] = set()
+    failures: list[tuple[int, str, str, str | None]] = []
+    fail_deadline = None
+    while len(reported) < world_size and not stop_requested():
+        now = time.monotonic()
+        if fail_deadline is not None and now >= fail_deadline:
+            break
+        if now >= deadline:
+            missing = sorted(set(range(world_size)) - reported)
+            failures.append((missing[0], "timeout",
+                             f"rank(s) {missing} did not finish within the {timeout_s:g} s timeout", None))
+            break
+        for r in sorted(set(range(world_size)) - reported):
+            exit_code = ranks.exit_code(r)  # read before the report: a rank that exited has written it, if ever
+            report = read_report(reports[r])
+            if report is not None:
+                reported.add(r)
+                _, kind, value, message, tb = report
+                if kind == "ok":
+                    values[r] = pickle.loads(value)
+                else:
+                    failures.append((r, kind, message, tb))
+            elif exit_code is not None:
+                reported.add(r)
+                failures.append((r, "error", f"rank {r} {_exit_description(exit_code)}", None))
+        if failures and fail_deadline is None:
+            fail_deadline = time.monotonic() + _GRACE_S
+        time.sleep(_POLL_S)
+    return values, failures
+
+
+def _interrupted(values: list[Any], start: float, tail: str) -> LaunchResult:
+    elapsed = time.monotonic() - start
+    return LaunchResult("interrupted", values, error=f"interrupted by {stop_requested()} after {elapsed:.1f} s; "
+                        "every rank was ended", elapsed_s=elapsed, output_tail=tail)
 
 
 def _failed(failures: list[tuple[int, str, str, str | None]], values: list[Any], elapsed: float) -> LaunchResult:

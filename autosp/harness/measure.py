@@ -65,16 +65,26 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def format_size(num_bytes: float | None) -> str:
+def format_size(num_bytes: float | None, digits: int = 2) -> str:
     """Human-readable binary size, e.g. 1.50 GiB."""
     if num_bytes is None:
         return "-"
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{digits}f} {unit}"
         value /= 1024
-    return f"{value:.2f} TiB"
+    return f"{value:.{digits}f} TiB"
+
+
+def format_sizes_apart(*sizes: float) -> list[str]:
+    """format_size for sizes compared in one message: as many digits as it takes for different sizes to read
+    differently (never "peak 4.24 MiB exceeds the budget 4.24 MiB"), exact bytes as the last resort."""
+    for digits in (2, 4, 6):
+        texts = [format_size(v, digits) for v in sizes]
+        if len(set(texts)) == len(set(sizes)):
+            return texts
+    return [f"{int(v)} B" for v in sizes]
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,16 +1,23 @@
 """One JSON line per run: the contract between measuring and everything downstream (tables, figures, history).
 
 Appends are atomic: the whole line goes out in one write() on an O_APPEND descriptor under an exclusive
-flock, so concurrent writers (Snakemake jobs, search probes) never interleave or leave half a line.
+flock, so concurrent writers (Snakemake jobs, search probes) never interleave or leave half a line. A last line
+torn by something else (a killed writer of an older version, a full disk, a hand edit) is closed with a newline
+before the next record, so the new record is always a line of its own; `load_records(..., skip_bad_lines=True)`
+then reads every whole record and reports the torn one instead of failing on the whole file.
+Commands check their output paths with `check_writable` before any work, so a finished run is never lost to an
+unwritable `--out`.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import platform
 import socket
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -21,10 +28,10 @@ from typing import Any
 
 import pandas as pd
 
-from autosp.harness.config import RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "timeout", "error")
+STATUSES = ("ok", "oom", "timeout", "error", "interrupted")
 #: every record has these keys (None where not applicable); `extra` holds method-specific metrics
 FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",
@@ -110,9 +117,12 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # also orders writers on filesystems where O_APPEND alone is not atomic
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: end it, keep the new record whole
+            line = b"\n" + line
         written = 0
         while written < len(line):  # a regular file takes it in one call; the loop only guards short writes
             written += os.write(fd, line[written:])
@@ -136,34 +146,74 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of one JSONL file, in file order (a corrupt line is an error naming file and line)."""
+def check_writable(path: str | os.PathLike, flag: str = "--out") -> None:
+    """ConfigError unless a file can be written at `path` (appended to, or replaced through its folder).
+
+    Commands call this before any work, so a result is never computed only to be lost to a read-only filesystem,
+    a parent path that is a file, or an output path that is a folder. Creates missing parent folders."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a folder")
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise NotADirectoryError(errno.ENOTDIR, f"{blocking} is a file, not a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "the file is not writable")
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"cannot write {flag} {path}: {reason}; choose a writable file path") from None
+
+
+def read_records(path: str | os.PathLike, *, skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of one JSONL file, in file order.
+
+    A line that is not a JSON record is a ConfigError naming file and line, unless `skipped` is given: then the
+    line is left out and described in `skipped` ("<file>:<line>: <why>")."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                except ValueError as exc:  # JSONDecodeError is a ValueError
+                    problem = f"{path}:{number}: not a JSON record ({getattr(exc, 'msg', exc)})"
+                    if skipped is None:
+                        raise ConfigError(f"{problem}; repair or delete that line, or skip bad lines (--skip-bad-lines)") from None
+                    skipped.append(problem)
+                    continue
+                records.append(record)
+    except OSError as exc:
+        raise ConfigError(f"cannot read records file {path}: {exc.strerror or exc}") from None
     return records
 
 
-def load_records(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> pd.DataFrame:
+def load_records(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
+                 skip_bad_lines: bool = False) -> pd.DataFrame:
     """All records of one or more JSONL files as one DataFrame.
 
     Nested dicts are flattened with dots (`iter_time_s.median`, `versions.torch`, `config.data.pad_fraction`,
     `extra.<metric>`); lists (`peak_mem_by_rank`, `iter_time_s.samples`) stay lists in one cell. A `source`
     column names the file each row came from. Missing files are an error: a typo must not look like no data.
+    A line that is not a record is an error too, unless `skip_bad_lines`: then it is left out and listed in
+    `df.attrs["skipped_lines"]`.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for path in paths:
-        for record in read_records(path):
+        for record in read_records(path, skipped=skipped if skip_bad_lines else None):
             record["source"] = str(path)
             rows.append(record)
-    if not rows:
-        return pd.DataFrame(columns=[*FIELDS, "source"])
-    return pd.json_normalize(rows, sep=".")
+    df = pd.json_normalize(rows, sep=".") if rows else pd.DataFrame(columns=[*FIELDS, "source"])
+    df.attrs["skipped_lines"] = skipped
+    return df

@@ -8,6 +8,7 @@ show that the step trains. Order per rank: warm-up steps, one measured step (pea
 from __future__ import annotations
 
 import importlib
+import math
 import platform
 import re
 from collections.abc import Iterable
@@ -19,11 +20,11 @@ import torch.distributed as dist
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
-from autosp.harness.measure import apply_device_budget, format_size, memory_meter, summarize_times, timed
+from autosp.harness.measure import apply_device_budget, format_sizes_apart, memory_meter, summarize_times, timed
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
 from autosp.harness.parallel import build_context
-from autosp.harness.records import append_record, new_record
+from autosp.harness.records import append_record, check_writable, new_record
 from baselines.base import Strategy, TrainStep, get_strategy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,19 +32,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _SAC = re.compile(r"^(off|sac|full|budget=(0(\.\d+)?|1(\.0+)?))$")
 
 
-def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        bound = "non-negative" if allow_zero else "positive"
-        raise ConfigError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
-
-
 def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strategy, int]:
     """ConfigError for anything that cannot run, before a rank starts; returns (strategy, SP degree)."""
-    for name in ("seq_len", "batch_size", "world_size", "steps", "lr", "timeout_s"):
-        _positive(name, getattr(cfg, name))
-    _positive("warmup", cfg.warmup, allow_zero=True)
-    if cfg.memory_budget is not None:
-        _positive("memory_budget", cfg.memory_budget)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"unknown --dtype {cfg.dtype!r}; choose one of: {', '.join(DTYPES)}")
     if cfg.compile_backend not in COMPILE_BACKENDS:
@@ -54,10 +44,11 @@ def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strateg
     check_device(cfg.device, cfg.world_size)
     preset = get_preset(cfg.model)
     for module in extra_imports:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--import {module}: {exc}; pass an importable module (is it on PYTHONPATH?)") from None
     strategy = get_strategy(cfg.method)
-    if cfg.sp_size is not None:
-        _positive("sp_size", cfg.sp_size)
     strategy.validate(cfg, preset.num_attention_heads, preset.num_key_value_heads)
     sp_size = cfg.sp_size or strategy.default_sp_size(cfg.world_size)
     make_batch(cfg.data, batch_size=1, seq_len=cfg.seq_len, vocab_size=preset.vocab_size, seed=cfg.seed)
@@ -80,11 +71,20 @@ def build_train_step(cfg: RunConfig, strategy: Strategy, sp_size: int) -> tuple[
     return strategy.setup(model, ctx, cfg), device
 
 
-def train_step(step: TrainStep, batch: Batch) -> float:
-    """One full step: forward, backward, AdamW. Returns the global loss."""
-    loss = step.forward_backward(batch)
+class DivergedError(RuntimeError):
+    """A non-finite loss: the run is an `error`, never a measurement (a search must not call it a fit)."""
+
+
+def train_step(step: TrainStep, batch: Batch, number: int = 0) -> float:
+    """One full step: forward, backward, AdamW. Returns the global loss; DivergedError if it is not finite.
+
+    A non-finite gradient shows up here too, one step later: AdamW turns it into non-finite parameters."""
+    loss = float(step.forward_backward(batch))
+    if not math.isfinite(loss):
+        raise DivergedError(f"loss is {loss} at step {number}: training diverged (non-finite loss or gradients); "
+                            "use --dtype float32 or bfloat16, or a lower --lr")
     step.optimizer_step()
-    return float(loss)
+    return loss
 
 
 def device_name(device: torch.device | str) -> str:
@@ -120,9 +120,9 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
         step, device = build_train_step(cfg, strategy, sp_size)
         batch = global_batch(cfg, sp_size).to(device)
         for _ in range(cfg.warmup):
-            losses.append(train_step(step, batch))
+            losses.append(train_step(step, batch, len(losses)))
         with meter.measured_step():
-            losses.append(train_step(step, batch))
+            losses.append(train_step(step, batch, len(losses)))
     result: dict[str, Any] = {"implementation": step.implementation or cfg.method, "device_name": device_name(device),
                               "losses": losses, "samples": [], "status": "ok"}
     if device.type == "cpu" and cfg.memory_budget is not None:
@@ -132,7 +132,7 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
             result.update(status="oom", peak=measured.peak_bytes, memory=measured.detail)
             return result
     for _ in range(cfg.steps):
-        loss, seconds = timed(lambda: train_step(step, batch), device)
+        loss, seconds = timed(lambda: train_step(step, batch, len(losses)), device)
         losses.append(loss)
         result["samples"].append(seconds)
     report = meter.report()
@@ -144,12 +144,16 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
 def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterable[str] = ()) -> dict[str, Any]:
     """Run `cfg` on its ranks and return its record (appended to `out` when given).
 
-    Bad configurations raise ConfigError here; everything that goes wrong once ranks run (a crash, a hang past
-    cfg.timeout_s, running out of memory or over cfg.memory_budget) comes back as the record's status.
-    `extra_imports` are modules imported in every rank first (out-of-tree methods register on import).
+    Bad configurations (and an unwritable `out`) raise ConfigError here, before any rank starts; everything that
+    happens once ranks run comes back as the record's status: a crash or a non-finite loss (`error`), a hang past
+    cfg.timeout_s (`timeout`), running out of memory or over cfg.memory_budget (`oom`), SIGTERM/SIGINT to this
+    process (`interrupted`). `extra_imports` are modules imported in every rank first (out-of-tree methods
+    register on import).
     """
     extra_imports = tuple(extra_imports)
     _, sp_size = validate(cfg, extra_imports)
+    if out is not None:
+        check_writable(out)
     record = new_record(cfg, sp_size=sp_size)
     outcome = launch(rank_main, (cfg.to_dict(), extra_imports), world_size=cfg.world_size, device=cfg.device,
                      timeout_s=cfg.timeout_s)
@@ -157,6 +161,8 @@ def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterabl
     record["extra"]["wall_s"] = round(outcome.elapsed_s, 3)
     if outcome.traceback:
         record["extra"]["traceback"] = outcome.traceback
+    if outcome.output_tail:
+        record["extra"]["rank_output"] = outcome.output_tail
     if outcome.status == "ok":
         _fill_measurements(record, cfg, outcome.results)
     if record["device_name"] is None:
@@ -177,8 +183,8 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
                            **first.get("metrics", {}))
     if any(r["status"] == "oom" for r in results):
         record["status"] = "oom"
-        record["error"] = (f"rank {worst_rank}: peak {format_size(max(peaks))} exceeds the memory budget "
-                           f"{format_size(cfg.memory_budget)}")
+        peak, budget = format_sizes_apart(max(peaks), cfg.memory_budget)
+        record["error"] = f"rank {worst_rank}: peak {peak} exceeds the memory budget {budget}"
         record["iter_time_s"] = summarize_times([])
         return
     # A step ends when its slowest rank ends.

@@ -4,8 +4,9 @@ import multiprocessing as mp
 import pandas as pd
 import pytest
 
-from autosp.harness.config import DataConfig, RunConfig
-from autosp.harness.records import FIELDS, SCHEMA_VERSION, append_record, load_records, new_record, write_json_atomic
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
+from autosp.harness.records import (
+    FIELDS, SCHEMA_VERSION, append_record, check_writable, load_records, new_record, write_json_atomic)
 
 CFG = RunConfig(method="single", model="tiny", seq_len=64, data=DataConfig(pad_fraction=0.25))
 
@@ -71,7 +72,7 @@ def test_corrupt_line_names_file_and_line(tmp_path) -> None:
 
 
 def test_missing_file_is_an_error(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="cannot read records file .*nope.jsonl: No such file"):
         load_records(tmp_path / "nope.jsonl")
 
 
@@ -81,3 +82,40 @@ def test_write_json_atomic_replaces_whole_file(tmp_path) -> None:
     write_json_atomic(path, {"b": 2})
     assert json.loads(path.read_text()) == {"b": 2}
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
+
+
+def test_torn_last_line_is_repaired_and_both_records_load(tmp_path) -> None:
+    path = tmp_path / "runs.jsonl"
+    append_record(path, {**new_record(CFG, sp_size=1), "status": "ok"})
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))  # a writer stopped before its newline
+    append_record(path, {**new_record(CFG, sp_size=1), "status": "error"})
+    assert list(load_records(path)["status"]) == ["ok", "error"]
+
+
+def test_half_written_line_is_skipped_and_reported_when_asked(tmp_path) -> None:
+    path = tmp_path / "runs.jsonl"
+    append_record(path, {**new_record(CFG, sp_size=1), "status": "ok"})
+    with open(path, "ab") as f:
+        f.write(b'{"status": "o')  # half a record, no newline
+    append_record(path, {**new_record(CFG, sp_size=1), "status": "error"})
+    with pytest.raises(ConfigError, match=r"runs.jsonl:2: not a JSON record .*--skip-bad-lines"):
+        load_records(path)
+    df = load_records(path, skip_bad_lines=True)
+    assert list(df["status"]) == ["ok", "error"]
+    assert [line.split(": ")[0] for line in df.attrs["skipped_lines"]] == [f"{path}:2"]
+
+
+@pytest.mark.parametrize("where,reason", [
+    ("folder", "it is a folder"),
+    ("file/runs.jsonl", "is a file, not a folder"),
+])
+def test_unwritable_output_is_a_config_error(tmp_path, where: str, reason: str) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=f"cannot write --out .*{reason}"):
+        check_writable(tmp_path / where)
+
+
+def test_check_writable_creates_the_folder_and_leaves_no_trace(tmp_path) -> None:
+    check_writable(tmp_path / "new" / "runs.jsonl")
+    assert list((tmp_path / "new").iterdir()) == []

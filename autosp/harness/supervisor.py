@@ -1,0 +1,162 @@
+"""Rank processes the parent can always end, and SIGTERM/SIGINT turned into an orderly stop.
+
+Why each piece is the way it is:
+- Every rank is started by `subprocess.Popen(process_group=0)`: the child joins a new process group (its own pid)
+  between fork and exec, and Popen returns only after the exec, so from the first moment the parent can see the
+  rank, one `killpg` ends it and everything it started (compile workers, ...), even while it still imports torch.
+- A rank reports through its own file, written to a temporary name and renamed: no pipe for a rank to block on
+  when nobody reads it, and a report is either whole or absent.
+- Rank output (library banners, profiler lines, prints) goes to one log file, not to the terminal; the launcher
+  keeps its tail for a failed run's record.
+- `trap_signals()` turns SIGTERM (snakemake, `timeout`, SLURM) and SIGINT (Ctrl-C) into a flag the supervisor
+  polls, so the parent ends and reaps the ranks, records the run as `interrupted` and exits normally, instead of
+  dying mid-write with its ranks orphaned. Each rank also asks the kernel to kill it if the parent dies without
+  cleaning up (SIGKILL of the parent: nothing else can run then).
+This module knows nothing of torch; `autosp.harness.launch` builds the rank protocol on it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+#: the signals that stop a launch in an orderly way
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: exit code of a command stopped by one of them (128 + SIGINT, the shell's convention for Ctrl-C)
+INTERRUPTED_EXIT_CODE = 130
+#: how long killed process groups get to disappear (SIGKILL is not ignorable: this is only scheduling delay)
+_REAP_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+_caught: list[str] = []  # names of the stop signals received while trapped, first first
+
+
+def _note(signum: int, frame: object) -> None:
+    _caught.append(signal.Signals(signum).name)
+
+
+def stop_requested() -> str | None:
+    """The first stop signal received under `trap_signals` ('SIGTERM', 'SIGINT'), or None."""
+    return _caught[0] if _caught else None
+
+
+@contextlib.contextmanager
+def trap_signals() -> Iterator[None]:
+    """While active, SIGTERM and SIGINT only set `stop_requested()`; nested uses share the outermost trap.
+
+    Outside the main thread (where Python cannot install handlers) this does nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is _note:
+        yield
+        return
+    previous = {s: signal.signal(s, _note) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _caught.clear()
+
+
+_BOOTSTRAP = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+              "from autosp.harness.supervisor import rank_entry; rank_entry(sys.argv[2], int(sys.argv[3]))")
+
+
+def rank_entry(payload: str, parent: int) -> None:
+    """Body of a rank process: die with the parent, then run the pickled `target(*args)`."""
+    with contextlib.suppress(OSError, AttributeError):  # Linux only; elsewhere the parent's killpg still works
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+    with open(payload, "rb") as f:
+        target, args = pickle.load(f)
+    target(*args)
+
+
+def write_report(path: str | os.PathLike, report: Any) -> None:
+    """Publish a rank's report atomically: the parent sees the whole pickle or no file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(report, f)
+    os.replace(tmp, path)
+
+
+def read_report(path: str | os.PathLike) -> Any | None:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+class RankProcesses:
+    """P rank processes, each the leader of its own process group; `end()` kills and reaps all of them."""
+
+    def __init__(self, workdir: Path, target: Callable[..., None], args_per_rank: list[tuple]) -> None:
+        self.workdir = workdir
+        self.log_path = workdir / "ranks.log"
+        self.procs: list[subprocess.Popen] = []
+        path_json = json.dumps(sys.path)
+        with open(self.log_path, "ab") as log:
+            try:
+                for rank, args in enumerate(args_per_rank):
+                    payload = workdir / f"rank{rank}.in"
+                    payload.write_bytes(pickle.dumps((target, args)))
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-c", _BOOTSTRAP, path_json, str(payload), str(os.getpid())],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0))
+            except BaseException:
+                self.end()
+                raise
+
+    def exit_code(self, rank: int) -> int | None:
+        return self.procs[rank].poll()
+
+    def wait_all(self, seconds: float, stop: Callable[[], bool]) -> None:
+        """Give the ranks up to `seconds` to exit by themselves (their atexit clean-up runs); stop early on `stop()`."""
+        deadline = time.monotonic() + seconds
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline and not stop():
+            time.sleep(0.05)
+
+    def end(self) -> None:
+        """SIGKILL every rank's process group and wait until the ranks are reaped and the groups are empty."""
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+        deadline = time.monotonic() + _REAP_S
+        for p in self.procs:  # descendants were re-parented; wait until the kernel has removed them too
+            while _group_alive(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def output_tail(self, lines: int = 40) -> str:
+        """The last lines the ranks printed (for a failed run's record)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is still running (zombies waiting for their new parent count as gone)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return not Path("/proc/self").exists()  # no /proc to tell zombies apart: trust killpg
