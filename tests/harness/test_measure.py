@@ -76,3 +76,11 @@ def test_peak_above_budget_is_oom() -> None:
     assert record["peak_mem_bytes"] > 2**20 and record["iter_time_s"]["samples"] == []
     roomy = run(_cfg(256, memory_budget=2**30))
     assert roomy["status"] == "ok" and roomy["memory_budget"] == 2**30
+
+
+def test_sizes_compared_in_one_message_read_differently() -> None:
+    from autosp.harness.measure import format_sizes_apart
+
+    assert format_sizes_apart(4_445_000, 4_444_000) == ["4.2391 MiB", "4.2381 MiB"]
+    assert format_sizes_apart(2**30 + 1, 2**30) == ["1073741825 B", "1073741824 B"]
+    assert format_sizes_apart(3 * 2**20, 2**20) == ["3.00 MiB", "1.00 MiB"]

@@ -75,3 +75,14 @@ def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_records(tmp_path) -> N
     assert proc.stdout.count("ok: fsdp tiny seq 128 x 2 rank(s)") == 2
     records = load_records(out)
     assert len(records) == 1 and len(records["peak_mem_by_rank"][0]) == 2
+
+
+def test_float16_nan_is_an_error_not_a_measurement(tmp_path) -> None:
+    """float16 on CPU diverges at once on this model: the run must say so, never report the NaN as ok."""
+    out = tmp_path / "runs.jsonl"
+    cfg = RunConfig(method="ulysses", model="tiny", seq_len=128, world_size=2, dtype="float16", steps=2, warmup=1,
+                    timeout_s=120)
+    record = run(cfg, out=out)
+    assert record["status"] == "error" and "training diverged" in record["error"], record["error"]
+    assert "loss is nan at step" in record["error"]
+    assert load_records(out)["status"].tolist() == ["error"]

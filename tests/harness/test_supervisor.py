@@ -1,0 +1,38 @@
+import json
+import signal
+import time
+
+import pytest
+
+from autosp.cli import RUN_EXIT_CODES
+from autosp.harness.launch import launch
+from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
+from tests.harness.processes import MARK, interrupt_once_ranks_run, marked_processes, new_mark, start_cli
+from tests.harness.test_launch import sum_ranks
+
+RUN = ["run", "--method", "ulysses", "--model", "tiny", "--seq-len", "128", "--world-size", "2", "--steps", "3000"]
+
+
+def test_timeout_during_rank_start_up_ends_every_rank(monkeypatch) -> None:
+    mark = new_mark()
+    monkeypatch.setenv(MARK, mark)
+    start = time.monotonic()
+    result = launch(sum_ranks, ("x",), world_size=2, timeout_s=1)  # ranks are still importing torch at 1 s
+    elapsed = time.monotonic() - start
+    assert result.status == "timeout" and "1 s timeout" in result.error
+    assert elapsed < 1 + 5, elapsed
+    assert marked_processes(mark) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_autosp_run_ends_every_rank_and_records_interrupted(tmp_path, sig: signal.Signals) -> None:
+    mark = new_mark()
+    out_file = tmp_path / "runs.jsonl"
+    proc = start_cli([*RUN, "--out", str(out_file)], mark, tmp_path)
+    out, err, seconds = interrupt_once_ranks_run(proc, mark, sig)
+    assert proc.returncode == INTERRUPTED_EXIT_CODE == RUN_EXIT_CODES["interrupted"], err
+    assert seconds < 15, seconds
+    assert marked_processes(mark) == []
+    record = json.loads(out_file.read_text())
+    assert record["status"] == "interrupted" and f"interrupted by {sig.name}" in record["error"]
+    assert out.splitlines()[-1].startswith("interrupted: ulysses tiny seq 128") and "Traceback" not in err
