@@ -69,8 +69,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not methods:
         raise ConfigError("--methods needs at least one method, e.g. --methods autosp,ulysses")
     ratio_to = args.ratio_to or (methods[0] if "ulysses" not in methods else "ulysses")
-    table = run_bench(run_config_from_args(args, method=methods[0], seq_len=1), methods=methods, seq_lens=_seq_lens(args.seq_lens),
-                      repeats=args.repeats, out=args.out, ratio_to=ratio_to)
+    try:
+        table = run_bench(run_config_from_args(args, method=methods[0], seq_len=1), methods=methods,
+                          seq_lens=_seq_lens(args.seq_lens), repeats=args.repeats, out=args.out, ratio_to=ratio_to)
+    except ConfigError:
+        if stop_requested():  # interrupted before any run was timed: nothing to tabulate, the records are written
+            return INTERRUPTED_EXIT_CODE
+        raise
     shown = table.assign(iter_ms=table["iter_time_s"] * 1e3, min_ms=table["iter_time_min_s"] * 1e3,
                          max_ms=table["iter_time_max_s"] * 1e3, peak_mib=table["peak_mem_bytes"] / 2**20)
     columns = ["model", "seq_len", "method", "repeats", "peak_mib", "iter_ms", "min_ms", "max_ms", "tokens_per_s",

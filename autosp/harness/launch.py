@@ -245,13 +245,13 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
         ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
                                                  for r in range(world_size)])
         try:
-            values, failures = _supervise(ranks, reports, start + timeout_s, timeout_s)
-            if not failures and not stop_requested():  # let finished ranks exit by themselves first
+            values, failures, complete = _supervise(ranks, reports, start + timeout_s, timeout_s)
+            if complete and not failures:  # let finished ranks exit by themselves first
                 ranks.wait_all(min(_EXIT_GRACE_S, max(0.0, start + timeout_s - time.monotonic())), stop_requested)
         finally:
             ranks.end()
-        tail = ranks.output_tail() if failures or stop_requested() else ""
-        if stop_requested():
+        tail = ranks.output_tail() if failures or not complete else ""
+        if not complete and not failures:  # stopped by a signal; an outcome the ranks already decided is kept
             return _interrupted(values, start, tail)
     elapsed = time.monotonic() - start
     if not failures:
@@ -262,9 +262,10 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
 
 
 def _supervise(ranks: RankProcesses, reports: list[str], deadline: float,
-               timeout_s: float) -> tuple[list[Any], list[tuple[int, str, str, str | None]]]:
+               timeout_s: float) -> tuple[list[Any], list[tuple[int, str, str, str | None]], bool]:
     """Poll the ranks' report files until all reported, one failed (plus a grace for the others), the deadline
-    passed or a stop signal came. Returns (values by rank, failures as (rank, kind, message, traceback))."""
+    passed or a stop signal came. Returns (values by rank, failures as (rank, kind, message, traceback), whether
+    every rank reported)."""
     world_size = len(reports)
     values: list[Any] = [None] * world_size
     reported: set[int] = set()
@@ -295,7 +296,7 @@ def _supervise(ranks: RankProcesses, reports: list[str], deadline: float,
         if failures and fail_deadline is None:
             fail_deadline = time.monotonic() + _GRACE_S
         time.sleep(_POLL_S)
-    return values, failures
+    return values, failures, len(reported) == world_size
 
 
 def _interrupted(values: list[Any], start: float, tail: str) -> LaunchResult:

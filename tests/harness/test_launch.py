@@ -78,12 +78,17 @@ def test_killed_rank_is_an_error_within_the_timeout() -> None:
     assert "SIGKILL" in result.error
 
 
-def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path) -> None:
+def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path, monkeypatch) -> None:
+    from tests.harness.processes import MARK, marked_processes, new_mark
+
+    mark = new_mark()
+    monkeypatch.setenv(MARK, mark)  # inherited by the ranks and the grandchild
     pid_file = tmp_path / "grandchild.pid"
     start = time.monotonic()
-    timeout = 15  # room for spawning and importing torch on a loaded machine before rank 0 starts its child
+    timeout = 20  # room for spawning and importing torch on a loaded machine before rank 0 starts its child
     result = launch(hang_with_child, (str(pid_file),), world_size=2, timeout_s=timeout)
     assert time.monotonic() - start < timeout + 15
+    assert marked_processes(mark) == []
     assert result.status == "timeout" and f"{timeout} s timeout" in result.error
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
