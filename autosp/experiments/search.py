@@ -226,8 +226,9 @@ def run_search(
         raise ConfigError("a CPU search needs --memory-budget (e.g. 64MiB): without it nothing ever runs out of memory")
     granularity = default_granularity(cfg.world_size) if granularity is None else granularity
     min_len = granularity if min_len is None else min_len
-    for flag, value in (("--granularity", granularity), ("--min-len", min_len), ("--max-len", max_len)):
-        if value < 1:
+    for flag, value in (("--granularity", granularity), ("--min-len", min_len), ("--max-len", max_len),
+                        ("--start-len", start_len)):
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} must be positive, got {value}")
     if run is None:
         from autosp.harness.runner import run, validate
