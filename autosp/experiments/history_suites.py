@@ -51,7 +51,7 @@ SUITES = {suite.name: suite for suite in (
           "on 2 cores", "cpu", "ulysses", (
               _bench("bench-tiny-512", "autosp,ulysses", "tiny", "512", 2, "ulysses",
                      "--repeats", "2", "--steps", "5", *_CPU),
-              _search("search-tiny-autosp", "autosp", "tiny", 2, "--memory-budget", "24MiB", "--start-len", "2048",
+              _search("search-tiny-autosp", "autosp", "tiny", 2, "--memory-budget", "24MiB", "--start-len", "3584",
                       *_CPU),
           )),
     Suite("cuda", "8 GPUs, llama-3.2-1b: autosp / ulysses / zero3 step time at 8K and 32K (3 repeats x 10 "
