@@ -13,7 +13,7 @@ from tqdm import tqdm
 T = TypeVar("T")
 
 
-def progress(items: Iterable[T] | None = None, *, desc: str, total: int | None = None) -> tqdm:
+def progress(items: Iterable[T] | None = None, *, desc: str, total: int | None = None, unit: str = "cell") -> tqdm:
     """A tqdm bar over `items` (or one to `update()` by hand); disabled when stderr is not a terminal."""
-    return tqdm(items, desc=desc, total=total, unit="cell", dynamic_ncols=True, leave=False,
+    return tqdm(items, desc=desc, total=total, unit=unit, dynamic_ncols=True, leave=False,
                 disable=not sys.stderr.isatty())
