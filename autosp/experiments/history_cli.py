@@ -102,7 +102,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     df = with_points(load_history(args.store))
     listing = (df.groupby(["point", "machine"], sort=False)
                .agg(commit_time=("commit_time", "first"), hostname=("hostname", "first"),
-                    series=("metric", "size"), suites=("suite", lambda s: ",".join(sorted(set(s.dropna())))))
+                    samples=("metric", "size"), suites=("suite", lambda s: ",".join(sorted(set(s.dropna())))))
                .reset_index())
     print(listing.to_string(index=False))
     return 0
