@@ -3,7 +3,9 @@
 One timing answers nothing on a shared machine, so every throughput series is compared on its raw samples:
 the change of the median with a bootstrap confidence interval, and a Mann-Whitney U test (both SciPy). A
 series regresses only when it got worse by more than the threshold *and* the test says the samples differ;
-with too few samples for the test to ever reach significance the verdict says so instead of guessing.
+with too few samples for the test to ever reach significance the verdict says so instead of guessing. A
+series whose repeated runs agree exactly on both sides (CPU peak memory is deterministic) has no noise to
+test against: its change counts when it is beyond the threshold.
 Trainability is deterministic under an (emulated) memory budget and compared exactly: a lower max length,
 or a length that trained at the base and runs out of memory at the head, is a regression at any size.
 
@@ -115,8 +117,11 @@ def compare_samples(metric: str, base: np.ndarray, head: np.ndarray, *, threshol
     worse_by = -change if higher_is_better(metric) else change
     low, high = _change_interval(base, head)
     p = _p_value(base, head)
+    exact = min(len(base), len(head)) > 1 and np.ptp(base) == 0 and np.ptp(head) == 0
     if abs(change) <= threshold:
         verdict = UNCHANGED
+    elif exact:  # repeated runs agree to the byte (CPU peak memory): no noise to test against
+        verdict = REGRESSION if worse_by > 0 else IMPROVEMENT
     elif _smallest_p(len(base), len(head)) >= alpha:
         verdict = TOO_FEW
     elif p >= alpha:
@@ -140,16 +145,20 @@ def compare(history: pd.DataFrame, *, base: str | None = None, head: str | None 
     """Every series measured at both points on the same machine, compared; plus what was left out and why.
 
     Default head: the latest recorded point. Default base: per machine of the head, the latest point before
-    it measured on that machine. Returns (table, info) with info = {"head", "bases", "other_machines"}."""
+    it measured on that machine. Returns (table, info) with info = {"head", "bases", "other_machines",
+    "unmeasured"} (the last: machines of the head where the given base has no samples, so nothing was compared)."""
     df = with_points(history)
     points = ordered_points(df)
     head = resolve(head, df) if head else points[-1]
     head_rows = df[df["point"] == head]
-    rows, bases = [], {}
+    rows, bases, unmeasured = [], {}, []
     for machine, head_machine in head_rows.groupby("machine"):
         same_machine = df[df["machine"] == machine]
         if base:
             base_point = resolve(base, df)
+            if base_point not in set(same_machine["point"]):
+                unmeasured.append(f"{base_point} has no samples on {machine}")
+                continue
         else:
             earlier = [p for p in ordered_points(same_machine) if points.index(p) < points.index(head)]
             if not earlier:
@@ -168,7 +177,7 @@ def compare(history: pd.DataFrame, *, base: str | None = None, head: str | None 
                          **result})
     other_machines = sorted(set(df["machine"]) - set(head_rows["machine"]))
     table = pd.DataFrame(rows)
-    return table, {"head": head, "bases": bases, "other_machines": other_machines}
+    return table, {"head": head, "bases": bases, "other_machines": other_machines, "unmeasured": unmeasured}
 
 
 def bisect_hint(history: pd.DataFrame, *, threshold: float = 0.05, alpha: float = DEFAULT_ALPHA) -> pd.DataFrame:

@@ -52,7 +52,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     table, info = compare(load_history(args.store), base=args.base, head=args.head,
                           threshold=parse_threshold(args.threshold), alpha=args.alpha)
     if not info["bases"]:
-        print(f"head {info['head']}: no earlier recorded commit on the same machine to compare with")
+        why = "; ".join(info["unmeasured"]) or "no earlier recorded commit on the same machine"
+        print(f"head {info['head']}: nothing to compare ({why}); other machines are never compared")
         return 0
     for machine, base in info["bases"].items():
         print(f"machine {machine}: base {base} -> head {info['head']} "

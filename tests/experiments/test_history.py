@@ -127,13 +127,26 @@ def test_another_device_is_never_compared(tmp_path, store, capsys):
     table, info = compare(load_history(store), threshold=0.05)
     assert table.empty and info["bases"] == {}
     table, info = compare(load_history(store), base="aaaa", head="bbbb", threshold=0.05)
-    assert table.empty  # even when asked for, series of different machines do not meet
+    assert table.empty and info["unmeasured"]  # even when asked for, series of different machines do not meet
     assert compare_cli(store) == 0
+    assert "nothing to compare" in capsys.readouterr().out
     # a third commit back on machine A compares with A's last commit, skipping B's
     record(tmp_path, "c", bench("c" * 40, noisy(1.2 * STEP, 5), noisy(STEP, 6), day=3, device_name="cpu-A"), store)
     table, info = compare(load_history(store), threshold=0.05)
     assert list(info["bases"].values()) == ["a" * 9] and REGRESSION in set(table["verdict"])
     assert info["other_machines"] == ["cpu / cpu-B"]
+
+
+def test_a_deterministic_peak_memory_increase_needs_no_test(tmp_path, store):
+    steps = noisy(STEP, 1)
+    record(tmp_path, "a", bench("a" * 40, steps, steps, day=1), store)
+    grown = bench("b" * 40, steps, steps, day=2)
+    for r in grown:
+        r["peak_mem_bytes"] = int(r["peak_mem_bytes"] * (1.2 if r["method"] == "autosp" else 1.0))
+    record(tmp_path, "b", grown, store)
+    table, _ = compare(load_history(store), threshold=0.05)
+    peaks = table[table["metric"] == "peak_mem_bytes"].set_index("method")["verdict"]
+    assert peaks.to_dict() == {"autosp": REGRESSION, "ulysses": UNCHANGED}
 
 
 def test_store_is_append_only_and_refuses_unknown_schemas(tmp_path, store, capsys):
