@@ -25,7 +25,7 @@ def snakemake(tmp_path: Path, store: Path, *targets: str) -> subprocess.Complete
     wrapper.chmod(0o755)
     cmd = [exe, "--snakefile", str(ROOT / "Snakefile"), "--directory", str(tmp_path), "--cores", "1", *targets,
            "--config", f"autosp={wrapper}", f"history_store={store}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
 
 
 def history(tmp_path: Path, slowdown: float) -> Path:

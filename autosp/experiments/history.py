@@ -14,6 +14,7 @@ device is listed as not comparable, never compared.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -22,10 +23,16 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.history_store import (
-    DEFAULT_ALPHA, MACHINE_KEY, SERIES_KEY, TRAINABILITY_METRICS, _git, higher_is_better, repo_root,
+    DEFAULT_ALPHA,
+    MACHINE_KEY,
+    SERIES_KEY,
+    TRAINABILITY_METRICS,
+    _git,
+    higher_is_better,
+    repo_root,
 )
+from autosp.harness.config import ConfigError
 
 REGRESSION, IMPROVEMENT, UNCHANGED, TOO_FEW = "REGRESSION", "improvement", "unchanged", "too few samples"
 
@@ -110,8 +117,8 @@ def compare_samples(metric: str, base: np.ndarray, head: np.ndarray, *, threshol
     if metric in TRAINABILITY_METRICS:  # deterministic under a budget: exact comparison
         b, h = float(np.max(base)), float(np.max(head))
         verdict = REGRESSION if h < b else IMPROVEMENT if h > b else UNCHANGED
-        return dict(base=b, head=h, change=(h / b - 1) if b else math.nan, ci_low=math.nan, ci_high=math.nan,
-                    p_value=math.nan, verdict=verdict)
+        return {"base": b, "head": h, "change": (h / b - 1) if b else math.nan, "ci_low": math.nan,
+                "ci_high": math.nan, "p_value": math.nan, "verdict": verdict}
     b, h = float(np.median(base)), float(np.median(head))
     change = h / b - 1
     worse_by = -change if higher_is_better(metric) else change
@@ -128,7 +135,8 @@ def compare_samples(metric: str, base: np.ndarray, head: np.ndarray, *, threshol
         verdict = UNCHANGED
     else:
         verdict = REGRESSION if worse_by > 0 else IMPROVEMENT
-    return dict(base=b, head=h, change=change, ci_low=low, ci_high=high, p_value=p, verdict=verdict)
+    return {"base": b, "head": h, "change": change, "ci_low": low, "ci_high": high, "p_value": p,
+            "verdict": verdict}
 
 
 _GROUP = ["machine", "series"]
@@ -190,7 +198,7 @@ def bisect_hint(history: pd.DataFrame, *, threshold: float = 0.05, alpha: float 
         values = _describe(series)
         by_point = dict(iter(series.groupby("point")))
         walk = [p for p in points if p in by_point]
-        for before, after in zip(walk, walk[1:]):
+        for before, after in itertools.pairwise(walk):
             result = compare_samples(values["metric"], by_point[before]["value"].to_numpy(float),
                                      by_point[after]["value"].to_numpy(float), threshold=threshold, alpha=alpha)
             if result["verdict"] in (REGRESSION, IMPROVEMENT):

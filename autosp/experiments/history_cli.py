@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.history_store import DEFAULT_ALPHA, DEFAULT_STORE
+from autosp.harness.config import ConfigError
 
 
 def parse_threshold(text: str) -> float:

@@ -9,21 +9,30 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import math
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on clusters or CI
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-from autosp.experiments.history import (  # noqa: E402
-    IMPROVEMENT, REGRESSION, compare, compare_samples, format_table, ordered_points, resolve, series_label,
+from autosp.experiments.history import (
+    IMPROVEMENT,
+    REGRESSION,
+    compare,
+    compare_samples,
+    format_table,
+    ordered_points,
+    resolve,
+    series_label,
     with_points,
 )
 
-_FLAG_STYLE = {REGRESSION: dict(color="tab:red", marker="X", s=90), IMPROVEMENT: dict(color="tab:green", marker="^", s=70)}
+_FLAG_STYLE = {REGRESSION: {"color": "tab:red", "marker": "X", "s": 90},
+               IMPROVEMENT: {"color": "tab:green", "marker": "^", "s": 70}}
 
 
 def _series_panels(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -57,7 +66,7 @@ def draw_history(history: pd.DataFrame, *, threshold: float, alpha: float, base:
                    label=f"baseline {base_point[:9]} ±{threshold:.0%}")
         metric = series["metric"].iloc[0]
         by_point = dict(iter(series.groupby("point")))
-        for before, after in zip(walk, walk[1:]):
+        for before, after in itertools.pairwise(walk):
             verdict = compare_samples(metric, by_point[before]["value"].to_numpy(float),
                                       by_point[after]["value"].to_numpy(float), threshold=threshold,
                                       alpha=alpha)["verdict"]
@@ -106,8 +115,8 @@ def write_dashboard(history: pd.DataFrame, out: str | Path, *, threshold: float,
     against = ", ".join(f"{b} on {m}" for m, b in info["bases"].items()) or "nothing earlier on the same machine"
     body = [
         "<h1>AutoSP regression history</h1>",
-        f"<p>threshold {threshold:.0%}, significance {alpha} (Mann-Whitney U; 95% bootstrap interval of the "
-        "change of the median). Trainability is compared exactly.</p>",
+        (f"<p>threshold {threshold:.0%}, significance {alpha} (Mann-Whitney U; 95% bootstrap interval of the "
+         "change of the median). Trainability is compared exactly.</p>"),
         "<h2>Recorded commits</h2>", commits.to_html(index=False, border=0),
         f"<h2>Latest: {html.escape(info['head'])} against {html.escape(against)}</h2>",
         f"<pre>{html.escape(format_table(table))}</pre>",

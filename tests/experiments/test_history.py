@@ -75,7 +75,7 @@ def test_identical_samples_are_no_regression(tmp_path, store, capsys):
     same = noisy(STEP, 1)
     record(tmp_path, "a", bench("a" * 40, same, same, day=1) + [search_row("a" * 40, 3584, day=1)], store)
     record(tmp_path, "b", bench("b" * 40, same, same, day=2) + [search_row("b" * 40, 3584, day=2)], store)
-    table, info = compare(load_history(store), threshold=0.05)
+    table, _ = compare(load_history(store), threshold=0.05)
     assert set(table["verdict"]) == {UNCHANGED}
     assert {"iter_time_s", "tokens_per_s", "speed_vs_ulysses", "max_seq_len", "trains"} <= set(table["metric"])
     assert compare_cli(store) == 0
@@ -228,3 +228,9 @@ def test_bad_threshold_and_unknown_revision_are_one_line_errors(tmp_path, store,
     assert compare_cli(store, "--base", "0123456789abcdef") == 2
     err = capsys.readouterr().err
     assert "--threshold takes" in err and "no recorded measurements" in err
+
+
+def test_gpu_suite_on_a_machine_without_gpus_is_a_one_line_error(tmp_path, capsys):
+    assert main(["history", "run", "--suite", "cuda", "--store", str(tmp_path / "h.sqlite"),
+                 "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "needs CUDA GPUs" in capsys.readouterr().err
