@@ -40,3 +40,4 @@ rule all:
 
 include: "workflows/trainability.smk"
 include: "workflows/throughput.smk"
+include: "workflows/history.smk"

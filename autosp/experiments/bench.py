@@ -8,12 +8,14 @@ biasing whichever ran last. Ratios are only taken against a reference measured i
 from __future__ import annotations
 
 import argparse
+import itertools
 import uuid
 from typing import Callable
 
 import pandas as pd
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.experiments.progress import progress
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE, stop_requested
 from autosp.experiments.tables import throughput_table
 
@@ -43,17 +45,19 @@ def run_bench(
         raise ConfigError(f"--ratio-to {ratio_to} is not among --methods {','.join(methods)}; add it or drop the ratio")
     check_writable(out)
     bench_id = uuid.uuid4().hex
-    runs = [(repeat, seq_len, method) for repeat in range(repeats) for seq_len in seq_lens for method in methods]
-    for repeat, seq_len, method in runs:
-        record = run(cfg.replace(method=method, seq_len=seq_len))
-        record["bench_id"] = bench_id
-        record["extra"]["repeat"] = repeat
-        append_record(out, record)
-        median = (record.get("iter_time_s") or {}).get("median")
-        timing = f"{median * 1e3:.1f} ms/iter" if median else record.get("error") or ""
-        print(f"  [{repeat + 1}/{repeats}] {method} S={seq_len}: {record['status']} {timing}", flush=True)
-        if record["status"] == "interrupted":  # SIGTERM/SIGINT: the remaining runs are not started
-            break
+    cells = list(itertools.product(range(repeats), seq_lens, methods))
+    with progress(cells, desc="bench") as bar:
+        for repeat, seq_len, method in bar:
+            bar.set_postfix_str(f"{method} S={seq_len} repeat {repeat + 1}")
+            record = run(cfg.replace(method=method, seq_len=seq_len))
+            record["bench_id"] = bench_id
+            record["extra"]["repeat"] = repeat
+            append_record(out, record)
+            median = (record.get("iter_time_s") or {}).get("median")
+            timing = f"{median * 1e3:.1f} ms/iter" if median else record.get("error") or ""
+            print(f"  [{repeat + 1}/{repeats}] {method} S={seq_len}: {record['status']} {timing}", flush=True)
+            if record["status"] == "interrupted":  # SIGTERM/SIGINT: the remaining runs are not started
+                break
     records = load_records(out, skip_bad_lines=True)  # only this bench's rows are read
     mine = records[records["bench_id"] == bench_id]
     failed = mine[mine["status"] != "ok"]

@@ -220,6 +220,7 @@ def run_search(
     oracle. Returns the result row.
     """
     from autosp.experiments.floor import floor_for
+    from autosp.experiments.progress import progress
     from autosp.harness.records import append_record, check_writable, new_record
 
     if cfg.device == "cpu" and cfg.memory_budget is None:
@@ -267,9 +268,16 @@ def run_search(
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
         return status, record.get("peak_mem_bytes")
 
+    def probe_with_progress(seq_len: int) -> tuple[str, int | None]:
+        bar.set_postfix_str(f"probing S={seq_len}")
+        result = probe(seq_len)
+        bar.update(1)
+        return result
+
     budget = _search_budget(cfg)
-    outcome = search_max_length(probe, granularity=granularity, min_len=min_len, max_len=max_len,
-                                start_len=start_len, budget=budget)
+    with progress(desc=f"search {cfg.method} {cfg.model}", unit="probe") as bar:
+        outcome = search_max_length(probe_with_progress, granularity=granularity, min_len=min_len, max_len=max_len,
+                                    start_len=start_len, budget=budget)
 
     limit = floor.max_seq_len(budget, granularity) if floor is not None and budget is not None else None
     sp_size = last_record.get("sp_size") or cfg.sp_size or 1  # the probes' records know the method's default
