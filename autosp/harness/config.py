@@ -25,11 +25,6 @@ class DataConfig:
     packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
     pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
 
-    def __post_init__(self) -> None:
-        _check_number("data_ignore_fraction", self.ignore_fraction, low=0.0, below=1.0)
-        _check_number("pad_fraction", self.pad_fraction, low=0.0, below=1.0)
-        _check_integer("packed_documents", self.packed_documents, low=1)
-
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -65,6 +60,9 @@ class RunConfig:
             _check_integer("memory_budget", self.memory_budget, low=1)
         _check_number("lr", self.lr, low=0.0, low_open=True)
         _check_number("timeout_s", self.timeout_s, low=0.0, low_open=True)
+        _check_number("data_ignore_fraction", self.data.ignore_fraction, low=0.0, below=1.0)
+        _check_number("pad_fraction", self.data.pad_fraction, low=0.0, below=1.0)
+        _check_integer("packed_documents", self.data.packed_documents, low=1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

