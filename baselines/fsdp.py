@@ -54,6 +54,7 @@ class FSDPStep(TrainStep):
 class FSDPStrategy(Strategy):
     name = "fsdp"
     description = "PyTorch FSDP2 fully_shard (ZeRO-3 style sharding), data parallel, full-length sequences"
+    zero_stages = (3,)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         reject_sequence_parallel(cfg, self.name)

@@ -46,6 +46,7 @@ class RunConfig:
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
+    zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

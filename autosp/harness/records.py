@@ -30,7 +30,7 @@ FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",
     "sp_size", "dp_size", "dtype", "device", "device_name", "mode", "status", "error", "peak_mem_bytes",
     "peak_mem_by_rank", "iter_time_s", "tokens_per_s", "loss", "memory_budget", "sac", "compile_backend",
-    "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
+    "zero",    "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
 )
 _VERSIONED = ("deepspeed", "transformers", "numpy", "pandas", "autosp")
 
@@ -69,8 +69,9 @@ def git_state() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
-def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured") -> dict[str, Any]:
-    """A record with every field present: identity, configuration and provenance filled, results None."""
+def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: int | None = None) -> dict[str, Any]:
+    """A record with every field present: identity, configuration and provenance filled, results None.
+    `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None)."""
     commit, dirty = git_state()
     record: dict[str, Any] = dict.fromkeys(FIELDS)
     record.update(
@@ -90,6 +91,7 @@ def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured") -> dict[
         memory_budget=cfg.memory_budget,
         sac=cfg.sac,
         compile_backend=cfg.compile_backend,
+        zero=zero if zero is not None else cfg.zero,
         git_commit=commit,
         git_dirty=dirty,
         versions=software_versions(),

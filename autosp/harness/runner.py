@@ -149,8 +149,8 @@ def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterabl
     `extra_imports` are modules imported in every rank first (out-of-tree methods register on import).
     """
     extra_imports = tuple(extra_imports)
-    _, sp_size = validate(cfg, extra_imports)
-    record = new_record(cfg, sp_size=sp_size)
+    strategy, sp_size = validate(cfg, extra_imports)
+    record = new_record(cfg, sp_size=sp_size, zero=strategy.zero_stage(cfg))
     outcome = launch(rank_main, (cfg.to_dict(), extra_imports), world_size=cfg.world_size, device=cfg.device,
                      timeout_s=cfg.timeout_s)
     record["status"], record["error"] = outcome.status, outcome.error
