@@ -24,10 +24,9 @@ if TYPE_CHECKING:
 
 
 class AutoSPTrainStep(ReplicatedTrainStep):
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig, zero: int = 0):
         self.model = model
         self.ctx = ctx
-        zero = AutoSP().zero_stage(cfg)
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
                                        zero=zero)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
@@ -79,4 +78,4 @@ class AutoSP(Strategy):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        return AutoSPTrainStep(model, ctx, cfg)
+        return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))
