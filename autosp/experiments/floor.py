@@ -51,7 +51,7 @@ class MethodSharding:
 METHOD_SHARDING: dict[str, MethodSharding] = {
     "single": MethodSharding(zero_stages=(0,), splits_sequence=False),
     "autosp": MethodSharding(zero_stages=(0, 1, 2, 3), splits_sequence=True),
-    "ulysses": MethodSharding(zero_stages=(0,), splits_sequence=True),
+    "ulysses": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
     "ulysses-ac": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ulysses-compile": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ring": MethodSharding(zero_stages=(0,), splits_sequence=True),
