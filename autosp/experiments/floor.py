@@ -207,7 +207,8 @@ def parse_entry(text: str) -> tuple[str, int | None]:
 def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, world_size: int, budget_bytes: int,
                 dtype: str = "bfloat16", mixed_precision: bool = True) -> "pd.DataFrame":
     """One row per (model, method, stage): model state per rank, the longest length whose floor fits
-    `budget_bytes`, and its ratio to each PAPER_RATIOS baseline (at that baseline's own stage)."""
+    `budget_bytes`, and its ratio to each PAPER_RATIOS baseline at the row's stage where the baseline runs it
+    (like with like), else at the baseline's own stage."""
     import pandas as pd
 
     rows = []
@@ -216,9 +217,10 @@ def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, wor
             f = floor_for(method, model, world_size=world_size, dtype=dtype, zero=zero, mixed_precision=mixed_precision)
             return f, f.max_seq_len(budget_bytes)
 
-        baselines = {name: limit(name, None)[1] for name, _ in PAPER_RATIOS}
         for method, zero in entries:
             f, length = limit(method, zero)
+            baselines = {name: limit(name, f.zero if f.zero in sharding_of(name).zero_stages else None)[1]
+                         for name, _ in PAPER_RATIOS}
             row = {"model": model, "method": method, "zero": f.zero, "precision": f.precision,
                    "model_state_gib": f.static_bytes / GIB,
                    "kib_per_seq_token": f.activation_bytes_per_token * f.tokens_per_rank_per_seq_token / 1024,
