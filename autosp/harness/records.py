@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from autosp.harness.config import RunConfig
+from autosp.harness.config import ConfigError, RunConfig
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "error")
@@ -69,6 +69,16 @@ def git_state() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
+def _zero_stage(cfg: RunConfig) -> int | None:
+    """The ZeRO stage `cfg.method` runs (its own default when cfg.zero is None); None for an unknown method."""
+    from baselines.base import get_strategy
+
+    try:
+        return get_strategy(cfg.method).zero_stage(cfg)
+    except ConfigError:
+        return cfg.zero
+
+
 def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: int | None = None) -> dict[str, Any]:
     """A record with every field present: identity, configuration and provenance filled, results None.
     `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None)."""
@@ -91,7 +101,7 @@ def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: in
         memory_budget=cfg.memory_budget,
         sac=cfg.sac,
         compile_backend=cfg.compile_backend,
-        zero=zero if zero is not None else cfg.zero,
+        zero=zero if zero is not None else _zero_stage(cfg),
         git_commit=commit,
         git_dirty=dirty,
         versions=software_versions(),
