@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autosp.comm.sharding import check_stage, full_state, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.errors import SequenceParallelError
 
@@ -19,12 +20,34 @@ class SequenceParallelModule(torch.nn.Module):
     outputs that run along the sequence (logits, hidden states) come back as this rank's shard: positions
     [r*S/P, (r+1)*S/P) for SP rank r."""
 
-    def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable):
+    def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable,
+                 *, reduce_group: dist.ProcessGroup | None = None, zero: int = 0):
         super().__init__()
         self.module = model
         self._compiled = compiled
         self.sp_group = sp_group
+        self.reduce_group = reduce_group or sp_group
+        self.zero = zero
         self._backend = backend
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        """The optimizer for this module's parameters at its ZeRO stage: at stage 1 wrapped in torch's
+        ZeroRedundancyOptimizer (state sharded over the ranks sharing the parameters); at stages 2/3 the
+        parameters already are this rank's shards, so a plain optimizer holds only their state."""
+        if self.zero == 1 and dist.get_world_size(self.reduce_group) > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class,
+                                           process_group=self.reduce_group, **kwargs)
+        return optimizer_class(self.module.parameters(), **kwargs)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's full value on CPU, keyed by the model's own (unsharded) names."""
+        return full_state(self.module, gradients=False)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's full gradient (zeros where none) on CPU, keyed like `full_parameters`."""
+        return full_state(self.module, gradients=True)
 
     @property
     def partition_records(self) -> list:
@@ -77,16 +100,25 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     process_group: dist.ProcessGroup | None = None,
     sac: str = "sac",
     backend: str = "inductor",
+    zero: int = 0,
+    compute_dtype: torch.dtype | None = None,
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
     consecutive-rank SP groups. process_group: an existing SP group instead. sac: activation checkpointing
-    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass)."""
+    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
+    zero: ZeRO stage 0-3 of the model state over all ranks sharing it (SP x DP; `autosp.comm.sharding`); at
+    stages 2/3 the model's parameters become this rank's flat shards (build the optimizer with `make_optimizer`,
+    read full values with `full_parameters`/`full_gradients`). compute_dtype (stages 2/3): the dtype parameters
+    are gathered and computed in (e.g. bfloat16 over fp32 master shards); default: the parameters' own."""
+    check_stage(zero)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend)
+    if zero >= 2 and dist.get_world_size(reduce_group) > 1:
+        shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
+    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
-    return SequenceParallelModule(model, compiled, sp_group, sp_backend)
+    return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
 
 def backend(

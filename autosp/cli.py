@@ -29,6 +29,8 @@ SUBCOMMANDS = (
     ("autosp.experiments.plots", "add_plot_parser"),
     ("autosp.experiments.flops", "add_flops_parser"),
     ("autosp.experiments.history_cli", "add_history_parser"),
+    ("autosp.experiments.floor", "add_floor_parser"),
+    ("autosp.experiments.model_state", "add_model_state_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}

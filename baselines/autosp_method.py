@@ -24,12 +24,19 @@ if TYPE_CHECKING:
 
 
 class AutoSPTrainStep(ReplicatedTrainStep):
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig, zero: int = 0):
         self.model = model
         self.ctx = ctx
-        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}"
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
+                                       zero=zero)
+        self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
+        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self.compiled.full_gradients()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.compiled.full_parameters()
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:
         ctx = self.ctx
@@ -59,6 +66,7 @@ class AutoSP(Strategy):
     name = "autosp"
     description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
     sequence_parallel = True
+    zero_stages = (0, 1, 2, 3)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
@@ -70,4 +78,4 @@ class AutoSP(Strategy):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        return AutoSPTrainStep(model, ctx, cfg)
+        return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))

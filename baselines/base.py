@@ -77,6 +77,12 @@ class Strategy(ABC):
     sequence_parallel: ClassVar[bool] = False
     #: True for methods that need a process group, i.e. at least 2 ranks
     distributed: ClassVar[bool] = True
+    #: ZeRO stages `--zero` may ask of this method; the first is its default (what runs without `--zero`)
+    zero_stages: ClassVar[tuple[int, ...]] = (0,)
+
+    def zero_stage(self, cfg: RunConfig) -> int:
+        """The ZeRO stage of the model state this method runs under `cfg` (recorded with every run)."""
+        return self.zero_stages[0] if cfg.zero is None else cfg.zero
 
     def default_sp_size(self, world_size: int) -> int:
         return world_size if self.sequence_parallel else 1
@@ -86,6 +92,9 @@ class Strategy(ABC):
         if self.distributed and cfg.world_size < 2:
             raise ConfigError(f"--method {cfg.method} needs a process group; use --world-size >= 2 "
                               "(or --method single)")
+        if cfg.zero is not None and cfg.zero not in self.zero_stages:
+            raise ConfigError(f"--method {cfg.method} runs ZeRO stage(s) {list(self.zero_stages)}, not --zero "
+                              f"{cfg.zero}; drop --zero or pick one of those")
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.world_size % sp:
             raise ConfigError(f"--sp-size {sp} must divide --world-size {cfg.world_size}")

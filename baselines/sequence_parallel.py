@@ -7,7 +7,8 @@ Per step, on the global batch (dp_size * batch_size rows, full sequence):
   shard input_ids, position_ids (global positions, so RoPE is right) and the shifted labels the same way;
 * run the model without labels and take the loss outside it: sum of CE over this shard / the global count of
   valid labels, so the shares of all ranks sum to the single-process token mean however unevenly -100 falls;
-* after backward, all-reduce (sum) the gradients over all ranks (bucketed, like DDP / a ZeRO-0 engine).
+* after backward, all-reduce (sum) the gradients over all ranks (bucketed, like DDP / a ZeRO-0 engine); or, at
+  ZeRO stage 3 (`sharded`), let FSDP2 (`baselines.fsdp_sharding`) gather parameters and reduce-scatter gradients.
 
 The model's attention core is swapped through `LlamaAttention.attention_fn` (the project Llama's hook). The
 model builds a (local, meaningless) mask from the shard's position_ids; the SP attention ignores it and uses
@@ -31,6 +32,7 @@ from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
 from autosp.models.presets import is_hf_name
 from baselines.base import ReplicatedTrainStep
+from baselines.fsdp_sharding import full
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -129,11 +131,13 @@ class SequenceParallelStep(ReplicatedTrainStep):
         set_full_mask: Callable[[Tensor | None], None],
         implementation: str,
         forward: Callable[..., object] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.model, self.ctx = model, ctx
         self.forward = model if forward is None else forward
         self.positions, self.set_full_mask = positions, set_full_mask
         self.implementation = implementation
+        self.sharded = sharded  # parameters are FSDP2 DTensors: FSDP reduces the gradients
         self.extra: dict[str, object] = {}  # method-specific facts for the record (`metrics`)
         self.params = list(model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr)
@@ -146,10 +150,17 @@ class SequenceParallelStep(ReplicatedTrainStep):
             logits.float().flatten(0, 1), shard.shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         ) / shard.num_items
         loss.backward()
-        all_reduce_gradients(self.params, dist.group.WORLD)  # every rank's share of the one global loss
+        if not self.sharded:
+            all_reduce_gradients(self.params, dist.group.WORLD)  # every rank's share of the one global loss
         total = loss.detach().clone()
         dist.all_reduce(total)
         return total
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {name: full(p.grad, p) for name, p in self.model.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: full(p, p) for name, p in self.model.named_parameters()}
 
     def metrics(self) -> dict[str, object]:
         return dict(self.extra)

@@ -9,6 +9,10 @@
   `autograd_function_apply` higher-order op: the whole forward is one graph, no graph breaks (the loss, taken
   outside the model, stays eager).
 
+`ulysses --zero 3`: the same, with parameters, gradients and AdamW state sharded over all ranks by FSDP2
+(`fully_shard` per decoder layer; DeepSpeed-Ulysses with ZeRO-3 is how DeepSpeed and ALST run it), so autosp at
+stage 3 is compared with a baseline at stage 3.
+
 GQA: K/V keep their head count through the all-to-all when it divides by P (contiguous head blocks keep every
 query head with its KV head); otherwise K/V heads are repeated up to lcm(kv_heads, P) first, as Ulysses users do.
 """
@@ -69,6 +73,7 @@ class Ulysses(Strategy):
     sequence_parallel = True
     activation_checkpointing: ClassVar[bool] = False
     compiled: ClassVar[bool] = False
+    zero_stages = (0, 3)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         require_deepspeed(self.name)
@@ -89,6 +94,13 @@ class Ulysses(Strategy):
             module.attention_fn = attention
         if self.activation_checkpointing:
             checkpoint_layers(model)
+        sharded = self.zero_stage(cfg) == 3
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from baselines.fsdp_sharding import shard_llama
+
+            shard_llama(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), self.name)
         forward = torch.compile(model, backend=cfg.compile_backend) if self.compiled else model
 
         def positions(seq_len: int) -> Tensor:
@@ -96,9 +108,11 @@ class Ulysses(Strategy):
             return torch.arange(ctx.sp_rank * local, (ctx.sp_rank + 1) * local)
 
         implementation = "deepspeed-ulysses" + ("+ac" if self.activation_checkpointing else "")
+        implementation += "+fsdp2-zero3" if sharded else ""
         if self.compiled:
             implementation += f"+compile({cfg.compile_backend})"
-        return SequenceParallelStep(model, ctx, cfg, positions, attention.set_full_mask, implementation, forward)
+        return SequenceParallelStep(model, ctx, cfg, positions, attention.set_full_mask, implementation, forward,
+                                    sharded=sharded)
 
 
 @register
@@ -106,6 +120,7 @@ class UlyssesCheckpointed(Ulysses):
     name = "ulysses-ac"
     description = "hand-written DeepSpeed-Ulysses with per-layer activation checkpointing, eager"
     activation_checkpointing = True
+    zero_stages = (0,)
 
 
 @register
@@ -113,3 +128,4 @@ class UlyssesCompiled(Ulysses):
     name = "ulysses-compile"
     description = "hand-written DeepSpeed-Ulysses under torch.compile (--compile-backend), all-to-alls in the graph"
     compiled = True
+    zero_stages = (0,)

@@ -87,6 +87,7 @@ class Zero3Step(TrainStep):
 class Zero3Strategy(Strategy):
     name = "zero3"
     description = "DeepSpeed ZeRO stage 3 (every parameter partitioned), data parallel, full-length sequences"
+    zero_stages = (3,)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         reject_sequence_parallel(cfg, self.name)

@@ -1,4 +1,4 @@
 """Collectives as torch.library custom ops: opaque to Dynamo, traceable by aot_autograd, compiled by inductor."""
-from autosp.comm.ops import all_reduce_sum, all_to_all
+from autosp.comm.ops import all_gather_shard, all_reduce_sum, all_to_all, reduce_scatter_sum
 
-__all__ = ["all_reduce_sum", "all_to_all"]
+__all__ = ["all_gather_shard", "all_reduce_sum", "all_to_all", "reduce_scatter_sum"]

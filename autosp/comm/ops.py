@@ -65,3 +65,54 @@ def _all_reduce_sum_backward(ctx, grad):
 
 
 all_reduce_sum.register_autograd(_all_reduce_sum_backward)
+
+
+@torch.library.custom_op("autosp::all_gather_shard", mutates_args=())
+def all_gather_shard(
+    shard: torch.Tensor, group_size: int, group_name: str, dp_size: int, regather: bool, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """The full flat parameter from every rank's flat shard (ZeRO stages 2/3), cast to `compute_dtype` *before*
+    the gather so mixed precision communicates in the compute dtype.
+
+    Its gradient is the reduce-scatter of the full gradient, upcast to the shard's (master) dtype first so the
+    reduction runs in fp32, summed over the group and divided by `dp_size` (data-parallel replicas are averaged,
+    SP ranks' partial gradients summed). `regather` is read by the partitioner only: True (stage 3) re-runs this
+    gather in backward instead of keeping the full parameter alive from forward to backward."""
+    out = shard.new_empty(shard.numel() * group_size, dtype=compute_dtype)
+    dist.all_gather_single(out, shard.to(compute_dtype).contiguous(), group=_resolve_process_group(group_name))
+    return out
+
+
+@all_gather_shard.register_fake
+def _all_gather_shard_fake(shard, group_size, group_name, dp_size, regather, compute_dtype):
+    return shard.new_empty(shard.numel() * group_size, dtype=compute_dtype)
+
+
+def _all_gather_shard_backward(ctx, grad):
+    shard_grad = reduce_scatter_sum(grad.to(ctx.master_dtype), ctx.group_size, ctx.group_name)
+    if ctx.dp_size > 1:
+        shard_grad = shard_grad / ctx.dp_size
+    return shard_grad, None, None, None, None, None
+
+
+def _all_gather_shard_setup(ctx, inputs, output):
+    shard, ctx.group_size, ctx.group_name, ctx.dp_size, _, _ = inputs
+    ctx.master_dtype = shard.dtype
+
+
+all_gather_shard.register_autograd(_all_gather_shard_backward, setup_context=_all_gather_shard_setup)
+
+
+@torch.library.custom_op("autosp::reduce_scatter_sum", mutates_args=())
+def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Chunk i (of `group_size` equal chunks of the flat `x`) summed over the group, returned on rank i."""
+    out = x.new_empty(x.numel() // group_size)
+    dist.reduce_scatter_single(out, x.contiguous(), op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    return out
+
+
+@reduce_scatter_sum.register_fake
+def _reduce_scatter_sum_fake(x, group_size, group_name):
+    if x.numel() % group_size:
+        raise ValueError(f"reduce_scatter_sum: {x.numel()} elements not divisible by {group_size}")
+    return x.new_empty(x.numel() // group_size)

@@ -24,12 +24,13 @@ INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
 def make_backend(
     sp_group: dist.ProcessGroup, *, reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1,
-    sac: str = "sac", inner: str = "inductor",
+    sac: str = "sac", inner: str = "inductor", zero: int = 0,
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`.
 
     `reduce_group` (default: `sp_group`) holds every rank that shares the parameters (SP x DP); their gradients
-    are summed over it and divided by `dp_size` during backward."""
+    are summed over it and divided by `dp_size` during backward: all-reduced by hooks at ZeRO stages 0/1,
+    reduce-scattered inside the backward graph at stages 2/3 (the parameters are shards, `autosp.comm.sharding`)."""
     if inner not in INNER_BACKENDS:
         raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
     # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the records of
@@ -38,7 +39,7 @@ def make_backend(
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if dist.get_world_size(reduce_group or sp_group) > 1:
+        if zero < 2 and dist.get_world_size(reduce_group or sp_group) > 1:
             params = (t for t in example_inputs if isinstance(t, torch.nn.Parameter))
             sync_gradients(params, reduce_group or sp_group, dp_size)
         if is_symbolic(example_inputs):

@@ -276,6 +276,22 @@ def _pin_attention_and_collectives(graph: fx.Graph, forward: set[fx.Node], *, at
             _tag(node, CheckpointPolicy.MUST_SAVE)
 
 
+def is_regather(node: fx.Node) -> bool:
+    """A ZeRO-3 parameter gather (`autosp::all_gather_shard` with regather=True)."""
+    return (node.op == "call_function" and str(node.target).startswith("autosp.all_gather_shard")
+            and bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("regather")))
+
+
+def _regather_parameters(graph: fx.Graph, forward: set[fx.Node]) -> None:
+    """ZeRO-3: each parameter gather and the views of its output MUST_RECOMPUTE, so backward gathers the parameter
+    again instead of keeping it alive from forward (the one collective re-run by design; all others stay pinned)."""
+    stack = [node for node in graph.nodes if node in forward and is_regather(node)]
+    while stack:
+        node = stack.pop()
+        _tag(node, CheckpointPolicy.MUST_RECOMPUTE)
+        stack.extend(user for user in node.users if user in forward and _is_view(user))
+
+
 def _tag_layers(graph: fx.Graph, forward: set[fx.Node], *, recompute_attention: bool) -> int:
     """Pin layer outputs, mark the rest of each layer for recomputation; returns the number of layers."""
     layers = assign_layers(graph, forward)
@@ -314,6 +330,7 @@ def tag_joint_graph(joint_gm: fx.GraphModule, policy: Policy) -> None:
     # Under `off` this only matters if someone lowers torch's activation_memory_budget globally: the stock
     # partitioner pins only _c10d_functional collectives, not the autosp:: ones.
     _pin_attention_and_collectives(graph, forward, attention=policy.kind in (SacPolicy.SAC, SacPolicy.BUDGET))
+    _regather_parameters(graph, forward)
     if policy.kind in (SacPolicy.SAC, SacPolicy.FULL):
         _tag_layers(graph, forward, recompute_attention=full)
 

@@ -6,10 +6,14 @@ holding at the peak of a training step, and from that the longest sequence that 
 
 What is counted (all of it a true lower bound for the methods of this project):
 - model state: parameters, gradients and AdamW's two moments (``exp_avg``, ``exp_avg_sq``, kept in the
-  parameter dtype by torch.optim.AdamW), divided over the world size for methods that shard them
-  (ZeRO-3 / FSDP) and replicated for the others (SP methods replicate the model);
-- for sharding methods, the one unit it must gather whole to compute with (the largest of a decoder
-  layer and the embedding);
+  parameter dtype by torch.optim.AdamW), divided over the world size as the method's ZeRO stage says: stage 0
+  replicates everything, 1 shards the moments, 2 also the gradients and the stored (master) parameters, 3 also
+  the parameters used for compute (zero3/fsdp run stage 3; autosp any stage; the other SP methods stage 0);
+- the parameters held whole for compute beyond the stored copy: at stage 3 the one unit gathered at a time
+  (the largest of a decoder layer and the embedding); at stage 2 the whole gathered model, kept from forward to
+  backward; under mixed precision at stages 0-2 the compute-dtype copy of the whole model;
+- precision: pure (everything in `dtype`, what `--dtype` runs today) or mixed (`mixed_precision=True`: fp32
+  master parameters, fp32 gradients and fp32 AdamW moments, compute and communication in `dtype`);
 - activations per local token: each decoder layer's input (what a full-recompute schedule still keeps:
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
   ``ForCausalLMLoss``, which materialises them; a fused/chunked loss would remove this term).
@@ -34,22 +38,27 @@ ADAMW_STATES_PER_PARAM = 2  # exp_avg and exp_avg_sq
 class MethodSharding:
     """The two facts about a method that decide its memory floor."""
 
-    shards_model_state: bool  # params, grads and AdamW states divided over the world size
+    zero_stages: tuple[int, ...]  # ZeRO stages it runs (as its `zero_stages` in baselines/); the first by default
     splits_sequence: bool  # each rank keeps the activations of only S / world_size tokens
+
+    @property
+    def shards_model_state(self) -> bool:
+        """At its default stage, params, grads and AdamW states are all divided over the world size."""
+        return self.zero_stages[0] == 3
 
 
 #: Per-method sharding facts, keyed by `--method` name.
 METHOD_SHARDING: dict[str, MethodSharding] = {
-    "single": MethodSharding(shards_model_state=False, splits_sequence=False),
-    "autosp": MethodSharding(shards_model_state=False, splits_sequence=True),
-    "ulysses": MethodSharding(shards_model_state=False, splits_sequence=True),
-    "ulysses-ac": MethodSharding(shards_model_state=False, splits_sequence=True),
-    "ulysses-compile": MethodSharding(shards_model_state=False, splits_sequence=True),
-    "ring": MethodSharding(shards_model_state=False, splits_sequence=True),
+    "single": MethodSharding(zero_stages=(0,), splits_sequence=False),
+    "autosp": MethodSharding(zero_stages=(0, 1, 2, 3), splits_sequence=True),
+    "ulysses": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
+    "ulysses-ac": MethodSharding(zero_stages=(0,), splits_sequence=True),
+    "ulysses-compile": MethodSharding(zero_stages=(0,), splits_sequence=True),
+    "ring": MethodSharding(zero_stages=(0,), splits_sequence=True),
     # DeepSpeed's AutoSP runs with ZeRO stage 0/1 only; with sp == world size ZeRO-1 has no DP group to shard over.
-    "ds-autosp": MethodSharding(shards_model_state=False, splits_sequence=True),
-    "zero3": MethodSharding(shards_model_state=True, splits_sequence=False),
-    "fsdp": MethodSharding(shards_model_state=True, splits_sequence=False),
+    "ds-autosp": MethodSharding(zero_stages=(0,), splits_sequence=True),
+    "zero3": MethodSharding(zero_stages=(3,), splits_sequence=False),
+    "fsdp": MethodSharding(zero_stages=(3,), splits_sequence=False),
 }
 
 
@@ -67,6 +76,13 @@ class MemoryFloor:
     gathered_unit_bytes: int
     activation_bytes_per_token: int  # per token kept on this rank
     tokens_per_rank_per_seq_token: float  # batch_size / sequence split
+    zero: int = 0  # the ZeRO stage of the model state
+    precision: str = "float32"  # the dtype (pure) or "<dtype>-mixed" (fp32 master, gradients, moments)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters (stored and gathered/compute copies), gradients and AdamW moments on this rank."""
+        return self.static_bytes
 
     @property
     def static_bytes(self) -> int:
@@ -122,35 +138,134 @@ def memory_floor(
     batch_size: int = 1,
     dtype: str = "float32",
     model_name: str | None = None,
+    zero: int | None = None,
+    mixed_precision: bool = False,
 ) -> MemoryFloor:
-    """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica)."""
+    """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica) at ZeRO
+    stage `zero` (default: the method's own) in `dtype`, pure or mixed (fp32 master state, `dtype` compute)."""
     sharding = sharding_of(method)
     if world_size < 1 or batch_size < 1:
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    stage = sharding.zero_stages[0] if zero is None else zero
+    if stage not in sharding.zero_stages:
+        raise ConfigError(f"--method {method} runs ZeRO stage(s) {list(sharding.zero_stages)}, not {stage}")
+    compute = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    if mixed_precision and compute >= FP32_BYTES:
+        raise ConfigError(f"mixed precision computes in a 16-bit dtype (bfloat16 or float16), not {dtype}")
+    master = FP32_BYTES if mixed_precision else compute  # stored parameters, gradients and moments
     n = parameter_count(preset)
-    shard = world_size if sharding.shards_model_state else 1
-    per_rank_params = math.ceil(n / shard)
+    sharded = math.ceil(n / world_size)
     unit = max(layer_parameter_count(preset), preset.vocab_size * preset.hidden_size)
+    # parameters held whole for compute beyond the stored copy (see the module docstring)
+    if stage == 3:
+        gathered = unit
+    elif stage == 2 or mixed_precision:
+        gathered = n
+    else:
+        gathered = 0
     split = world_size if sharding.splits_sequence else 1
     return MemoryFloor(
         method=method,
         model=model_name or getattr(preset, "name", "?"),
         world_size=world_size,
         parameter_count=n,
-        params_bytes=per_rank_params * elem,
-        grads_bytes=per_rank_params * elem,
-        optimizer_bytes=ADAMW_STATES_PER_PARAM * per_rank_params * elem,
-        gathered_unit_bytes=unit * elem if sharding.shards_model_state else 0,
-        activation_bytes_per_token=preset.num_layers * preset.hidden_size * elem + preset.vocab_size * FP32_BYTES,
+        params_bytes=(sharded if stage >= 2 else n) * master,
+        grads_bytes=(sharded if stage >= 2 else n) * master,
+        optimizer_bytes=ADAMW_STATES_PER_PARAM * (sharded if stage >= 1 else n) * master,
+        gathered_unit_bytes=gathered * compute,
+        activation_bytes_per_token=preset.num_layers * preset.hidden_size * compute + preset.vocab_size * FP32_BYTES,
         tokens_per_rank_per_seq_token=batch_size / split,
+        zero=stage,
+        precision=f"{dtype}-mixed" if mixed_precision else dtype,
     )
 
 
-def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32") -> MemoryFloor:
+def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
+              zero: int | None = None, mixed_precision: bool = False) -> MemoryFloor:
     """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...)."""
     from autosp.models import get_preset
 
-    return memory_floor(
-        method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype, model_name=model
-    )
+    return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
+                        model_name=model, zero=zero, mixed_precision=mixed_precision)
+
+
+# ------------------------------------------------------------------------------------------ `autosp floor`
+
+GIB = 1 << 30
+#: the paper's trainability claims this table is read against: (baseline method here, claims.csv claim_id)
+PAPER_RATIOS = (("zero3", "trainability_vs_zero3"), ("ulysses", "trainability_vs_ulysses_nvidia"))
+
+
+def parse_entry(text: str) -> tuple[str, int | None]:
+    """`autosp:3` -> ("autosp", 3); `zero3` -> ("zero3", None) (the method's own stage)."""
+    method, _, stage = text.partition(":")
+    if stage and not stage.isdigit():
+        raise ConfigError(f"--methods entry {text!r}: write METHOD or METHOD:STAGE, e.g. autosp:3")
+    return method, int(stage) if stage else None
+
+
+def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, world_size: int, budget_bytes: int,
+                dtype: str = "bfloat16", mixed_precision: bool = True) -> "pd.DataFrame":
+    """One row per (model, method, stage): model state per rank, the longest length whose floor fits
+    `budget_bytes`, and its ratio to each PAPER_RATIOS baseline at the row's stage where the baseline runs it
+    (like with like), else at the baseline's own stage."""
+    import pandas as pd
+
+    rows = []
+    for model in models:
+        def limit(method: str, zero: int | None) -> tuple[MemoryFloor, int]:
+            f = floor_for(method, model, world_size=world_size, dtype=dtype, zero=zero, mixed_precision=mixed_precision)
+            return f, f.max_seq_len(budget_bytes)
+
+        for method, zero in entries:
+            f, length = limit(method, zero)
+            baselines = {name: limit(name, f.zero if f.zero in sharding_of(name).zero_stages else None)[1]
+                         for name, _ in PAPER_RATIOS}
+            row = {"model": model, "method": method, "zero": f.zero, "precision": f.precision,
+                   "model_state_gib": f.static_bytes / GIB,
+                   "kib_per_seq_token": f.activation_bytes_per_token * f.tokens_per_rank_per_seq_token / 1024,
+                   "max_seq_len": length}
+            for name, _ in PAPER_RATIOS:
+                row[f"vs_{name}"] = (length / baselines[name] if baselines[name]
+                                      else float("inf") if length else float("nan"))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def format_floor_table(df: "pd.DataFrame", *, world_size: int, budget_bytes: int) -> str:
+    from autosp.experiments.tables import paper_claims
+
+    claims = paper_claims().set_index("claim_id")
+    head = (f"analytic floor, {world_size} ranks x {budget_bytes / GIB:.0f} GiB: longest trainable sequence "
+            "(model state + one decoder-layer input per token + fp32 logits; a lower bound on memory)")
+    body = df.to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    paper = "paper claims: " + "; ".join(
+        f"autosp vs {claims.loc[cid, 'autosp_vs']} {claims.loc[cid, 'factor']}x ({claims.loc[cid, 'model']})"
+        for _, cid in PAPER_RATIOS)
+    return "\n".join((head, body, paper))
+
+
+def _cmd_floor(args: "argparse.Namespace") -> int:
+    from autosp.harness.measure import parse_size
+
+    budget = parse_size(args.device_memory)
+    entries = [parse_entry(e) for e in args.methods.split(",")]
+    df = floor_table(args.models.split(","), entries, world_size=args.world_size, budget_bytes=budget,
+                     dtype=args.dtype, mixed_precision=not args.pure)
+    print(format_floor_table(df, world_size=args.world_size, budget_bytes=budget))
+    return 0
+
+
+def add_floor_parser(subparsers: "argparse._SubParsersAction") -> None:
+    """`autosp floor --models llama-3.1-8b,llama-2-13b --methods autosp:0,autosp:3,zero3,ulysses`."""
+    p = subparsers.add_parser("floor", help="analytic per-rank memory floor: longest trainable length per method "
+                                            "and ZeRO stage at paper scale")
+    p.add_argument("--models", default="llama-3.1-8b,llama-2-13b", help="comma-separated presets")
+    p.add_argument("--methods", default="autosp:0,autosp:3,zero3,fsdp,ulysses",
+                   help="comma-separated METHOD or METHOD:ZERO_STAGE")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--device-memory", default="80GiB", help="bytes per device, e.g. 80GiB")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--pure", action="store_true",
+                   help="everything in --dtype (default: mixed precision, fp32 master weights, gradients, moments)")
+    p.set_defaults(func=_cmd_floor)

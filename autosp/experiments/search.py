@@ -247,7 +247,7 @@ def run_search(
             print(f"  resuming from the previous answer {start_len}", flush=True)
     try:
         floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
-                          dtype=cfg.dtype)
+                          dtype=cfg.dtype, zero=cfg.zero)
     except ConfigError as exc:  # an out-of-tree method can still be searched, just not judged against a floor
         print(f"  note: {exc}; achieved/limit will not be reported", flush=True)
         floor = None

@@ -37,9 +37,14 @@ def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def _ratio_to(table: pd.DataFrame, group: list[str], value: str, reference: str) -> pd.Series:
-    """value / value of `reference` method in the same group (NaN where the reference was not measured)."""
-    ref = table.loc[table["method"] == reference, group + [value]].rename(columns={value: "_ref"})
-    merged = table[group].merge(ref, on=group, how="left")
+    """value / value of `reference` method in the same group (NaN where the reference was not measured); where
+    the reference ran at several ZeRO stages, the one at this row's stage (like with like), else its first."""
+    ref = table.loc[table["method"] == reference, group + [value] + (["zero"] if "zero" in table else [])]
+    ref = ref.rename(columns={value: "_ref"})
+    merged = table[group].merge(ref.drop(columns="zero", errors="ignore").drop_duplicates(group), on=group, how="left")
+    if "zero" in table:
+        same_stage = table[group + ["zero"]].merge(ref, on=group + ["zero"], how="left")["_ref"]
+        merged["_ref"] = same_stage.fillna(merged["_ref"]).to_numpy()
     return pd.Series(table[value].to_numpy() / merged["_ref"].to_numpy(), index=table.index)
 
 
@@ -56,8 +61,9 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     if rows.empty:
         raise ConfigError("no search results in the given records; run `autosp search ... --out FILE` first")
     group = [c for c in TRAINABILITY_GROUP if c in rows]
-    table = _latest(rows, group + ["method"])
-    table = table[group + ["method", "status", "max_seq_len", "first_oom_seq_len", "floor_limit_seq_len",
+    stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
+    table = _latest(rows, group + ["method"] + stage)
+    table = table[group + ["method"] + stage + ["status", "max_seq_len", "first_oom_seq_len", "floor_limit_seq_len",
                            "achieved_over_limit", "num_probes"]].copy()
     table["memory_budget"] = table["memory_budget"].astype("float")  # NaN-safe for merging
     for ref in references:

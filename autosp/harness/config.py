@@ -47,6 +47,7 @@ class RunConfig:
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
+    zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""

@@ -37,7 +37,7 @@ FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",
     "sp_size", "dp_size", "dtype", "device", "device_name", "mode", "status", "error", "peak_mem_bytes",
     "peak_mem_by_rank", "iter_time_s", "tokens_per_s", "loss", "memory_budget", "sac", "compile_backend",
-    "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
+    "zero",    "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
 )
 _VERSIONED = ("deepspeed", "transformers", "numpy", "pandas", "autosp")
 
@@ -76,8 +76,19 @@ def git_state() -> tuple[str | None, bool | None]:
     return commit, dirty
 
 
-def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured") -> dict[str, Any]:
-    """A record with every field present: identity, configuration and provenance filled, results None."""
+def _zero_stage(cfg: RunConfig) -> int | None:
+    """The ZeRO stage `cfg.method` runs (its own default when cfg.zero is None); None for an unknown method."""
+    from baselines.base import get_strategy
+
+    try:
+        return get_strategy(cfg.method).zero_stage(cfg)
+    except ConfigError:
+        return cfg.zero
+
+
+def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: int | None = None) -> dict[str, Any]:
+    """A record with every field present: identity, configuration and provenance filled, results None.
+    `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None)."""
     commit, dirty = git_state()
     record: dict[str, Any] = dict.fromkeys(FIELDS)
     record.update(
@@ -97,6 +108,7 @@ def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured") -> dict[
         memory_budget=cfg.memory_budget,
         sac=cfg.sac,
         compile_backend=cfg.compile_backend,
+        zero=zero if zero is not None else _zero_stage(cfg),
         git_commit=commit,
         git_dirty=dirty,
         versions=software_versions(),

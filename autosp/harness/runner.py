@@ -151,10 +151,10 @@ def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterabl
     register on import).
     """
     extra_imports = tuple(extra_imports)
-    _, sp_size = validate(cfg, extra_imports)
+    strategy, sp_size = validate(cfg, extra_imports)
     if out is not None:
         check_writable(out)
-    record = new_record(cfg, sp_size=sp_size)
+    record = new_record(cfg, sp_size=sp_size, zero=strategy.zero_stage(cfg))
     outcome = launch(rank_main, (cfg.to_dict(), extra_imports), world_size=cfg.world_size, device=cfg.device,
                      timeout_s=cfg.timeout_s)
     record["status"], record["error"] = outcome.status, outcome.error

@@ -42,6 +42,31 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
     _check("hf:tiny", world_size, **options)
 
 
+@pytest.mark.parametrize("model, world_size, zero, options", [
+    ("tiny", 4, 3, dict(ignore_fraction=0.3)),  # parameters sharded over 4, re-gathered in backward; GQA kv 2 < 4
+    ("tiny", 4, 2, dict(sp_size=2, ignore_fraction=0.3)),  # shards over SP x DP, gradients / dp_size
+    ("hf:tiny", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized
+    ("tiny", 2, 1, dict(packed_documents=2)),  # ZeroRedundancyOptimizer
+])
+def test_zero_stages_match_single_process(model, world_size, zero, options):
+    _check(model, world_size, zero=zero, **options)
+
+
+def test_a_dropped_gradient_shard_fails_the_check():
+    cfg = RunConfig(method="autosp-dropped-shard", model="tiny", seq_len=64, world_size=2, zero=2,
+                    compile_backend="aot_eager", timeout_s=400)
+    report = check(cfg, steps=1, extra_imports=["tests.dropped_shard_method"])
+    assert not report.passed and report.worst_grad.parameter == "model.layers.1.mlp.up_proj.weight"
+    assert 0.1 < report.worst_grad.error < 1.0  # the last rank's half of that gradient is missing
+
+
+def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts():
+    with pytest.raises(ConfigError, match=r"--method ulysses runs ZeRO stage\(s\) \[0\], not --zero 3"):
+        validate(RunConfig(method="ulysses", model="tiny", seq_len=64, world_size=2, zero=3))
+    with pytest.raises(ConfigError, match=r"--method zero3 runs ZeRO stage\(s\) \[3\], not --zero 1"):
+        validate(RunConfig(method="zero3", model="tiny", seq_len=64, world_size=2, zero=1))
+
+
 @pytest.mark.slow
 def test_inductor_with_sac_matches_single_process():
     _check("tiny", 2, backend="inductor", sac="sac", ignore_fraction=0.3)

@@ -26,3 +26,9 @@ def test_ulysses_rejects_heads_not_divisible_by_sp() -> None:
 def test_hand_written_sp_refuses_hf_models_it_cannot_hook(method: str) -> None:
     with pytest.raises(ConfigError, match="project preset"):
         get_strategy(method).validate(RunConfig(method, "hf:tiny", 64, world_size=2), 4, 2)
+
+
+def test_ulysses_at_zero_stage_3_matches_single_process() -> None:
+    """DeepSpeed-Ulysses with FSDP2 sharding every layer over all ranks: the like-for-like baseline of autosp at 3."""
+    report = assert_check_passes("ulysses", 2, zero=3, ignore_fraction=0.3)
+    assert report.passed

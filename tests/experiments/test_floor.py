@@ -70,3 +70,35 @@ def test_bf16_halves_model_state_but_not_the_fp32_logits() -> None:
     b16 = memory_floor("single", preset, world_size=1, dtype="bfloat16")
     assert b16.static_bytes * 2 == f32.static_bytes
     assert b16.activation_bytes_per_token > f32.activation_bytes_per_token / 2
+
+
+def test_each_zero_stage_divides_what_it_shards_over_the_world_size() -> None:
+    n = parameter_count(get_preset("llama-3.1-8b"))
+    stages = [floor_for("autosp", "llama-3.1-8b", world_size=8, zero=z) for z in (0, 1, 2, 3)]
+    assert stages[0].optimizer_bytes == 8 * n and stages[1].optimizer_bytes == pytest.approx(n, rel=1e-6)
+    assert stages[1].grads_bytes == 4 * n and stages[2].grads_bytes == pytest.approx(n / 2, rel=1e-6)
+    assert stages[2].gathered_unit_bytes == 4 * n  # the gathered model, kept from forward to backward
+    assert stages[3].static_bytes == pytest.approx(floor_for("zero3", "llama-3.1-8b", world_size=8).static_bytes)
+    assert [f.static_bytes for f in stages] == sorted((f.static_bytes for f in stages), reverse=True)
+    with pytest.raises(ConfigError, match=r"ring runs ZeRO stage\(s\) \[0\], not 3"):
+        floor_for("ring", "tiny", world_size=2, zero=3)
+
+
+def test_mixed_precision_keeps_fp32_master_state_and_a_bf16_compute_copy() -> None:
+    n = parameter_count(get_preset("llama-3.1-8b"))
+    f = floor_for("autosp", "llama-3.1-8b", world_size=8, dtype="bfloat16", mixed_precision=True, zero=0)
+    assert f.params_bytes + f.grads_bytes + f.optimizer_bytes == 16 * n and f.gathered_unit_bytes == 2 * n
+    assert f.precision == "bfloat16-mixed"
+    with pytest.raises(ConfigError, match="16-bit"):
+        floor_for("autosp", "tiny", world_size=2, mixed_precision=True)
+
+
+def test_floor_command_prints_stage_precision_and_the_paper_ratios(capsys) -> None:
+    from autosp.cli import main
+
+    assert main(["floor", "--models", "llama-3.1-8b", "--methods", "autosp:0,autosp:3,zero3,ulysses"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16-mixed" in out and "5.6x" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("llama-3.1-8b")]
+    assert [(r[1], r[2]) for r in rows] == [("autosp", "0"), ("autosp", "3"), ("zero3", "3"), ("ulysses", "0")]
+    assert int(rows[0][6]) == 0 < int(rows[2][6]) < int(rows[1][6])  # 8B replicated in mixed precision: no fit

@@ -150,3 +150,12 @@ def test_table_skips_and_reports_bad_lines_when_asked(tmp_path, capsys) -> None:
     captured = capsys.readouterr()
     assert captured.err.startswith(f"skipped {path}:1: not a JSON record (") and captured.err.count("\n") == 1
     assert "ulysses" in captured.out
+
+
+def test_each_zero_stage_is_its_own_row_and_ratios_compare_like_stages() -> None:
+    rows = [dict(search_row(m, n), zero=z) for m, n, z in
+            [("autosp", 4096, 0), ("autosp", 8192, 3), ("ulysses", 2048, 0), ("ulysses", 4096, 3), ("zero3", 1024, 3)]]
+    t = trainability_table(pd.DataFrame(rows)).set_index(["method", "zero"])
+    assert t.loc[("autosp", 0), "vs_ulysses"] == pytest.approx(2.0)  # vs ulysses at stage 0
+    assert t.loc[("autosp", 3), "vs_ulysses"] == pytest.approx(2.0)  # vs ulysses at stage 3, not 4x
+    assert t.loc[("autosp", 0), "vs_zero3"] == pytest.approx(4.0)  # zero3 runs only stage 3

@@ -1,0 +1,125 @@
+"""ZeRO stages of autosp.compile on 2 gloo ranks: the sharding ops' values and gradients, what each stage keeps
+resident, and which collectives the backward graph runs (stage 3 re-gathers, stage 2 does not; nothing else is
+ever re-run)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autosp
+from autosp.comm.sharding import full_name
+from autosp.errors import SequenceParallelError
+from autosp.harness.launch import launch
+from autosp.models import build_model
+from autosp.models.data import make_batch
+from autosp.harness.config import DataConfig
+
+
+def _ops_rank() -> None:
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    shard = (torch.arange(3, dtype=torch.float32) + 10 * rank).requires_grad_()
+    full = torch.ops.autosp.all_gather_shard(shard, world, group, 2, True, torch.bfloat16)
+    assert full.dtype == torch.bfloat16 and full.tolist() == [0, 1, 2, 10, 11, 12]  # cast before the gather
+    weight = torch.arange(6, dtype=torch.bfloat16) * (rank + 1)
+    (full * weight).sum().backward()
+    # d/d(shard_r) = (sum over ranks of the weights at r's positions) / dp_size, in the shard's fp32
+    expected = (torch.arange(6.0) * 3)[3 * rank:3 * rank + 3] / 2
+    assert shard.grad.dtype == torch.float32 and torch.equal(shard.grad, expected)
+
+
+def test_gather_casts_then_gathers_and_its_gradient_is_a_scaled_fp32_reduce_scatter():
+    outcome = launch(_ops_rank, world_size=2, timeout_s=120)
+    assert outcome.status == "ok", outcome.traceback
+
+
+def _stage_rank(zero: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model("tiny", seed=0)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    names = [n for n, _ in model.named_parameters()]
+    compiled = autosp.compile(model, backend="aot_eager", sac="sac", zero=zero)
+    optimizer = compiled.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    batch = make_batch(DataConfig(), batch_size=1, seq_len=64, vocab_size=256, seed=0)
+    compiled(**batch.model_kwargs()).loss.backward()
+    optimizer.step()
+    (record,) = compiled.partition_records
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    if hasattr(optimizer, "optim"):  # ZeroRedundancyOptimizer: the local optimizer holds this rank's state
+        state = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    return {
+        "full_bytes": full_bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "state_bytes": sum(t.numel() * t.element_size() for t in state),
+        "num_params": len(names),
+        "names": sorted(full_name(n) for n, _ in model.named_parameters()) == sorted(names),
+        "backward": record.collectives_in_backward,
+        "forward_all_to_all": sum("all_to_all" in str(n.target) for n in record.fw_module.graph.nodes),
+    }
+
+
+def _mixed_precision_rank() -> dict:
+    """Stage 3 with bf16 compute over fp32 master shards against the same model computed in fp32."""
+    batch = make_batch(DataConfig(), batch_size=1, seq_len=64, vocab_size=256, seed=0)
+    grads = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch._dynamo.reset()
+        compiled = autosp.compile(build_model("tiny", seed=0), backend="aot_eager", zero=3, compute_dtype=dtype)
+        compiled(**batch.model_kwargs()).loss.backward()
+        masters = {p.dtype for p in compiled.parameters()} | {p.grad.dtype for p in compiled.parameters()}
+        assert masters == {torch.float32}, masters  # master shards and their (fp32-reduced) gradients
+        grads[dtype] = compiled.full_gradients()
+    return {name: float((grads[torch.bfloat16][name] - ref).norm() / ref.norm())
+            for name, ref in grads[torch.float32].items() if ref.norm() > 0}
+
+
+def _stages_rank() -> list[dict]:
+    return [_stage_rank(zero) for zero in (0, 1, 2, 3)] + [_mixed_precision_rank()]
+
+
+def test_each_stage_shards_what_it_promises_and_reruns_only_the_stage3_gather():
+    outcome = launch(_stages_rank, world_size=2, timeout_s=600)
+    assert outcome.status == "ok", outcome.traceback
+    for zero in (0, 1, 2, 3):
+        _check_stage(zero, outcome.results[0][zero], [result[zero] for result in outcome.results])
+    # bf16 compute: gradients within bf16 rounding (8 mantissa bits, 2^-8 = 3.9e-3 per operation, grown through
+    # the layers) of the fp32 computation, and not identical to it (the parameters really were cast)
+    mixed = outcome.results[0][4]
+    assert 1e-4 < max(mixed.values()) < 3e-2, mixed
+
+
+def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
+    full, world = r["full_bytes"], 2
+    assert r["names"]
+    # parameters and gradients: replicated below stage 2, one flat shard (padded to a multiple of P) from stage 2
+    assert r["param_bytes"] == full if zero < 2 else full / world <= r["param_bytes"] < full / world + 4 * 64
+    assert r["grad_bytes"] == r["param_bytes"]
+    # AdamW's two moments: of every parameter at stage 0, of this rank's share from stage 1
+    states = sum(o["state_bytes"] for o in ranks)
+    assert states == pytest.approx(2 * full * (world if zero == 0 else 1), rel=0.01)
+    if zero > 0:
+        assert max(o["state_bytes"] for o in ranks) < 0.75 * 2 * full
+    backward = r["backward"]
+    gathers = sum("all_gather_shard" in c for c in backward)
+    scatters = sum("reduce_scatter_sum" in c for c in backward)
+    # stage 2/3: one reduce-scatter per parameter; stage 3: every parameter backward needs is gathered again (all
+    # but the embedding table, whose backward needs only the token ids)
+    assert scatters == (r["num_params"] if zero >= 2 else 0)
+    assert gathers == (scatters - 1 if zero == 3 else 0)
+    # the SP all-to-alls: the backward runs each forward exchange's inverse once, never a recomputed forward one
+    assert sum("all_to_all" in c for c in backward) == r["forward_all_to_all"]
+
+
+def _tied_rank() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
+    model[1].weight = model[0].weight
+    autosp.compile(model, backend="aot_eager", zero=3)
+
+
+def test_tied_weights_are_refused_at_stages_2_3_and_a_bad_stage_names_the_choices():
+    outcome = launch(_tied_rank, world_size=2, timeout_s=120)
+    assert outcome.status == "error" and "tied to" in outcome.error
+    with pytest.raises(SequenceParallelError, match=r"choose a ZeRO stage in \[0, 1, 2, 3\]"):
+        autosp.compile(torch.nn.Linear(2, 2), zero=4)
