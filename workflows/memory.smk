@@ -18,7 +18,7 @@ rule activations:
     benchmark:
         "results/benchmarks/memory/{device_type}/P{world_size}/{model}/{label}.tsv"
     message:
-        "activation memory {wildcards.label} {wildcards.model} S={AM[seq_len]} (log: {log})"
+        "activation memory {wildcards.label} {wildcards.model} S={AM[seq_len]} [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     wildcard_constraints:
         label=r"[a-z0-9][a-z0-9_-]*(:[a-z0-9=.]+)?",
     threads: RANK_THREADS

@@ -11,7 +11,7 @@ rule sac_search:
     benchmark:
         "results/benchmarks/sac/{device_type}/P{world_size}/{model}/search-{policy}.tsv"
     message:
-        "cell autosp sac={wildcards.policy} {wildcards.model}: searching (log: {log})"
+        "cell autosp sac={wildcards.policy} {wildcards.model}: searching [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     threads: RANK_THREADS
     resources:
         gpu=GPUS,
@@ -33,7 +33,7 @@ rule sac_bench:
     benchmark:
         "results/benchmarks/sac/{device_type}/P{world_size}/{model}/bench-{policy}.tsv"
     message:
-        "autosp sac={wildcards.policy} {wildcards.model}: step time at S={SAC[seq_len]} (log: {log})"
+        "autosp sac={wildcards.policy} {wildcards.model}: step time at S={SAC[seq_len]} [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     threads: RANK_THREADS
     resources:
         gpu=GPUS,
@@ -46,9 +46,16 @@ rule sac_bench:
         " --out {output} > {log} 2>&1 || test -s {output}"
 
 
-SAC_RESULTS = [
-    setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/{kind}-{policy}.jsonl")
-    for policy in SAC["policies"] for kind in ("search", "bench")
+def sac_search_result(policy):
+    """The trainability cell itself for the default policy (autosp runs with sac=sac there): no second search."""
+    if policy == "sac" and SAC["model"] in config["models"] and "autosp" in config["methods"]:
+        return setting(f"results/trainability/{{device_type}}/P{{world_size}}/{SAC['model']}/autosp.jsonl")
+    return setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/search-{policy}.jsonl")
+
+
+SAC_RESULTS = [sac_search_result(policy) for policy in SAC["policies"]] + [
+    setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/bench-{policy}.jsonl")
+    for policy in SAC["policies"]
 ]
 
 

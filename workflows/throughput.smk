@@ -11,7 +11,7 @@ rule bench:
     benchmark:
         "results/benchmarks/bench/{device_type}/P{world_size}/{model}.tsv"
     message:
-        "throughput {wildcards.model} P={wildcards.world_size} {wildcards.device_type}: {params.methods} (log: {log})"
+        "throughput {wildcards.model} P={wildcards.world_size} {wildcards.device_type}: {params.methods} [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     threads: RANK_THREADS
     resources:
         gpu=GPUS,

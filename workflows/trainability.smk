@@ -18,7 +18,7 @@ rule search:
     benchmark:
         "results/benchmarks/search/{device_type}/P{world_size}/{model}/{method}.tsv"
     message:
-        "cell {wildcards.method} {wildcards.model} P={wildcards.world_size} {wildcards.device_type}: searching (log: {log})"
+        "cell {wildcards.method} {wildcards.model} P={wildcards.world_size} {wildcards.device_type}: searching [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     threads: RANK_THREADS
     resources:
         gpu=GPUS,
@@ -40,7 +40,7 @@ rule check:
     benchmark:
         "results/benchmarks/check/{device_type}/P{world_size}/{model}/{method}.tsv"
     message:
-        "cell {wildcards.method} {wildcards.model}: gradient check against single-process training (log: {log})"
+        "cell {wildcards.method} {wildcards.model}: gradient check against single-process training [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
     threads: RANK_THREADS
     resources:
         gpu=GPUS,
