@@ -134,7 +134,7 @@ sac: {model: tiny, policies: [sac], seq_len: 512, repeats: 1}
 def test_reduced_run_draws_every_figure_and_survives_a_failing_cell(tmp_path: Path) -> None:
     settings = tmp_path / "reduced.yaml"
     settings.write_text(REDUCED)
-    proc = snakemake(tmp_path, "all", "--cores", "2", "--configfile", str(settings), timeout=900)
+    proc = snakemake(tmp_path, "all", "--cores", "2", "--configfile", str(settings), timeout=1800)  # ~2 min idle
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in FIGURES:
         assert (tmp_path / "figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
