@@ -31,6 +31,7 @@ SUBCOMMANDS = (
     ("autosp.experiments.history_cli", "add_history_parser"),
     ("autosp.experiments.floor", "add_floor_parser"),
     ("autosp.experiments.model_state", "add_model_state_parser"),
+    ("autosp.experiments.activations", "add_activations_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}
@@ -81,7 +82,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json_out:
         from autosp.harness.records import write_json_atomic
 
-        write_json_atomic(args.json_out, report.to_dict())
+        write_json_atomic(args.json_out, {**report.to_dict(), "model": args.model})  # tables key checks by model
     return 0 if report.passed else 1
 
 

@@ -1,42 +1,52 @@
-# Iteration time and tokens/s at fixed lengths: all methods of one model in one bench job, so every
-# ratio is taken against a reference measured in the same run.
+# Iteration time and tokens/s vs sequence length: all methods of one model in one bench job, with repeats
+# interleaved, so every ratio is taken against a reference measured in the same run on the same machine state.
+TP = config["throughput"]
 
 
 rule bench:
     output:
-        "results/throughput/{model}.jsonl",
+        "results/throughput/{device_type}/P{world_size}/{model}.jsonl",
     log:
-        "results/logs/bench/{model}.log",
-    threads: int(config["world_size"])
+        "results/logs/bench/{device_type}/P{world_size}/{model}.log",
+    benchmark:
+        "results/benchmarks/bench/{device_type}/P{world_size}/{model}.tsv"
+    message:
+        "throughput {wildcards.model} P={wildcards.world_size} {wildcards.device_type}: {params.methods} [{threads} cores, {resources.gpu} GPUs x {resources.nodes} nodes] (log: {log})"
+    threads: RANK_THREADS
     resources:
-        gpu=int(config["world_size"]) if config["device"] == "cuda" else 0,  # `--resources gpu=8` on a node
+        gpu=GPUS,
+        nodes=NODES,
     params:
-        methods=",".join(config["methods"]),
-        seq_lens=",".join(str(n) for n in config["bench_seq_lens"]),
+        methods=",".join(TP["methods"]),
+        seq_lens=",".join(str(n) for n in TP["seq_lens"]),
+        flags=lambda w: common_flags("autosp"),
+        budget=lambda w: budget_flag(w.model, TP["memory_budget"]),
     shell:
-        "{config[autosp]} bench --methods {params.methods} --model {wildcards.model}"
-        " --seq-lens {params.seq_lens} --world-size {config[world_size]} --repeats {config[bench_repeats]}"
-        " --device {config[device]} --dtype {config[dtype]} --compile-backend {config[compile_backend]}"
-        " --ratio-to {config[bench_reference]} --out {output} > {log} 2>&1"
+        "{config[autosp]} bench --methods {params.methods} --model {wildcards.model} --seq-lens {params.seq_lens}"
+        " {params.flags} {params.budget} --repeats {TP[repeats]} --ratio-to {TP[reference]}"
+        " --timeout {config[probe_timeout_s]} --out {output} > {log} 2>&1"
 
 
-THROUGHPUT_RESULTS = expand("results/throughput/{model}.jsonl", model=config["models"])
+THROUGHPUT_RESULTS = [setting(f"results/throughput/{{device_type}}/P{{world_size}}/{m}.jsonl") for m in TP["models"]]
 
 
 rule throughput_table:
     input:
         THROUGHPUT_RESULTS,
     output:
-        "results/tables/throughput.csv",
+        csv="results/tables/throughput.csv",
+        md="results/tables/throughput.md",
+        tex="results/tables/throughput.tex",
     shell:
-        "{config[autosp]} table throughput --in {input} --ratio-to {config[bench_reference]} --out {output}"
+        "{config[autosp]} table throughput --in {input} --ratio-to {TP[reference]} --out {output.csv}"
 
 
 rule figure_throughput:
     input:
         records=THROUGHPUT_RESULTS,
-        table="results/tables/throughput.csv",
+        table=rules.throughput_table.output,
     output:
-        "figures/throughput.png",
+        png="figures/throughput.png",
+        pdf="figures/throughput.pdf",
     shell:
-        "{config[autosp]} plot throughput --in {input.records} --ratio-to {config[bench_reference]} --out {output}"
+        "{config[autosp]} plot throughput --in {input.records} --ratio-to {TP[reference]} --out {output.png} {output.pdf}"

@@ -163,3 +163,79 @@ def breakdown_table(breakdowns: dict[str, dict[str, int]], baseline: str) -> pd.
             df[f"{method} reduction"] = df[baseline] / df[method].astype(float)
     df.index.name = "category"
     return df
+
+
+def _rank_saved_activations(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One rank: build the method as `autosp run` does, train one step, report what it saved for backward.
+
+    Compiled methods report the partitioner's view (their ``metrics()``); eager ones are watched with
+    ``SavedActivationRecorder`` on their model. Either way the bytes are this rank's."""
+    from autosp.harness.config import RunConfig
+    from autosp.harness.runner import build_train_step, global_batch, train_step, validate
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    strategy, sp_size = validate(cfg, extra_imports)
+    step, device = build_train_step(cfg, strategy, sp_size)
+    batch = global_batch(cfg, sp_size).to(device)
+    model = getattr(step, "model", None)
+    with SavedActivationRecorder(model if isinstance(model, nn.Module) else None) as recorder:
+        train_step(step, batch)
+    metrics = step.metrics() if callable(getattr(step, "metrics", None)) else {}
+    if metrics.get("saved_by_category"):
+        by_category, source = metrics["saved_by_category"], "compiled graphs (partitioner)"
+    else:
+        by_category, source = recorder.bytes_by_category, "saved_tensors_hooks (eager)"
+    return {"saved_by_category": dict(by_category), "source": source,
+            "implementation": step.implementation or cfg.method}
+
+
+def measure_saved_activations(cfg: Any, *, out: str, extra_imports: Iterable[str] = ()) -> dict[str, Any]:
+    """Saved-for-backward bytes by category of `cfg`'s method on its ranks (rank 0's; SP ranks are symmetric),
+    appended to `out` as a record with kind "activations" (a failed run is recorded with its status)."""
+    from autosp.harness.launch import launch
+    from autosp.harness.records import append_record, new_record
+    from autosp.harness.runner import validate
+
+    extra_imports = tuple(extra_imports)
+    _, sp_size = validate(cfg, extra_imports)
+    record = new_record(cfg, sp_size=sp_size)
+    outcome = launch(_rank_saved_activations, (cfg.to_dict(), extra_imports), world_size=cfg.world_size,
+                     device=cfg.device, timeout_s=cfg.timeout_s)
+    record.update(kind="activations", status=outcome.status, error=outcome.error)
+    if outcome.status == "ok":
+        first = outcome.results[0]
+        record["implementation"] = first["implementation"]
+        record["extra"].update(saved_by_category=first["saved_by_category"], saved_activation_source=first["source"],
+                               saved_activation_bytes=sum(first["saved_by_category"].values()))
+    append_record(out, record)
+    return record
+
+
+def method_label(method: str, sac: str | None) -> str:
+    """How a run is named in the memory figure: compiled AutoSP runs carry their SAC policy (autosp:sac)."""
+    return f"{method}:{sac}" if method == "autosp" and sac else method
+
+
+def _cmd_activations(args: Any) -> int:
+    from autosp.harness.flags import run_config_from_args
+    from autosp.harness.measure import format_size
+
+    cfg = run_config_from_args(args)
+    record = measure_saved_activations(cfg, out=args.out, extra_imports=args.extra_imports)
+    if record["status"] != "ok":
+        print(f"{record['status']}: {cfg.method} {cfg.model}: {record['error']}")
+        return 1
+    parts = ", ".join(f"{c} {format_size(b)}" for c, b in record["extra"]["saved_by_category"].items() if b)
+    print(f"{method_label(cfg.method, cfg.sac)} {cfg.model} S={cfg.seq_len} P={cfg.world_size}: saved for backward "
+          f"per rank {format_size(record['extra']['saved_activation_bytes'])} ({parts}) -> {args.out}")
+    return 0
+
+
+def add_activations_parser(subparsers: Any) -> None:
+    """`autosp activations --method M --model X --seq-len S --world-size P [--sac POLICY] --out FILE`."""
+    from autosp.harness.flags import add_run_config_arguments
+
+    p = subparsers.add_parser("activations", help="saved-for-backward bytes by operator category of one method")
+    add_run_config_arguments(p)
+    p.add_argument("--out", default="results/activations.jsonl", help="JSONL file the record is appended to")
+    p.set_defaults(func=_cmd_activations)

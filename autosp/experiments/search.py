@@ -264,7 +264,7 @@ def run_search(
         peaks[seq_len] = record.get("peak_mem_bytes")
         last_record = record
         status = record["status"]
-        print(f"  probe {cfg.method} {cfg.model} S={seq_len}: {status}"
+        print(f"  [{time.monotonic() - started:6.0f} s] probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
         return status, record.get("peak_mem_bytes")
 
@@ -310,11 +310,34 @@ def run_search(
     return row
 
 
+def record_failed_search(cfg: RunConfig, *, out: str, reason: str) -> dict:
+    """Append a search result row with status ``error`` and `reason`, probing nothing: what a workflow
+    writes for a cell whose search process itself died, so the cell is reported (and drawn) as failed."""
+    from autosp.harness.records import append_record, new_record
+
+    search_id = uuid.uuid4().hex
+    from autosp.harness.runner import device_name
+
+    row = new_record(cfg.replace(seq_len=0), sp_size=cfg.sp_size or 1)
+    try:  # the same device name as the cell's probes would report, so the cell lands in its device's panel
+        row["device_name"] = device_name(cfg.device)
+    except (RuntimeError, AssertionError):  # no such device here: the row still names the device asked for
+        pass
+    row.update(kind="search", search_id=search_id, run_id=search_id, status=ERROR, error=reason, max_seq_len=None,
+               first_oom_seq_len=None, floor_limit_seq_len=None, achieved_over_limit=None, probes=[], num_probes=0)
+    append_record(out, row)
+    return row
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
     from autosp.harness.flags import run_config_from_args
     from autosp.harness.measure import format_size
 
     cfg = run_config_from_args(args, seq_len=1)
+    if args.record_failure:
+        record_failed_search(cfg, out=args.out, reason=args.record_failure)
+        print(f"recorded {cfg.method} {cfg.model} as failed: {args.record_failure} -> {args.out}")
+        return 0
     row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
                      start_len=args.start_len, resume=args.resume)
     ratio = row["achieved_over_limit"]
@@ -350,4 +373,6 @@ def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"exit 1 when a probe ends in error/timeout (the result row is written either way); "
                         f"SIGTERM/SIGINT end the search as interrupted, exit {INTERRUPTED_EXIT_CODE}")
     p.add_argument("--out", default="results/trainability.jsonl", help="JSONL file for probe records and the result")
+    p.add_argument("--record-failure", metavar="REASON", default=None,
+                   help="probe nothing: append a failed result row with this reason (a workflow's fallback)")
     p.set_defaults(func=_cmd_search, starts_ranks=True)

@@ -16,8 +16,8 @@ import pandas as pd
 
 from autosp.harness.config import ConfigError
 
-#: runs are comparable only within one (model, ranks, device, budget) setting
-TRAINABILITY_GROUP = ["model", "world_size", "device", "memory_budget"]
+#: runs are comparable only within one (model, ranks, device type, budget) setting
+TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
 #: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
 TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
@@ -37,15 +37,16 @@ def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def _ratio_to(table: pd.DataFrame, group: list[str], value: str, reference: str) -> pd.Series:
-    """value / value of `reference` method in the same group (NaN where the reference was not measured); where
-    the reference ran at several ZeRO stages, the one at this row's stage (like with like), else its first."""
+    """value / value of `reference` method in the same group (NaN where either was not measured); where the
+    reference ran at several ZeRO stages, the one at this row's stage (like with like), else its first."""
     ref = table.loc[table["method"] == reference, group + [value] + (["zero"] if "zero" in table else [])]
     ref = ref.rename(columns={value: "_ref"})
     merged = table[group].merge(ref.drop(columns="zero", errors="ignore").drop_duplicates(group), on=group, how="left")
     if "zero" in table:
         same_stage = table[group + ["zero"]].merge(ref, on=group + ["zero"], how="left")["_ref"]
         merged["_ref"] = same_stage.fillna(merged["_ref"]).to_numpy()
-    return pd.Series(table[value].to_numpy() / merged["_ref"].to_numpy(), index=table.index)
+    values = pd.to_numeric(table[value], errors="coerce").to_numpy(dtype=float)
+    return pd.Series(values / pd.to_numeric(merged["_ref"], errors="coerce").to_numpy(dtype=float), index=table.index)
 
 
 def search_rows(records: pd.DataFrame) -> pd.DataFrame:
@@ -55,16 +56,25 @@ def search_rows(records: pd.DataFrame) -> pd.DataFrame:
     return records[records["kind"] == "search"]
 
 
-def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAINABILITY_REFERENCES) -> pd.DataFrame:
-    """Max trainable length per method and setting, achieved/limit, and ratios `vs_<ref>` to each baseline."""
+def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAINABILITY_REFERENCES,
+                       checks: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Max trainable length per method and setting, achieved/limit, and ratios `vs_<ref>` to each baseline.
+
+    Failed cells keep their row (status and `error`). With `checks` (from `load_checks`), each cell that was
+    checked against single-process training gets `gradient_check`: its verdict and worst gradient error."""
     rows = search_rows(records)
     if rows.empty:
         raise ConfigError("no search results in the given records; run `autosp search ... --out FILE` first")
     group = [c for c in TRAINABILITY_GROUP if c in rows]
+    rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
+    rows = rows.assign(mode=rows["mode"].fillna("measured"))  # simulated rows say so (`autosp simulate`)
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
-    table = table[group + ["method"] + stage + ["status", "max_seq_len", "first_oom_seq_len", "floor_limit_seq_len",
-                           "achieved_over_limit", "num_probes"]].copy()
+    table = table[group + ["method"] + stage + ["mode", "compile_backend", "status", "max_seq_len",
+                                                "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
+                                                "num_probes", "error"]].copy()
+    if checks is not None and not checks.empty:
+        table = table.merge(checks, on=["model", "world_size", "method"], how="left")
     table["memory_budget"] = table["memory_budget"].astype("float")  # NaN-safe for merging
     for ref in references:
         table[f"vs_{ref}"] = _ratio_to(table, group, "max_seq_len", ref)
@@ -106,6 +116,118 @@ def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -
         # differs from the iteration-speed ratio for data-parallel methods, which train dp_size sequences per step
         table[f"tokens_per_s_vs_{reference}"] = _ratio_to(table, THROUGHPUT_GROUP, "tokens_per_s", reference)
     return table.sort_values(keys).reset_index(drop=True)
+
+
+def load_checks(paths: list[str]) -> pd.DataFrame:
+    """Gradient checks (`autosp check --json-out`) as (model, world_size, method, gradient_check, worst_grad_error)."""
+    import json
+
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        worst = (report.get("worst_grad") or {}).get("error")
+        if report.get("status") != "ok":
+            verdict = f"not run ({report.get('status')}: {report.get('error')})"
+        else:
+            verdict = f"{'PASSED' if report['passed'] else 'FAILED'} (worst gradient error {worst:.1e}, " \
+                      f"tolerance {report['tolerance']:.0e})"
+        rows.append({"model": report.get("model"), "world_size": report["world_size"], "method": report["method"],
+                     "gradient_check": verdict, "worst_grad_error": worst})
+    return pd.DataFrame(rows, columns=["model", "world_size", "method", "gradient_check", "worst_grad_error"])
+
+
+def memory_table(records: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Saved-for-backward bytes per rank by operator category per method (`autosp activations` records), and
+    each method's reduction against `baseline` (baseline bytes / method bytes, the paper's "13.03x" form)."""
+    from autosp.experiments.activations import CATEGORIES, UNATTRIBUTED, method_label
+
+    runs = records[records["kind"] == "activations"] if "kind" in records else records.iloc[0:0]
+    if runs.empty:
+        raise ConfigError("no activation records in the given files; run `autosp activations ... --out FILE` first")
+    runs = _latest(runs.assign(label=[method_label(m, s) for m, s in zip(runs["method"], runs["sac"])]), ["label"])
+    rows = []
+    for _, run in runs.iterrows():
+        row = {"method": run["label"], "model": run["model"], "seq_len": run["seq_len"],
+               "world_size": run["world_size"], "status": run["status"], "error": run["error"]}
+        for category in (*CATEGORIES, UNATTRIBUTED):
+            row[f"{category}_bytes"] = run.get(f"extra.saved_by_category.{category}")
+        row["total_bytes"] = run.get("extra.saved_activation_bytes")
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if baseline not in set(table["method"]):
+        raise ConfigError(f"memory baseline {baseline!r} is not among the methods measured: {', '.join(table['method'])}")
+    base = table.set_index("method").loc[baseline]
+    for category in ("attention", "mlp", "total"):
+        column = f"{category}_bytes"
+        table[f"{category}_reduction"] = pd.to_numeric(base[column]) / pd.to_numeric(table[column]).astype(float)
+    return table.reset_index(drop=True)
+
+
+def sac_table(records: pd.DataFrame, reference: str = "off") -> pd.DataFrame:
+    """Per SAC policy of autosp: max trainable length (search rows) and median step time (bench runs), and
+    both against policy `reference`: length gain (x) and time overhead (fraction; the paper's ~7% / 1.66x)."""
+    searches = search_rows(records)
+    runs = records[(records.get("kind").isna() if "kind" in records else True) & (records["status"] == "ok")]
+    if "search_id" in runs:
+        runs = runs[runs["search_id"].isna()]
+    if searches.empty and runs.empty:
+        raise ConfigError("no SAC search or bench records in the given files")
+    lengths = _latest(searches, ["sac"]).set_index("sac") if not searches.empty else pd.DataFrame()
+    times = runs.groupby("sac").agg(seq_len=("seq_len", "first"), repeats=(ITER_TIME_MEDIAN, "size"),
+                                    iter_time_s=(ITER_TIME_MEDIAN, "median"),
+                                    iter_time_min_s=(ITER_TIME_MEDIAN, "min"),
+                                    iter_time_max_s=(ITER_TIME_MEDIAN, "max")) if not runs.empty else pd.DataFrame()
+    policies = list(dict.fromkeys([*lengths.index, *times.index]))
+    table = pd.DataFrame({"policy": policies})
+    table["model"] = [(lengths.get("model", pd.Series(dtype=object)).get(p)) for p in policies]
+    table["search_status"] = [lengths["status"].get(p) if "status" in lengths else None for p in policies]
+    table["max_seq_len"] = [lengths["max_seq_len"].get(p) if "max_seq_len" in lengths else None for p in policies]
+    for column in ("seq_len", "repeats", "iter_time_s", "iter_time_min_s", "iter_time_max_s"):
+        table[column] = [times[column].get(p) if column in times else None for p in policies]
+    ref = table.set_index("policy")
+    if reference in ref.index:
+        table["length_gain"] = pd.to_numeric(table["max_seq_len"]) / pd.to_numeric(ref.loc[reference, "max_seq_len"])
+        table["time_overhead"] = (pd.to_numeric(table["iter_time_s"])
+                                  / pd.to_numeric(ref.loc[reference, "iter_time_s"]) - 1.0)
+    table["max_seq_len"] = table["max_seq_len"].astype("Int64")
+    return table
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """A GitHub Markdown table (numbers to 4 significant digits, empty cells for missing values)."""
+    def cell(value: object) -> str:
+        if value is None or (isinstance(value, float) and pd.isna(value)) or value is pd.NA:
+            return ""
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(str, table.columns)) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def latex(table: pd.DataFrame) -> str:
+    """A LaTeX booktabs tabular (\\usepackage{booktabs}), special characters escaped."""
+    shown = table.astype(object).where(table.notna(), "")
+    shown = shown.map(lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))
+    shown.columns = [str(c) for c in table.columns]
+    return shown.style.hide(axis="index").to_latex(hrules=True, column_format="l" * len(shown.columns)).replace(
+        "_", "\\_").replace("%", "\\%").replace("#", "\\#")
+
+
+def write_table_files(table: pd.DataFrame, csv_path: str | Path) -> list[Path]:
+    """The table as CSV at `csv_path` and, beside it, Markdown (.md) and LaTeX booktabs (.tex); all atomic."""
+    csv_path = Path(csv_path)
+    write_csv_atomic(table, csv_path)
+    written = [csv_path]
+    for suffix, text in ((".md", markdown(table)), (".tex", latex(table))):
+        path = csv_path.with_suffix(suffix)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        written.append(path)
+    return written
 
 
 def write_csv_atomic(table: pd.DataFrame, path: str | Path) -> None:
@@ -152,20 +274,26 @@ def _cmd_table(args: argparse.Namespace) -> int:
         check_writable(args.out)
     records = records_from_args(args)
     if args.kind == "trainability":
-        table = trainability_table(records)
+        table = trainability_table(records, checks=load_checks(args.checks) if args.checks else None)
+    elif args.kind == "memory":
+        table = memory_table(records, baseline=args.baseline)
+    elif args.kind == "sac":
+        table = sac_table(records)
     else:
         table = throughput_table(records, reference=args.ratio_to or None)
     print(format_table(table))
     if args.out:
-        write_csv_atomic(table, args.out)
+        write_table_files(table, args.out)
     return 0
 
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp table trainability|throughput --in FILES... [--out table.csv]`."""
-    p = subparsers.add_parser("table", help="tables (trainability, throughput) from result records")
-    p.add_argument("kind", choices=["trainability", "throughput"])
+    """`autosp table trainability|throughput|memory|sac --in FILES... [--out table.csv]`."""
+    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac) from result records")
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac"])
     add_records_arguments(p)
-    p.add_argument("--out", help="write the table as CSV here")
+    p.add_argument("--out", help="write the table as CSV here, and as Markdown (.md) and LaTeX (.tex) beside it")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")
+    p.add_argument("--checks", nargs="*", default=[], help="trainability: `autosp check --json-out` reports to show")
+    p.add_argument("--baseline", default="single", help="memory: the method reductions are taken against")
     p.set_defaults(func=_cmd_table)

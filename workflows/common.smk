@@ -1,0 +1,65 @@
+# What every rule shares: settings looked up per model / method, the cell paths, the compile cache, resources.
+import math
+import os
+import re
+
+
+def per_key(mapping, key):
+    """mapping[key], else mapping[preset] for key hf:<preset>, else mapping["default"] (the schema requires it)."""
+    preset = key.removeprefix("hf:")
+    return mapping.get(key, mapping.get(preset, mapping["default"]))
+
+
+def budget_flag(model, budget=None):
+    """`--memory-budget B` for this model, or nothing for "none" (search up to the device's own memory)."""
+    value = budget if budget is not None else per_key(config["memory_budget"], model)
+    return "" if value == "none" else f"--memory-budget {value}"
+
+
+def backend_flag(method):
+    return f"--compile-backend {per_key(config['compile_backend'], method)}"
+
+
+def auto_flag(flag, key):
+    return "" if config[key] == "auto" else f"{flag} {config[key]}"
+
+
+def import_flags():
+    return " ".join(f"--import {module}" for module in config["imports"])
+
+
+def common_flags(method):
+    """Flags every run of `method` takes: ranks, device, precision, backend, out-of-tree imports."""
+    return (f"--world-size {config['world_size']} --device {config['device']} --dtype {config['dtype']} "
+            f"{backend_flag(method)} {import_flags()}")
+
+
+# One cell = one (method, model, world size, device type): its own job, its own file. The device type and
+# world size come from the settings; the wildcard constraints keep a path from naming any other.
+SETTING = "{device_type}/P{world_size}"
+wildcard_constraints:
+    device_type=re.escape(config["device_type"]),
+    world_size=str(config["world_size"]),
+    model=r"(hf:)?[a-z0-9][a-z0-9._-]*",
+    method=r"[a-z0-9][a-z0-9_-]*",
+
+
+def setting(path):
+    """`path` with this configuration's device type and world size filled in (other wildcards kept)."""
+    return path.replace("{device_type}", config["device_type"]).replace("{world_size}", str(config["world_size"]))
+
+
+# Persistent compile cache: inductor's FX graph and AOTAutograd caches, shared by every job and kept across
+# reruns, so a graph compiled once (same model, length and method) is loaded, not compiled, next time.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(config["compile_cache"]))
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+
+# Resources of a job that launches `world_size` ranks: one core per rank (snakemake never runs more ranks
+# than --cores at once); on GPUs also its GPUs per node and its nodes (`--resources gpu=N` locally; the
+# SLURM plugin requests them), so no two cells ever share a GPU.
+if config["device"] == "cuda" and config["gpus_per_node"] < 1:
+    raise ValueError("device: cuda needs gpus_per_node >= 1 (the GPUs of one node)")
+GPUS = min(config["world_size"], config["gpus_per_node"]) if config["device"] == "cuda" else 0
+NODES = math.ceil(config["world_size"] / GPUS) if GPUS else 1
+RANK_THREADS = config["world_size"]
