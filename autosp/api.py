@@ -27,6 +27,13 @@ class SequenceParallelModule(torch.nn.Module):
         self._backend = backend
 
     @property
+    def tiling(self) -> str:
+        """One line: what the compiler tiled (loss tiles) in each graph so far, and why anything was left whole."""
+        from autosp.compiler.tiling import describe
+
+        return describe(getattr(self._backend, "tiling_reports", []))
+
+    @property
     def partition_records(self) -> list:
         """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(getattr(self._backend, "partition_fn").records)
@@ -77,21 +84,27 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     process_group: dist.ProcessGroup | None = None,
     sac: str = "sac",
     backend: str = "inductor",
+    tiling: str = "off",
+    outputs: str = "all",
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
     consecutive-rank SP groups. process_group: an existing SP group instead. sac: activation checkpointing
-    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass)."""
+    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
+    tiling: off | loss | auto, optionally :<tokens per tile> — the LM head + cross-entropy run over tiles of
+    the local tokens, logits recomputed in backward (exact). outputs: all | loss — `loss` returns None for
+    every output but the loss; a model that returns its logits can have its loss tiled only then."""
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend)
+    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend,
+                              tiling=tiling, outputs=outputs)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend)
 
 
 def backend(
     *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
-    inner: str = "inductor", model: torch.nn.Module | None = None,
+    inner: str = "inductor", model: torch.nn.Module | None = None, tiling: str = "off", outputs: str = "all",
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
@@ -100,4 +113,5 @@ def backend(
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner)
+    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
+                        tiling=tiling, outputs=outputs)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.activations import compiled_breakdown
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
@@ -27,9 +28,12 @@ class AutoSPTrainStep(ReplicatedTrainStep):
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
         self.model = model
         self.ctx = ctx
-        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend)
+        # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
+        tiled = parse_tiling(cfg.tiling).enabled
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
+                                       tiling=cfg.tiling, outputs="loss" if tiled else "all")
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}"
+        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}" + (f"-tiling:{cfg.tiling}" if tiled else "")
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:
         ctx = self.ctx
@@ -51,7 +55,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         if not records:
             return {}
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
-                "saved_by_category": compiled_breakdown(records)}
+                "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling}
 
 
 @register
@@ -66,6 +70,7 @@ class AutoSP(Strategy):
         if num_heads % sp:
             valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
             raise ConfigError(f"{num_heads} query heads are not divisible by the SP degree {sp}; valid: {valid}")
+        parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
         if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 

@@ -46,6 +46,7 @@ class RunConfig:
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
+    tiling: str = "off"  # autosp only: off | loss | auto, optionally :<tokens per tile> (autosp.compiler.tiling)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
