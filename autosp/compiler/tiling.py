@@ -140,20 +140,22 @@ class Tiling:
     """A parsed `tiling=` value: what to tile, and the tile size in tokens (None: chosen per graph)."""
 
     loss: bool = False
+    mlp: bool = False
     tile_tokens: int | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.loss
+        return self.loss or self.mlp
 
     def __str__(self) -> str:
         if not self.enabled:
             return "off"
-        return "loss" + (f":{self.tile_tokens}" if self.tile_tokens else "")
+        kinds = ",".join(k for k, on in (("loss", self.loss), ("mlp", self.mlp)) if on)
+        return kinds + (f":{self.tile_tokens}" if self.tile_tokens else "")
 
 
 def parse_tiling(value: "str | Tiling | None") -> Tiling:
-    """`off | loss | auto`, optionally `:<tokens per tile>` (e.g. `loss:1024`); `auto` tiles all it can."""
+    """`off | loss | mlp | loss,mlp | auto` (= loss,mlp), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
         return value
     text = "off" if value is None else str(value).strip().lower()
@@ -165,9 +167,12 @@ def parse_tiling(value: "str | Tiling | None") -> Tiling:
         tile_tokens = int(size)
     if kind == "off" and not size:
         return Tiling()
-    if kind in ("loss", "auto"):
-        return Tiling(loss=True, tile_tokens=tile_tokens)
-    raise ConfigError(f"unknown tiling {value!r}; choose off, loss or auto (optionally :<tokens per tile>)")
+    kinds = {"loss", "mlp"} if kind == "auto" else set(kind.split(","))
+    if not kinds or not kinds <= {"loss", "mlp"}:
+        raise ConfigError(
+            f"unknown tiling {value!r}; choose off, loss, mlp, loss,mlp or auto (optionally :<tokens per tile>)"
+        )
+    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, tile_tokens=tile_tokens)
 
 
 OUTPUTS = ("all", "loss")
@@ -195,6 +200,7 @@ class TilingReport:
 
     tiled: list[dict[str, int]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
 
 
 def _is_method(node: fx.Node, names: set[str]) -> bool:
@@ -270,7 +276,8 @@ def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
 
 def _fake_run(node: fx.Node) -> Any:
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
-    fake_mode = next(v.fake_mode for v in (*args, *kwargs.values()) if isinstance(v, torch._subclasses.FakeTensor))
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    fake_mode = next(v.fake_mode for v in leaves if isinstance(v, torch._subclasses.FakeTensor))
     with fake_mode:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
@@ -391,6 +398,8 @@ def apply_tiling(gm: fx.GraphModule, tiling: Tiling, *, loss_only: bool) -> Tili
     if loss_only:
         keep_only_loss(gm)
     report = tile_loss(gm, tiling)
+    if tiling.mlp:
+        report.mlp = tile_token_wise_blocks(gm, tiling.tile_tokens)
     if report.skipped:
         logger.warning("AutoSP: %s", describe([report]))
     return report
@@ -400,6 +409,129 @@ def describe(reports: Sequence[TilingReport]) -> str:
     """One line: what was tiled, and why the rest was not."""
     tiled = [t for r in reports for t in r.tiled]
     skipped = [s for r in reports for s in r.skipped]
+    blocks = [b for r in reports for b in r.mlp]
     parts = [f"loss tiled over {t['tokens']} tokens in tiles of {t['tile_tokens']}" for t in tiled]
     parts += [f"loss not tiled: {s}" for s in skipped]
-    return "; ".join(parts) or "no token-wise loss found"
+    if blocks:
+        parts.append(f"{len(blocks)} token-wise blocks tiled ({blocks[0]['module']}: {blocks[0]['tokens']} tokens "
+                     f"in tiles of {blocks[0]['tile_tokens']})")
+    return "; ".join(parts) or "nothing tiled"
+
+
+# ------------------------------------------------------------------------------ token-wise blocks (MLP)
+
+#: ops that act on each token independently (feature-dim matmuls, elementwise): a module made only of these
+#: can run over token tiles with identical results
+_TOKEN_WISE_FUNCTIONS = {
+    torch._C._nn.linear, F.linear, F.silu, F.gelu, F.relu, F.sigmoid, torch.sigmoid, torch.tanh, torch.nn.functional.tanh,
+    operator.mul, operator.add, operator.sub, torch.mul, torch.add, torch.sub,
+}
+_TOKEN_WISE_METHODS = {"mul", "add", "sub", "sigmoid", "tanh", "relu"}
+
+
+def _is_token_wise(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _TOKEN_WISE_FUNCTIONS
+    return node.op == "call_method" and node.target in _TOKEN_WISE_METHODS
+
+
+def _module_regions(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Ops of each module call, by module path (every level of Dynamo's nn_module_stack), in program order
+    (the module's lifted parameters, placeholders, are its inputs, not its ops)."""
+    regions: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
+            regions.setdefault(str(path), []).append(node)
+    return regions
+
+
+@dataclass
+class _Block:
+    path: str
+    nodes: list[fx.Node]
+    source: fx.Node  # the one activation entering the block, [..., tokens, features]
+    result: fx.Node  # the one value leaving it
+
+
+def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
+    """The module call as a tileable block: only token-wise ops, one activation in (weights aside), one value
+    out, and an intermediate larger than its input (else tiling saves nothing)."""
+    inside = set(nodes)
+    if not all(_is_token_wise(n) for n in nodes):
+        return None
+    sources = set()
+    for node in nodes:
+        weight = node.args[1] if node.target in (torch._C._nn.linear, F.linear) and len(node.args) > 1 else None
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg is not weight and not (
+                node.target in (torch._C._nn.linear, F.linear) and arg in node.args[2:]
+            ):
+                sources.add(arg)
+    leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(sources) != 1 or len(leaving) != 1:
+        return None
+    (source,), (result,) = sources, leaving
+    value, out = _value(source), _value(result)
+    if not isinstance(value, Tensor) or not isinstance(out, Tensor) or value.dim() < 2:
+        return None
+    if out.shape[:-1] != value.shape[:-1] or out.numel() > value.numel() or any(u.op == "output" for u in result.users):
+        return None  # a block whose output outgrows its input (an LM head) is whole after the tiles anyway
+    biggest = max(_value(n).numel() for n in nodes if isinstance(_value(n), Tensor))
+    return _Block(path, nodes, source, result) if biggest > value.numel() else None
+
+
+def auto_mlp_tile_tokens(num_tokens: int, features: int, intermediate: int) -> int:
+    """Tokens per block tile: one tile's intermediate no larger than the block's input, at least MIN_TILE_TOKENS."""
+    rows = math.ceil(num_tokens * features / intermediate)
+    return max(1, min(num_tokens, max(MIN_TILE_TOKENS, rows)))
+
+
+def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -> list[dict[str, Any]]:
+    """Run each token-wise module call (the MLPs) over tiles of its tokens: split the input along the token dim,
+    one copy of the block per tile, concatenate. Copies keep their module metadata, so SAC recomputes them tile
+    by tile in backward; the [tokens, intermediate] values never exist whole. Returns what was tiled."""
+    graph = gm.graph
+    regions = _module_regions(graph)
+    blocks = [b for path, nodes in regions.items() if (b := _token_wise_block(path, nodes)) is not None]
+    paths = {b.path for b in blocks}
+    tiled = []
+    for block in blocks:
+        if any(block.path.startswith(p + ".") for p in paths):  # the outermost token-wise module tiles
+            continue
+        source = _value(block.source)
+        tokens = source.shape[-2]
+        intermediate = max(_value(n).shape[-1] for n in block.nodes if isinstance(_value(n), Tensor))
+        size = min(tokens, tile_tokens or auto_mlp_tile_tokens(tokens, source.shape[-1], intermediate))
+        if size >= tokens:
+            continue
+        _tile_block(graph, block, size)
+        tiled.append({"module": block.path, "tokens": int(tokens), "tile_tokens": int(size)})
+    graph.lint()
+    gm.recompile()
+    return tiled
+
+
+def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
+    meta = block.result.meta
+
+    def emit(target: Any, args: tuple) -> fx.Node:
+        node = _emit(graph, "call_function", target, args)
+        node.meta["nn_module_stack"] = meta.get("nn_module_stack")
+        return node
+
+    with graph.inserting_before(block.nodes[0]):
+        pieces = emit(torch.split, (block.source, size, -2))
+        outputs = []
+        for i in range(len(_value(pieces))):
+            env = {block.source: emit(operator.getitem, (pieces, i))}
+            for node in block.nodes:
+                copy = graph.node_copy(node, lambda n: env.get(n, n))
+                copy.meta["example_value"] = _fake_run(copy)
+                env[node] = copy
+            outputs.append(env[block.result])
+        joined = emit(torch.cat, (outputs, -2))
+    block.result.replace_all_uses_with(joined)
+    for node in reversed(block.nodes):
+        graph.erase_node(node)

@@ -12,7 +12,8 @@ What is counted (all of it a true lower bound for the methods of this project):
   layer and the embedding);
 - activations per local token: each decoder layer's input (what a full-recompute schedule still keeps:
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
-  ``ForCausalLMLoss``, which materialises them; a fused/chunked loss would remove this term).
+  ``ForCausalLMLoss``, which materialises them) unless the loss is tiled (``tiled_loss``: AutoSP's
+  ``--tiling loss`` keeps one tile of logits, a constant, so the term disappears).
 Transient working buffers (attention scores, MLP intermediates, all-to-all buffers) are not counted: a
 bound must hold for the best possible schedule, and those can be made arbitrarily short-lived.
 """
@@ -122,8 +123,10 @@ def memory_floor(
     batch_size: int = 1,
     dtype: str = "float32",
     model_name: str | None = None,
+    tiled_loss: bool = False,
 ) -> MemoryFloor:
-    """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica)."""
+    """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica);
+    `tiled_loss`: the LM head and loss run over token tiles, so no logits scale with the sequence."""
     sharding = sharding_of(method)
     if world_size < 1 or batch_size < 1:
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
@@ -142,15 +145,18 @@ def memory_floor(
         grads_bytes=per_rank_params * elem,
         optimizer_bytes=ADAMW_STATES_PER_PARAM * per_rank_params * elem,
         gathered_unit_bytes=unit * elem if sharding.shards_model_state else 0,
-        activation_bytes_per_token=preset.num_layers * preset.hidden_size * elem + preset.vocab_size * FP32_BYTES,
+        activation_bytes_per_token=preset.num_layers * preset.hidden_size * elem
+        + (0 if tiled_loss else preset.vocab_size * FP32_BYTES),
         tokens_per_rank_per_seq_token=batch_size / split,
     )
 
 
-def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32") -> MemoryFloor:
+def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
+              tiled_loss: bool = False) -> MemoryFloor:
     """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...)."""
     from autosp.models import get_preset
 
     return memory_floor(
-        method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype, model_name=model
+        method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype, model_name=model,
+        tiled_loss=tiled_loss,
     )

@@ -53,10 +53,11 @@ def test_tiled_loss_is_exact(name):
     expected = reference(input_ids=ids, labels=labels).loss
     expected.backward()
     model = build_model(name)
-    compiled, reports, _ = _tiled(model, "loss:16")
+    compiled, reports, _ = _tiled(model, "auto:16")
     out = compiled(input_ids=ids, labels=labels)
     out.loss.backward()
     assert reports[0].tiled == [{"tokens": 2 * SEQ, "vocab": 512, "tile_tokens": 16}] and not reports[0].skipped
+    assert len(reports[0].mlp) == 2  # the MLPs of both layers (not the LM head: its output is whole anyway)
     assert out.logits is None  # outputs="loss"
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
@@ -68,12 +69,14 @@ _OP_BODIES = {torch.ops.autosp.linear_cross_entropy.default: tiled_cross_entropy
               torch.ops.autosp.linear_cross_entropy_backward.default: tiled_cross_entropy_grads}
 
 
-class _LiveLogits(TorchDispatchMode):
-    """Peak bytes of live tensors shaped like logits ([..., vocab], contiguous in the vocabulary), by storage."""
+class _LiveActivations(TorchDispatchMode):
+    """Peak bytes of live per-token tensors of width `features` ([..., features], contiguous in it; tensors
+    shaped like a parameter, i.e. weight gradients, excluded), by storage: logits for features = vocab, MLP
+    intermediates for features = intermediate_size."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, features: int, parameter_shapes: set = frozenset()) -> None:
         super().__init__()
-        self.vocab, self.live, self.peak = vocab, {}, 0
+        self.features, self.parameter_shapes, self.live, self.peak = features, parameter_shapes, {}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in _OP_BODIES:
@@ -81,7 +84,8 @@ class _LiveLogits(TorchDispatchMode):
                 return _OP_BODIES[func](*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab and t.stride(-1) == 1:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.features and t.stride(-1) == 1 \
+                    and tuple(t.shape) not in self.parameter_shapes:
                 self._track(t)
         return out
 
@@ -105,7 +109,7 @@ def test_live_logits_at_the_peak_are_at_most_one_tile(tiling, bound_tokens):
     compiled, _, graphs = _tiled(build_model("tiny"), tiling)
     compiled(input_ids=ids, labels=labels)  # compiles
     ((graph, example_inputs),) = graphs
-    meter = _LiveLogits(vocab=512)
+    meter = _LiveActivations(features=512)
     with meter:
         (loss,) = [t for t in graph(*example_inputs) if t is not None and t.dim() == 0]
         loss.backward()
@@ -136,3 +140,23 @@ def test_tiling_option_and_automatic_tile_size():
     assert auto_tile_tokens(65536, p.hidden_size, p.vocab_size) == 2093
     assert auto_tile_tokens(1000, p.hidden_size, p.vocab_size) == MIN_TILE_TOKENS  # efficient matmuls first
     assert auto_tile_tokens(100, p.hidden_size, p.vocab_size) == 100
+
+
+def test_tiled_mlp_never_holds_a_whole_intermediate():
+    """With SAC the MLP is recomputed in backward tile by tile: the live [tokens, intermediate] bytes at the peak
+    (forward and backward) shrink by the number of tiles (the same few values, each a tile instead of whole)."""
+    ids, labels = _batch()
+    peaks = {}
+    for tiling in ("loss", "auto:16"):
+        torch._dynamo.reset()
+        model = build_model("tiny")
+        compiled, reports, graphs = _tiled(model, tiling)
+        compiled(input_ids=ids, labels=labels)
+        ((graph, example_inputs),) = graphs
+        meter = _LiveActivations(features=176, parameter_shapes={tuple(p.shape) for p in model.parameters()})
+        with meter:
+            (loss,) = [t for t in graph(*example_inputs) if t is not None and t.dim() == 0]
+            loss.backward()
+        peaks[tiling] = meter.peak
+    assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]  # both layers' MLPs, 4 tiles each
+    assert 0 < peaks["auto:16"] * 4 <= peaks["loss"]

@@ -70,3 +70,12 @@ def test_bf16_halves_model_state_but_not_the_fp32_logits() -> None:
     b16 = memory_floor("single", preset, world_size=1, dtype="bfloat16")
     assert b16.static_bytes * 2 == f32.static_bytes
     assert b16.activation_bytes_per_token > f32.activation_bytes_per_token / 2
+
+
+def test_a_tiled_loss_removes_the_logits_term() -> None:
+    preset = get_preset("llama-3.1-8b")
+    whole = memory_floor("autosp", preset, world_size=8, dtype="bfloat16")
+    tiled = memory_floor("autosp", preset, world_size=8, dtype="bfloat16", tiled_loss=True)
+    assert whole.activation_bytes_per_token - tiled.activation_bytes_per_token == preset.vocab_size * 4
+    assert tiled.activation_bytes_per_token == preset.num_layers * preset.hidden_size * 2
+    assert tiled.static_bytes == whole.static_bytes
