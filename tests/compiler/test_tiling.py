@@ -46,22 +46,30 @@ def _tiled(model: torch.nn.Module, tiling: str, *, loss_only: bool = True, sac: 
     return torch.compile(model, backend=backend, fullgraph=True), reports, graphs
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf:tiny-tied"])
-def test_tiled_loss_is_exact(name):
-    ids, labels = _batch()
+def _eager(name: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.nn.Module:
     reference = build_model(name)
-    expected = reference(input_ids=ids, labels=labels).loss
-    expected.backward()
-    model = build_model(name)
+    reference(input_ids=ids, labels=labels).loss.backward()
+    return reference
+
+
+def _assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_tiled_loss_and_mlp_are_exact_on_hf_llama_with_tied_embeddings():
+    """HF's ForCausalLMLoss (labels shifted in the graph, logits returned), the head tied to the embedding."""
+    ids, labels = _batch()
+    reference = _eager("hf:tiny-tied", ids, labels)
+    model = build_model("hf:tiny-tied")
     compiled, reports, _ = _tiled(model, "auto:16")
     out = compiled(input_ids=ids, labels=labels)
     out.loss.backward()
     assert reports[0].tiled == [{"tokens": 2 * SEQ, "vocab": 512, "tile_tokens": 16}] and not reports[0].skipped
     assert len(reports[0].mlp) == 2  # the MLPs of both layers (not the LM head: its output is whole anyway)
     assert out.logits is None  # outputs="loss"
-    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{pname}: {m}")
+    torch.testing.assert_close(out.loss, reference(input_ids=ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
+    _assert_same_gradients(model, reference)
 
 
 # the tiled ops' own code, run under the meter so it sees their inner tensors too
@@ -146,8 +154,9 @@ def test_tiled_mlp_never_holds_a_whole_intermediate():
     """With SAC the MLP is recomputed in backward tile by tile: the live [tokens, intermediate] bytes at the peak
     (forward and backward) shrink by the number of tiles (the same few values, each a tile instead of whole)."""
     ids, labels = _batch()
+    reference = _eager("tiny", ids, labels)
     peaks = {}
-    for tiling in ("loss", "auto:16"):
+    for tiling in ("loss", "auto:16"):  # the project Llama, exact with the loss tiled, then the MLPs too
         torch._dynamo.reset()
         model = build_model("tiny")
         compiled, reports, graphs = _tiled(model, tiling)
@@ -158,5 +167,6 @@ def test_tiled_mlp_never_holds_a_whole_intermediate():
             (loss,) = [t for t in graph(*example_inputs) if t is not None and t.dim() == 0]
             loss.backward()
         peaks[tiling] = meter.peak
+        _assert_same_gradients(model, reference)
     assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]  # both layers' MLPs, 4 tiles each
     assert 0 < peaks["auto:16"] * 4 <= peaks["loss"]
