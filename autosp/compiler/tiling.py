@@ -17,6 +17,7 @@ not want them (`autosp.compile(..., outputs="loss")`, which returns None for eve
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
@@ -310,7 +311,7 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
     graph = gm.graph
     (output,) = [n for n in graph.nodes if n.op == "output"]
     for ce in [n for n in graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]:
-        reason, head, bound = _loss_arguments(ce)
+        reason, bound = _loss_arguments(ce)
         if reason is None:
             head = _find_head(bound["input"], output)
             reason = head if isinstance(head, str) else None
@@ -329,11 +330,7 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
                 valid = _emit(graph, "call_function", torch.ne, (bound["target"], bound.get("ignore_index", -100)))
                 count = _emit(graph, "call_function", torch.sum, (valid,))
                 loss = _emit(graph, "call_function", torch.div, (loss, count))
-        ce.replace_all_uses_with(loss)
-        dead = [ce, bound["input"], *reversed(_chain(bound["input"], head.linear))]
-        for node in dead:
-            if not node.users:
-                graph.erase_node(node)
+        ce.replace_all_uses_with(loss)  # the head, its casts/views and the loss are dead now
         report.tiled.append({"tokens": int(tokens), "vocab": int(vocab), "tile_tokens": int(tile_tokens)})
     graph.eliminate_dead_code()
     graph.lint()
@@ -341,28 +338,18 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
     return report
 
 
-def _chain(start: fx.Node, stop: fx.Node) -> list[fx.Node]:
-    """Nodes from `start` (exclusive) back to `stop` (inclusive) along first arguments."""
-    nodes, node = [], start
-    while node is not stop:
-        node = node.args[0]
-        nodes.append(node)
-    return nodes
-
-
-def _loss_arguments(ce: fx.Node) -> tuple[str | None, None, dict]:
-    import inspect
-
+def _loss_arguments(ce: fx.Node) -> tuple[str | None, dict]:
+    """(reason the cross-entropy is not a plain token mean/sum or None, its bound arguments)."""
     bound = dict(inspect.signature(F.cross_entropy).bind(*ce.args, **ce.kwargs).arguments)
     if bound.get("weight") is not None or bound.get("label_smoothing", 0.0):
-        return "class weights / label smoothing", None, bound
+        return "class weights / label smoothing", bound
     if bound.get("reduction", "mean") not in ("sum", "mean") or any(
         bound.get(k) is not None for k in ("size_average", "reduce")
     ):
-        return f"reduction {bound.get('reduction')!r}", None, bound
+        return f"reduction {bound.get('reduction')!r}", bound
     if _value(bound["input"]).dim() != 2 or not isinstance(bound["target"], fx.Node):
-        return "the loss input is not [tokens, classes]", None, bound
-    return None, None, bound
+        return "the loss input is not [tokens, classes]", bound
+    return None, bound
 
 
 def _is_loss(node: fx.Node) -> bool:
