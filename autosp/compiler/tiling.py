@@ -148,12 +148,6 @@ class Tiling:
     def enabled(self) -> bool:
         return self.loss or self.mlp
 
-    def __str__(self) -> str:
-        if not self.enabled:
-            return "off"
-        kinds = ",".join(k for k, on in (("loss", self.loss), ("mlp", self.mlp)) if on)
-        return kinds + (f":{self.tile_tokens}" if self.tile_tokens else "")
-
 
 def parse_tiling(value: "str | Tiling | None") -> Tiling:
     """`off | loss | mlp | loss,mlp | auto` (= loss,mlp), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
