@@ -50,6 +50,13 @@ class SequenceParallelModule(torch.nn.Module):
         return full_state(self.module, gradients=True)
 
     @property
+    def tiling(self) -> str:
+        """One line: what the compiler tiled (loss tiles) in each graph so far, and why anything was left whole."""
+        from autosp.compiler.tiling import describe
+
+        return describe(getattr(self._backend, "tiling_reports", []))
+
+    @property
     def partition_records(self) -> list:
         """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(getattr(self._backend, "partition_fn").records)
@@ -102,6 +109,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     backend: str = "inductor",
     zero: int = 0,
     compute_dtype: torch.dtype | None = None,
+    tiling: str = "off",
+    outputs: str = "all",
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
@@ -111,19 +120,24 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     zero: ZeRO stage 0-3 of the model state over all ranks sharing it (SP x DP; `autosp.comm.sharding`); at
     stages 2/3 the model's parameters become this rank's flat shards (build the optimizer with `make_optimizer`,
     read full values with `full_parameters`/`full_gradients`). compute_dtype (stages 2/3): the dtype parameters
-    are gathered and computed in (e.g. bfloat16 over fp32 master shards); default: the parameters' own."""
+    are gathered and computed in (e.g. bfloat16 over fp32 master shards); default: the parameters' own.
+    tiling: off | loss | mlp | auto, optionally :<tokens per tile> — the LM head + cross-entropy (and token-wise
+    blocks such as the MLP) run over tiles of the local tokens, recomputed in backward (exact). outputs: all | loss
+    — `loss` returns None for every output but the loss; a model that returns its logits can have its loss tiled
+    only then."""
     check_stage(zero)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
-    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero)
+    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero,
+                              tiling=tiling, outputs=outputs)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
 
 def backend(
     *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
-    inner: str = "inductor", model: torch.nn.Module | None = None,
+    inner: str = "inductor", model: torch.nn.Module | None = None, tiling: str = "off", outputs: str = "all",
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
@@ -132,4 +146,5 @@ def backend(
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner)
+    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
+                        tiling=tiling, outputs=outputs)

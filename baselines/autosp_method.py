@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.activations import compiled_breakdown
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
@@ -27,10 +28,13 @@ class AutoSPTrainStep(ReplicatedTrainStep):
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig, zero: int = 0):
         self.model = model
         self.ctx = ctx
+        # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
+        tiled = parse_tiling(cfg.tiling).enabled
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
-                                       zero=zero)
+                                       zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all")
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
-        self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
+        self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
+                               + (f"-tiling:{cfg.tiling}" if tiled else ""))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self.compiled.full_gradients()
@@ -58,7 +62,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         if not records:
             return {}
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
-                "saved_by_category": compiled_breakdown(records)}
+                "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling}
 
 
 @register
@@ -74,6 +78,7 @@ class AutoSP(Strategy):
         if num_heads % sp:
             valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
             raise ConfigError(f"{num_heads} query heads are not divisible by the SP degree {sp}; valid: {valid}")
+        parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
         if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 

@@ -17,6 +17,7 @@ from autosp.comm.grad_sync import sync_gradients
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.specialize import is_symbolic, per_length
+from autosp.compiler.tiling import apply_tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -24,7 +25,7 @@ INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
 def make_backend(
     sp_group: dist.ProcessGroup, *, reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1,
-    sac: str = "sac", inner: str = "inductor", zero: int = 0,
+    sac: str = "sac", inner: str = "inductor", zero: int = 0, tiling: str = "off", outputs: str = "all",
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`.
 
@@ -36,6 +37,8 @@ def make_backend(
     # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the records of
     # what every graph saves exist on each run, not only on a cold cache
     partition_fn = make_partition_fn(sac, cacheable=False)  # also validates the policy before any compilation
+    tiling_options, outputs = parse_tiling(tiling), check_outputs(outputs)
+    tiling_reports: list = []
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -49,9 +52,11 @@ def make_backend(
     def compile_static(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if sp_size > 1:  # an SP degree of 1 is single-device training: only the checkpointing policy applies
             gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
+        tiling_reports.append(apply_tiling(gm, tiling_options, loss_only=outputs == "loss"))
         if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
             return gm.forward
         return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
 
     compile_graph.partition_fn = partition_fn  # its .records tell what each compiled graph saves for backward
+    compile_graph.tiling_reports = tiling_reports  # what each compiled graph tiled, and why not the rest
     return compile_graph

@@ -16,7 +16,8 @@ What is counted (all of it a true lower bound for the methods of this project):
   master parameters, fp32 gradients and fp32 AdamW moments, compute and communication in `dtype`);
 - activations per local token: each decoder layer's input (what a full-recompute schedule still keeps:
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
-  ``ForCausalLMLoss``, which materialises them; a fused/chunked loss would remove this term).
+  ``ForCausalLMLoss``, which materialises them) unless the loss is tiled (``tiled_loss``: AutoSP's
+  ``--tiling loss`` keeps one tile of logits, a constant, so the term disappears).
 Transient working buffers (attention scores, MLP intermediates, all-to-all buffers) are not counted: a
 bound must hold for the best possible schedule, and those can be made arbitrarily short-lived.
 """
@@ -140,9 +141,11 @@ def memory_floor(
     model_name: str | None = None,
     zero: int | None = None,
     mixed_precision: bool = False,
+    tiled_loss: bool = False,
 ) -> MemoryFloor:
     """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica) at ZeRO
-    stage `zero` (default: the method's own) in `dtype`, pure or mixed (fp32 master state, `dtype` compute)."""
+    stage `zero` (default: the method's own) in `dtype`, pure or mixed (fp32 master state, `dtype` compute);
+    `tiled_loss`: the LM head and loss run over token tiles, so no logits scale with the sequence."""
     sharding = sharding_of(method)
     if world_size < 1 or batch_size < 1:
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
@@ -173,7 +176,8 @@ def memory_floor(
         grads_bytes=(sharded if stage >= 2 else n) * master,
         optimizer_bytes=ADAMW_STATES_PER_PARAM * (sharded if stage >= 1 else n) * master,
         gathered_unit_bytes=gathered * compute,
-        activation_bytes_per_token=preset.num_layers * preset.hidden_size * compute + preset.vocab_size * FP32_BYTES,
+        activation_bytes_per_token=preset.num_layers * preset.hidden_size * compute
+        + (0 if tiled_loss else preset.vocab_size * FP32_BYTES),
         tokens_per_rank_per_seq_token=batch_size / split,
         zero=stage,
         precision=f"{dtype}-mixed" if mixed_precision else dtype,
@@ -181,12 +185,12 @@ def memory_floor(
 
 
 def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
-              zero: int | None = None, mixed_precision: bool = False) -> MemoryFloor:
+              zero: int | None = None, mixed_precision: bool = False, tiled_loss: bool = False) -> MemoryFloor:
     """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...)."""
     from autosp.models import get_preset
 
     return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
-                        model_name=model, zero=zero, mixed_precision=mixed_precision)
+                        model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss)
 
 
 # ------------------------------------------------------------------------------------------ `autosp floor`

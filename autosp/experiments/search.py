@@ -219,6 +219,7 @@ def run_search(
     (two probes re-confirm an unchanged answer). `run` is `autosp.harness.runner.run` unless a test passes another
     oracle. Returns the result row.
     """
+    from autosp.compiler.tiling import parse_tiling
     from autosp.experiments.floor import floor_for
     from autosp.experiments.progress import progress
     from autosp.harness.records import append_record, check_writable, new_record
@@ -247,7 +248,8 @@ def run_search(
             print(f"  resuming from the previous answer {start_len}", flush=True)
     try:
         floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
-                          dtype=cfg.dtype, zero=cfg.zero)
+                          dtype=cfg.dtype, zero=cfg.zero,
+                          tiled_loss=cfg.method == "autosp" and parse_tiling(cfg.tiling).loss)
     except ConfigError as exc:  # an out-of-tree method can still be searched, just not judged against a floor
         print(f"  note: {exc}; achieved/limit will not be reported", flush=True)
         floor = None

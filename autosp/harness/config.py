@@ -48,6 +48,7 @@ class RunConfig:
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
+    tiling: str = "off"  # autosp only: off | loss | auto, optionally :<tokens per tile> (autosp.compiler.tiling)
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""

@@ -48,6 +48,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="fraction of each row that is right padding (attention_mask 0)")
     g.add_argument("--zero", type=int, default=d["zero"], choices=(0, 1, 2, 3),
                    help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's")
+    g.add_argument("--tiling", default=d["tiling"],
+                   help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
     g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
 
@@ -62,5 +64,5 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
-                  zero=args.zero)
+                  zero=args.zero, tiling=args.tiling)
     return RunConfig(**{**fields, **varied})

@@ -46,6 +46,11 @@ _PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", 64, 2, 4, 2, 176, 512, 10000.0, False, 131072),
         ModelPreset("tiny-mha", 64, 2, 4, 4, 176, 512, 10000.0, False, 131072),
         ModelPreset("small", 128, 4, 8, 4, 352, 2048, 10000.0, False, 131072),
+        # Llama-3-8B's ratios at CPU size: vocabulary / hidden 31.25 (8B: 31.3), intermediate / hidden 3.5,
+        # 4:1 GQA, 4 layers, so the loss's share of memory at the peak is the one the paper-scale model has.
+        ModelPreset("llama3-mini", 128, 4, 8, 2, 448, 4000, 500000.0, False, 131072),
+        # `tiny` with the LM head tied to the embedding (as llama-3.2-1b/3b): one weight, two gradient paths.
+        ModelPreset("tiny-tied", 64, 2, 4, 2, 176, 512, 10000.0, True, 131072),
     )
 }
 

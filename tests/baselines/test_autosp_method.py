@@ -37,9 +37,10 @@ def test_project_llama_matches_single_process(model, world_size, options):
 @pytest.mark.parametrize("world_size, options", [
     (2, dict(pad_fraction=0.25)),  # HF builds its own [B,1,S,S] padding mask inside the graph
     (4, dict(ignore_fraction=0.3, packed_documents=2)),  # HF's packed-sequence detection from position_ids
+    (2, dict(ignore_fraction=0.3, tiling="auto:8", model="hf:tiny-tied")),  # tiled loss + MLPs, tied head
 ])
 def test_unmodified_hf_llama_matches_single_process(world_size, options):
-    _check("hf:tiny", world_size, **options)
+    _check(options.pop("model", "hf:tiny"), world_size, **options)
 
 
 @pytest.mark.parametrize("model, world_size, zero, options", [
