@@ -142,8 +142,8 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame) -> None:
             if pd.isna(row["max_seq_len"]):  # failed or nothing fit: drawn as such, with the reason
                 ax.bar(x, floor_y, width * 0.9, bottom=floor_y / 2, facecolor="white", edgecolor=color, hatch="xx")
                 reason = row.get("error") if isinstance(row.get("error"), str) else _bar_label(row)
-                ax.annotate(_short(f"{row['status']}: {reason}"), (x, floor_y * 1.6), rotation=90, ha="center",
-                            va="bottom", fontsize=5, color="0.2")
+                ax.annotate(_short(f"{method} {row['status']}: {reason}", 48), (x, floor_y * 1.6), rotation=90,
+                            ha="center", va="bottom", fontsize=5, color="0.2")
             else:
                 style = (dict(facecolor="none", edgecolor=color, hatch="..", linewidth=1.2) if simulated
                          else dict(color=color))
