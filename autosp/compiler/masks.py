@@ -24,6 +24,7 @@ A mask that stays, with two dims of size S, gets a one-line warning naming its p
 """
 from __future__ import annotations
 
+import json
 import math
 import operator
 import warnings
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autosp.compiler import masked_attention  # noqa: F401  (registers autosp::masked_attention)
 from autosp.compiler.analysis import attention_args, is_attention
 from autosp.compiler.spec import node_label
 
@@ -202,9 +204,7 @@ def is_provably_causal(gm: fx.GraphModule, mask: fx.Node, seq_len: int) -> bool:
 
 
 def recognise_causal_masks(gm: fx.GraphModule, seq_len: int) -> int:
-    """Rewrite each SDPA whose mask is provably causal to `is_causal=True`; drop dead mask nodes. Returns the count.
-
-    A mask that stays and has two dims of size S is named with its per-rank size in a warning."""
+    """Rewrite each SDPA whose mask is provably causal to `is_causal=True`; drop dead mask nodes. Returns the count."""
     rewritten = 0
     proofs: dict[fx.Node, bool] = {}
     for node in list(gm.graph.nodes):
@@ -221,10 +221,107 @@ def recognise_causal_masks(gm: fx.GraphModule, seq_len: int) -> int:
             node.kwargs = {**{k: v for k, v in args.items() if k not in ("query", "key", "value")},
                            "attn_mask": None, "is_causal": True}
             rewritten += 1
-        elif _is_pairwise(mask, seq_len):
-            _warn_dense(node, mask)
     _erase_dead_mask_nodes(gm, [m for m, causal in proofs.items() if causal])
     return rewritten
+
+
+def express_structured_masks(gm: fx.GraphModule, seq_len: int) -> int:
+    """Replace each SDPA whose [S, S] mask is an elementwise program of O(S) rows by `autosp::masked_attention`
+    on those rows; drop the mask subgraph. Returns the count; a mask that stays dense gets a warning of its cost.
+
+    Exact by construction: the program is the region's own ops in order, and elementwise broadcast ops commute
+    with taking a block of query rows, which is all the op does to the rows."""
+    expressed = 0
+    programs: dict[fx.Node, Any] = {}
+    for node in list(gm.graph.nodes):
+        if not is_attention(node):
+            continue
+        args = attention_args(node)
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or not _is_pairwise(mask, seq_len):
+            continue
+        if mask not in programs:
+            programs[mask] = _mask_program(mask, seq_len)
+        if programs[mask] is None:
+            _warn_dense(node, mask)
+            continue
+        rows, program = programs[mask]
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.call_function(
+                torch.ops.autosp.masked_attention.default,
+                (args["query"], args["key"], args["value"], rows, program, args["scale"], bool(args["enable_gqa"])))
+        replacement.meta.update(node.meta)
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
+        expressed += 1
+    _erase_dead_mask_nodes(gm, [m for m, p in programs.items() if p is not None])
+    return expressed
+
+
+_PROGRAM_OPS = {
+    **{k: v.__name__ for k, v in _COMPARISONS.items()},
+    operator.and_: "and", operator.or_: "or", torch.logical_and: "and", torch.logical_or: "or",
+    "__and__": "and", "__or__": "or", "logical_and": "and", "logical_or": "or",
+    operator.add: "add", operator.sub: "sub", torch.add: "add", torch.sub: "sub", "add": "add", "sub": "sub",
+    **{k: "not" for k in _NEGATIONS},
+    **{k: "same" for k in _VALUE_PRESERVING},
+}
+
+
+class _NotStructured(Exception):
+    pass
+
+
+def _is_row(value: Any, seq_len: int) -> bool:
+    """A tensor that varies along at most one of query/key positions and holds no head dim: O(B * S)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    shape = (1,) * max(0, 3 - value.dim()) + tuple(value.shape)
+    return shape[-3] == 1 and shape[-2] in (1, seq_len) and shape[-1] in (1, seq_len) and \
+        (shape[-2], shape[-1]) != (seq_len, seq_len)
+
+
+def _mask_program(mask: fx.Node, seq_len: int) -> tuple[list[fx.Node], str] | None:
+    """(rows, program) computing `mask` from O(S) rows with the region's own elementwise ops, or None."""
+    value = _value(mask)
+    if value.dtype != torch.bool or (value.dim() >= 3 and value.shape[-3] != 1):
+        return None  # a float (additive) mask, or one with a head dim
+    rows: list[fx.Node] = []
+    steps: list[list] = []
+    step_of: dict[fx.Node, int] = {}
+
+    def operand(arg: Any) -> list:
+        if not isinstance(arg, fx.Node):
+            if isinstance(arg, (bool, int, float)):
+                return ["const", arg]
+            raise _NotStructured
+        if _is_pairwise(arg, seq_len):
+            return ["step", visit(arg)]
+        if not _is_row(_value(arg), seq_len):
+            raise _NotStructured
+        if arg not in rows:
+            rows.append(arg)
+        return ["row", rows.index(arg)]
+
+    def visit(node: fx.Node) -> int:
+        if node not in step_of:
+            op = _PROGRAM_OPS.get(node.target)
+            if op is None or (op == "same" and _value(node).dtype != _value(node.args[0]).dtype):
+                raise _NotStructured
+            if op in ("and", "or", "not") and _value(node).dtype != torch.bool:
+                raise _NotStructured  # bitwise on integers
+            if op in ("add", "sub") and (len(node.args) != 2 or node.kwargs):
+                raise _NotStructured  # alpha=
+            operands = node.args[:1] if op in ("same", "not") else node.args
+            steps.append([op, *(operand(a) for a in operands)])
+            step_of[node] = len(steps) - 1
+        return step_of[node]
+
+    try:
+        visit(mask)
+    except _NotStructured:
+        return None
+    return rows, json.dumps(steps)
 
 
 def _warn_dense(attention: fx.Node, mask: fx.Node) -> None:

@@ -35,6 +35,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, gr
                     trainable=indices.trainable_nodes(gm.graph, original))
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
+    masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
     gm.recompile()
     return gm
