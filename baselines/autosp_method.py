@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
-from autosp.experiments.activations import compiled_breakdown
+from autosp.experiments.activations import compiled_breakdown, quadratic_saved_values
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
@@ -30,6 +30,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}"
+        self.seq_len = cfg.seq_len
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:
         ctx = self.ctx
@@ -51,7 +52,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         if not records:
             return {}
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
-                "saved_by_category": compiled_breakdown(records)}
+                "saved_by_category": compiled_breakdown(records),
+                "saved_quadratic": quadratic_saved_values(records, self.seq_len)}
 
 
 @register
