@@ -15,7 +15,7 @@ from torch import nn
 
 import autosp
 from autosp.compiler.tiling import parse_tiling
-from autosp.experiments.activations import compiled_breakdown
+from autosp.experiments.activations import compiled_breakdown, quadratic_saved_values
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
 
@@ -35,6 +35,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else ""))
+        self.seq_len = cfg.seq_len
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self.compiled.full_gradients()
@@ -62,7 +63,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         if not records:
             return {}
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
-                "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling}
+                "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
+                "saved_quadratic": quadratic_saved_values(records, self.seq_len)}
 
 
 @register

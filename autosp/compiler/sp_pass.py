@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, indices, loss, resize, shard
+from autosp.compiler import communicate, indices, loss, masks, resize, shard
 from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -28,12 +28,14 @@ def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, gr
     """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard."""
     analysis = analyze(gm)
     check_sp_degree(analysis, sp_size)
+    masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
     original = {n: n.meta.get("example_value") for n in gm.graph.nodes}
     fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
     ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original,
                     trainable=indices.trainable_nodes(gm.graph, original))
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
+    masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
     gm.recompile()
     return gm

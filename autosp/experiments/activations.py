@@ -88,6 +88,18 @@ def compiled_breakdown(records: Iterable[PartitionRecord]) -> dict[str, int]:
     return total
 
 
+def quadratic_saved_values(records: Iterable[PartitionRecord], seq_len: int) -> dict[str, int]:
+    """The saved-for-backward values with two dims of the sequence length (O(S^2): a dense attention mask or
+    scores), named `node shape dtype`, with their bytes: what still grows quadratically after the mask rewrite."""
+    found: dict[str, int] = {}
+    for record in records:
+        for node in record.saved:
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and list(value.shape).count(seq_len) >= 2:
+                found[f"{node.name} {tuple(value.shape)} {value.dtype}"] = node_nbytes(node)
+    return found
+
+
 class SavedActivationRecorder:
     """Context manager: bytes autograd saves for backward while it is active (``model``'s parameters
     excluded), by the category of the innermost running module of ``model``. ``by_module=False`` (or no

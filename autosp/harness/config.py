@@ -24,6 +24,7 @@ class DataConfig:
     ignore_fraction: float = 0.0  # fraction of label positions set to -100, in uneven runs
     packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
     pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
+    pad_side: str = "right"  # right | left: where the padding of pad_fraction goes
 
 
 @dataclass(frozen=True)

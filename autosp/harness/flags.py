@@ -52,6 +52,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
     g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
+    g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
+                   help="where the padding of --pad-fraction goes")
 
 
 def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
@@ -59,7 +61,7 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
     supplies the fields the command set itself (a placeholder method or length for search/bench)."""
     budget = parse_size(args.memory_budget) if args.memory_budget is not None else None
     data = DataConfig(ignore_fraction=args.data_ignore_fraction, packed_documents=args.packed_documents,
-                      pad_fraction=args.pad_fraction)
+                      pad_fraction=args.pad_fraction, pad_side=args.pad_side)
     fields = dict(method=getattr(args, "method", None), model=args.model, seq_len=getattr(args, "seq_len", None),
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,

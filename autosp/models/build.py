@@ -13,7 +13,7 @@ from torch import nn
 
 from autosp.models.hf import build_hf_llama
 from autosp.models.llama import LlamaForCausalLM
-from autosp.models.presets import get_preset, is_hf_name
+from autosp.models.presets import get_preset, hf_variant, is_hf_name
 
 INIT_STD = 0.02  # HF LlamaConfig.initializer_range default
 
@@ -45,7 +45,7 @@ def build_model(
     ``device="meta"`` builds shapes only (no memory, no initialisation), e.g. to count parameters.
     """
     preset = get_preset(name)
-    construct = build_hf_llama if is_hf_name(name) else LlamaForCausalLM
+    construct = (lambda p: build_hf_llama(p, hf_variant(name))) if is_hf_name(name) else LlamaForCausalLM
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             model = construct(preset)

@@ -2,7 +2,7 @@
 
 Labels equal input_ids: the model shifts them inside, as HF does. The options produce what breaks naive
 sequence sharding: ignored labels in uneven runs (shards hold different numbers of valid tokens), packed
-documents (positions restart mid-row) and right padding (an attention mask).
+documents (positions restart mid-row) and right or left padding (an attention mask).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def _validate(data: DataConfig, batch_size: int, seq_len: int, vocab_size: int) 
         )
     if not 0.0 <= data.pad_fraction < 1.0:
         raise ConfigError(f"pad_fraction={data.pad_fraction} must be in [0, 1)")
+    if data.pad_side not in ("right", "left"):
+        raise ConfigError(f"pad_side={data.pad_side!r} must be 'right' or 'left'")
     num_pad = round(data.pad_fraction * seq_len)
     real_len = seq_len - num_pad
     if real_len < 2:
@@ -119,4 +121,6 @@ def make_batch(data: DataConfig, *, batch_size: int, seq_len: int, vocab_size: i
         attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long)
         attention_mask[:, real_len:] = 0
         batch = replace(batch, attention_mask=attention_mask)
+        if data.pad_side == "left":  # the same rows with the padding moved to the front
+            batch = Batch(**{k: None if v is None else v.roll(num_pad, dims=1) for k, v in batch._fields().items()})
     return batch

@@ -6,11 +6,15 @@ Any preset can also be asked for as ``hf:<preset>``: the same hyper-parameters b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from autosp.harness.config import ConfigError
 
 HF_PREFIX = "hf:"
+# hf:<preset> (Llama), hf-mistral:<preset>, hf-qwen2:<preset>; -w<N> adds a sliding attention window of N tokens
+HF_FAMILIES = ("llama", "mistral", "qwen2")
+_HF_NAME = re.compile(r"^hf(?:-(mistral|qwen2)(?:-w([1-9][0-9]*))?)?:(.+)$")
 
 
 @dataclass(frozen=True)
@@ -61,17 +65,34 @@ def preset_names() -> list[str]:
 
 
 def model_names() -> list[str]:
-    """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form."""
+    """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form (also ``hf-mistral:``,
+    ``hf-qwen2:``, with ``-w<N>`` for a sliding window of N tokens, e.g. ``hf-mistral-w64:tiny``)."""
     return preset_names() + [HF_PREFIX + name for name in _PRESETS]
 
 
 def is_hf_name(name: str) -> bool:
-    return name.startswith(HF_PREFIX)
+    return _HF_NAME.match(name) is not None
+
+
+@dataclass(frozen=True)
+class HFVariant:
+    family: str  # one of HF_FAMILIES
+    sliding_window: int | None
+
+
+def hf_variant(name: str) -> HFVariant:
+    """Which HF model class and attention window an ``hf...:<preset>`` name asks for."""
+    match = _HF_NAME.match(name)
+    if match is None:
+        raise ConfigError(f"{name!r} is not an HF model name (hf:<preset>, hf-mistral[-w<N>]:<preset>, ...)")
+    family, window, _ = match.groups()
+    return HFVariant(family or "llama", int(window) if window else None)
 
 
 def get_preset(name: str) -> ModelPreset:
     """The preset for ``name`` (``hf:<preset>`` gives the same hyper-parameters)."""
-    preset = _PRESETS.get(name.removeprefix(HF_PREFIX))
+    match = _HF_NAME.match(name)
+    preset = _PRESETS.get(match.group(3) if match else name)
     if preset is None:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}")
     return preset

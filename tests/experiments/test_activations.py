@@ -11,6 +11,7 @@ from autosp.experiments.activations import (
     breakdown_table,
     category_of_module,
     compiled_breakdown,
+    quadratic_saved_values,
 )
 from autosp.compiler.sac import sac_backend
 from autosp.harness.config import ConfigError
@@ -85,3 +86,15 @@ def test_compiled_breakdown_matches_the_record_and_sac_drops_mlp() -> None:
 def test_breakdown_table_needs_a_known_baseline() -> None:
     with pytest.raises(ConfigError, match="baseline"):
         breakdown_table({"a": {"attention": 1}}, baseline="b")
+
+
+@pytest.mark.parametrize(("model", "quadratic"), [("hf:tiny", True), ("tiny", False)])
+def test_saved_values_quadratic_in_the_sequence_are_named(model, quadratic) -> None:
+    """Without the SP pass HF Llama's dense [B, 1, S, S] mask is saved for SDPA's backward; the project Llama
+    (is_causal) saves nothing quadratic."""
+    ids = torch.randint(0, 512, (1, 48), generator=torch.Generator().manual_seed(0))
+    backend = sac_backend("off", "aot_eager")
+    torch.compile(build_model(model), backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    found = quadratic_saved_values(backend.partition_fn.records, 48)
+    assert bool(found) == quadratic
+    assert all("(1, 1, 48, 48)" in name and size >= 48 * 48 for name, size in found.items())

@@ -72,3 +72,21 @@ def test_missing_transformers_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` raise ImportError
     with pytest.raises(ConfigError, match="needs HF transformers.*pip install"):
         build_model("hf:tiny")
+
+
+@pytest.mark.parametrize(("name", "cls", "window"), [
+    ("hf-mistral-w16:tiny", "MistralForCausalLM", 16),
+    ("hf-qwen2-w16:tiny", "Qwen2ForCausalLM", 16),
+    ("hf-mistral:tiny", "MistralForCausalLM", None),
+])
+def test_hf_mistral_and_qwen2_variants_with_sliding_windows(name, cls, window):
+    model = build_model(name)
+    assert type(model).__name__ == cls and model.config.sliding_window == window
+    assert get_preset(name) == get_preset("tiny")
+    if cls == "Qwen2ForCausalLM":  # the upper half of the layers slides
+        assert model.config.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_unknown_hf_family_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown model"):
+        get_preset("hf-gpt2:tiny")
