@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autosp.compiler.backend import make_backend
+from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
 
 
@@ -33,7 +34,8 @@ class SequenceParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         try:
-            return self._compiled(*args, **kwargs)
+            with tracing_config():  # logging calls do not break the graph
+                return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(
