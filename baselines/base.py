@@ -77,6 +77,8 @@ class Strategy(ABC):
     sequence_parallel: ClassVar[bool] = False
     #: True for methods that need a process group, i.e. at least 2 ranks
     distributed: ClassVar[bool] = True
+    #: True for methods that train any sequence length by padding the shards internally
+    pads_sequence: ClassVar[bool] = False
 
     def default_sp_size(self, world_size: int) -> int:
         return world_size if self.sequence_parallel else 1
@@ -89,7 +91,7 @@ class Strategy(ABC):
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.world_size % sp:
             raise ConfigError(f"--sp-size {sp} must divide --world-size {cfg.world_size}")
-        if sp > 1 and cfg.seq_len % sp:
+        if sp > 1 and cfg.seq_len % sp and not self.pads_sequence:
             raise ConfigError(
                 f"--seq-len {cfg.seq_len} is not divisible by the SP degree {sp}; "
                 f"use a multiple of {sp}, e.g. {(cfg.seq_len // sp + 1) * sp}"

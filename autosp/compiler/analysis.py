@@ -96,13 +96,8 @@ def _is_user_tensor(node: fx.Node) -> bool:
 
 
 def check_sp_degree(analysis: SequenceAnalysis, sp_size: int) -> None:
-    """Fail early, naming the numbers, for layouts Ulysses cannot split `sp_size` ways."""
-    if analysis.seq_len % sp_size:
-        s = analysis.seq_len
-        raise SequenceParallelError(
-            f"sequence length {s} is not divisible by the SP degree {sp_size}; pad the batch to a multiple of "
-            f"{sp_size} (e.g. {-(-s // sp_size) * sp_size})"
-        )
+    """Fail early, naming the numbers, for layouts Ulysses cannot split `sp_size` ways (any sequence length
+    can: see `padding`)."""
     for site in analysis.sites:
         if site.heads % sp_size:
             valid = [d for d in range(1, site.heads + 1) if site.heads % d == 0]

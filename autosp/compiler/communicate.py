@@ -13,6 +13,7 @@ import math
 import torch
 import torch.fx as fx
 
+from autosp.compiler import padding
 from autosp.compiler.analysis import SDPA_PARAMS, attention_args
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
@@ -67,13 +68,14 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
             t = ctx.emit(node, torch.repeat_interleave, (t, replicate), {"dim": head_dim}, spec=spec)
         new_args[name] = gather_sequence(t)
     mask = args["attn_mask"]
+    if isinstance(mask, fx.Node) and ctx.is_local(mask):
+        raise SequenceParallelError(f"attention {label}: the mask is computed from sharded values")
+    mask = new_args["attn_mask"] = padding.attention_mask(ctx, mask, args["is_causal"], before=node)
     if isinstance(mask, fx.Node):
-        if ctx.is_local(mask):
-            raise SequenceParallelError(f"attention {label}: the mask is computed from sharded values")
         mask_shape = ctx.current[mask].shape
         if len(mask_shape) >= 3 and mask_shape[-3] == heads and heads > 1:
             per_rank = heads // ctx.sp_size
-            new_args["attn_mask"] = ctx.emit(node, "narrow", (mask, mask.meta["example_value"].dim() - 3,
+            new_args["attn_mask"] = ctx.emit(node, "narrow", (mask, len(mask_shape) - 3,
                                                                ctx.sp_rank * per_rank, per_rank))
     node.args = tuple(new_args[name] for name in SDPA_PARAMS[:3])
     node.kwargs = {name: new_args[name] for name in SDPA_PARAMS[3:]}

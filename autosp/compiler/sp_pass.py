@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, indices, loss, resize, shard
+from autosp.compiler import communicate, indices, loss, padding, resize, shard
 from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -40,6 +40,8 @@ def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, gr
 
 
 def _rewrite(ctx: SPContext, node: fx.Node) -> None:
+    if node.op == "output":
+        padding.trim_outputs(ctx, node)
     if node.op in ("placeholder", "get_attr", "output"):
         ctx.current[node] = ctx.original[node]
         return

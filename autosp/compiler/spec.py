@@ -42,8 +42,9 @@ class ShardSpec:
 
 
 def canonical_spec(dim: int, seq_len: int, sp_rank: int, sp_size: int) -> ShardSpec:
-    """The even, rank-ordered shard Ulysses all-to-alls assume: rank r holds [r*S/P, (r+1)*S/P)."""
-    length = seq_len // sp_size
+    """The even, rank-ordered shard Ulysses all-to-alls assume: rank r holds [r*L, (r+1)*L), L = ceil(S/P)
+    (positions past S are padding, see `padding`)."""
+    length = -(-seq_len // sp_size)
     return ShardSpec(dim, seq_len, sp_rank * length, length)
 
 
@@ -113,16 +114,21 @@ class SPContext:
             self.specs[node] = spec
         return node
 
-    def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
-        """This rank's shard of a full value along `dim` (cached: one narrow per value and shard)."""
-        key = (full, spec.at(dim))
+    def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node, fill: float = 0) -> fx.Node:
+        """This rank's shard of a full value along `dim` (cached: one narrow per value and shard); positions past
+        the end of the sequence (a padded shard) hold `fill`."""
+        from autosp.compiler.padding import pad_full
+
+        key = (full, spec.at(dim), fill)
         if key not in self._localized:
             node = full
             if spec.merged:  # [.., outer*S*inner, ..] -> [.., outer, S, inner, ..], narrow S, merge back
                 node = self.emit(before, "unflatten", (node, dim, (spec.outer, spec.global_len, spec.inner)))
+                node = pad_full(self, node, dim + 1, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim + 1, spec.start, spec.length))
                 node = self.emit(before, "flatten", (node, dim, dim + 2), spec=spec.at(dim))
             else:
+                node = pad_full(self, node, dim, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim, spec.start, spec.length), spec=spec.at(dim))
             self.full_of[node] = full
             self._localized[key] = node

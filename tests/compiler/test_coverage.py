@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import pytest
 
+from tests.baselines.checking import assert_check_passes
 from tests.compiler.exactness import assert_exact
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_logging_call_in_forward_does_not_break_the_graph(world_size):
     assert_exact(world_size, log_in_forward=True)
+
+
+@pytest.mark.parametrize("model, world_size, seq_len, options", [
+    ("hf:tiny", 4, 65, dict(ignore_fraction=0.2)),  # 4k+1: HF's explicit [B,1,S,S] mask is padded; rank 3 has 3 pads
+    ("tiny", 2, 63, dict(batch_size=2, packed_documents=2)),  # project Llama: is_causal off, document mask
+])
+def test_sequence_length_not_divisible_by_sp_degree_is_exact(model, world_size, seq_len, options):
+    assert_check_passes("autosp", world_size, model=model, seq_len=seq_len, compile_backend="aot_eager", sac="off",
+                        **options)

@@ -82,10 +82,13 @@ def test_heads_not_divisible_names_layer_and_valid_degrees():
         _sp(gm, sp_size=3)
 
 
-def test_sequence_not_divisible_is_a_clear_error():
-    gm, _ = _llama_graph("tiny", seq_len=50)
-    with pytest.raises(SequenceParallelError, match="sequence length 50 is not divisible by the SP degree 4"):
-        _sp(gm, sp_size=4)
+def test_sequence_not_divisible_is_padded_on_the_last_shards():
+    gm, _ = _llama_graph("tiny", seq_len=50, ignore_fraction=0.2)  # shards of 13: rank 3 holds 39..51, 2 padded
+    gm = _sp(gm, sp_size=4, sp_rank=3)
+    pads = [n for n in gm.graph.nodes if n.target is F.pad and n.args[1][-1] == 2]
+    assert {n.kwargs["value"] for n in pads} == {0, -100}  # token ids / positions with 0, loss targets ignored
+    narrows = [n for n in gm.graph.nodes if n.target == "narrow" and n.args[2] == 39]
+    assert narrows and all(n.args[3] == 13 for n in narrows)
 
 
 class _NoAttention(torch.nn.Module):
