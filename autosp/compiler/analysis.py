@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.compiler import eager_attention, indices
 from autosp.compiler.spec import node_label
 from autosp.errors import SequenceParallelError
 
@@ -71,10 +72,15 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
             )
         sites.append(AttentionSite(node, node_label(node), math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3],
                                    q.shape[-2], q.shape[-1]))
+    trainable = indices.trainable_nodes(gm.graph, {n: n.meta.get("example_value") for n in gm.graph.nodes})
+    for region in eager_attention.find(gm, trainable):
+        q = region.query.meta["example_value"]
+        sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],
+                                   q.shape[-3], q.shape[-2], q.shape[-1]))
     if not sites:
         raise SequenceParallelError(
-            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention in the model's "
-            "graph; models that compute attention by hand (matmul + softmax) must call SDPA instead"
+            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention or a hand-written "
+            "softmax(q @ k.transpose(-2, -1)) @ v in the model's graph"
         )
     lengths = {s.seq_len for s in sites}
     if len(lengths) > 1:

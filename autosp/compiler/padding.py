@@ -33,17 +33,18 @@ def padding_of(spec: ShardSpec) -> int:
     return max(0, spec.start + spec.length - spec.global_len)
 
 
-def _pad_dim(ctx: SPContext, node: fx.Node, dim: int, amount: int, fill: float | bool, before: fx.Node,
-             at_start: bool = False) -> fx.Node:
+def pad_dim(ctx: SPContext, node: fx.Node, dim: int, amount: int, fill: float | bool, before: fx.Node) -> fx.Node:
+    """`node` with `amount` positions of `fill` appended along `dim`."""
+    if not amount:
+        return node
     ndim = ctx.current[node].dim()
-    pad = [0, 0] * (ndim - 1 - dim % ndim) + ([amount, 0] if at_start else [0, amount])
-    return ctx.emit(before, F.pad, (node, pad), {"value": fill})
+    return ctx.emit(before, F.pad, (node, [0, 0] * (ndim - 1 - dim % ndim) + [0, amount]), {"value": fill})
 
 
 def pad_full(ctx: SPContext, full: fx.Node, dim: int, spec: ShardSpec, fill: float, before: fx.Node) -> fx.Node:
     """`full` (sequence of spec.global_len along `dim`) extended so this rank's [start, start + length) exists."""
     amount = padding_of(spec)
-    return _pad_dim(ctx, full, dim, amount, fill, before) if amount else full
+    return pad_dim(ctx, full, dim, amount, fill, before) if amount else full
 
 
 def real_part(ctx: SPContext, local: fx.Node, before: fx.Node) -> fx.Node:
@@ -84,10 +85,26 @@ def attention_mask(ctx: SPContext, mask: fx.Node | None, is_causal: bool, before
         raise SequenceParallelError(
             f"attention {node_label(before)}: its mask of shape {tuple(shape)} broadcasts over the keys, so it cannot "
             f"hide the {amount} padding position(s); use a sequence length divisible by the SP degree {ctx.sp_size}")
-    mask = _pad_dim(ctx, mask, -1, amount, hidden, before)
+    mask = pad_dim(ctx, mask, -1, amount, hidden, before)
     if shape[-2] == seq_len:
-        mask = _pad_dim(ctx, mask, -2, amount, visible, before)
+        mask = pad_dim(ctx, mask, -2, amount, visible, before)
     return mask
+
+
+def hide_padding_keys(ctx: SPContext, softmax: fx.Node) -> None:
+    """Hand-written attention: before its softmax over [.., S', S'] scores, real queries lose the padded keys and
+    padded queries see uniform scores (whatever the model's own mask made of the padded rows and columns)."""
+    padded = padded_length(ctx.seq_len, ctx.sp_size)
+    if padded == ctx.seq_len:
+        return
+    scores = softmax.args[0]
+    positions = ctx.emit(softmax, torch.arange, (padded,))
+    is_pad = ctx.emit(softmax, torch.ge, (positions, ctx.seq_len))
+    pad_row = ctx.emit(softmax, "unsqueeze", (is_pad, 1))
+    hidden = ctx.emit(softmax, torch.logical_and, (ctx.emit(softmax, "unsqueeze", (is_pad, 0)),
+                                                   ctx.emit(softmax, torch.logical_not, (pad_row,))))
+    masked = ctx.emit(softmax, "masked_fill", (scores, hidden, float("-inf")))
+    softmax.replace_input_with(scores, ctx.emit(softmax, "masked_fill", (masked, pad_row, 0.0)))
 
 
 def trim_outputs(ctx: SPContext, output: fx.Node) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, indices, loss, padding, resize, shard
+from autosp.compiler import communicate, eager_attention, indices, loss, padding, resize, shard
 from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -47,6 +47,11 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     if is_attention(node):
         communicate.rewrite_attention(ctx, node)
+        return
+    region = eager_attention.region_of(node)
+    if region is not None:  # hand-written attention is rewritten as one, at its last node
+        if node is region.output:
+            eager_attention.rewrite(ctx, region)
         return
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
         if not indices.is_frontier(ctx, node):

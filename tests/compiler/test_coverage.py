@@ -19,3 +19,8 @@ def test_logging_call_in_forward_does_not_break_the_graph(world_size):
 def test_sequence_length_not_divisible_by_sp_degree_is_exact(model, world_size, seq_len, options):
     assert_check_passes("autosp", world_size, model=model, seq_len=seq_len, compile_backend="aot_eager", sac="off",
                         **options)
+
+
+@pytest.mark.parametrize("world_size, seq_len", [(2, 64), (4, 61)])
+def test_hand_written_attention_with_soft_capping_is_exact(world_size, seq_len):
+    assert_exact(world_size, seq_len=seq_len, attention="eager", softcap=20.0)

@@ -100,8 +100,8 @@ class _NoAttention(torch.nn.Module):
         return self.emb(input_ids).sum()
 
 
-class _HandWrittenAttention(torch.nn.Module):
-    """One SDPA layer followed by attention computed by hand: the second one cannot be rewritten."""
+class _SequenceByItself(torch.nn.Module):
+    """One SDPA layer followed by token-token products that are no attention: they cannot be rewritten."""
 
     def __init__(self):
         super().__init__()
@@ -110,8 +110,7 @@ class _HandWrittenAttention(torch.nn.Module):
     def forward(self, input_ids):
         h = self.emb(input_ids).view(2, 16, 2, 8).transpose(1, 2)
         h = F.scaled_dot_product_attention(h, h, h, is_causal=True)
-        scores = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
-        return (scores @ h).sum()
+        return (h @ h.transpose(-1, -2)).exp().sum()
 
 
 def test_no_attention_is_a_clear_error():
@@ -121,6 +120,18 @@ def test_no_attention_is_a_clear_error():
 
 
 def test_unrewritable_attention_pattern_is_named():
-    gm, _ = capture(_HandWrittenAttention(), input_ids=torch.zeros(2, 16, dtype=torch.long))
+    gm, _ = capture(_SequenceByItself(), input_ids=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(SequenceParallelError, match="attention pattern AutoSP cannot rewrite"):
         _sp(gm)
+
+
+def test_hand_written_attention_with_soft_capping_gets_the_four_all_to_alls():
+    from tests.compiler.models import build_decoder
+
+    ids = torch.zeros(1, 30, dtype=torch.long)  # 30 on 4 ranks: shards of 8, the last two positions padded
+    gm, _ = capture(build_decoder(attention="eager", softcap=20.0), input_ids=ids, labels=ids)
+    gm = _sp(gm, sp_size=4, sp_rank=1)
+    assert count(gm, A2A) == 4 * 2
+    assert count(gm, torch.tanh) == 2  # the soft-cap runs inside the region, on this rank's heads over all 32
+    (softmax, *_) = [n for n in gm.graph.nodes if n.target is F.softmax]
+    assert tuple(softmax.meta["example_value"].shape) == (1, 1, 32, 32)
