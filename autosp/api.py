@@ -18,7 +18,7 @@ class SequenceParallelModule(torch.nn.Module):
     Every rank of the SP group passes the full, unsharded batch. The loss comes back equal to the single-device
     loss on every rank, and after `loss.backward()` every `.grad` equals the single-device gradient. Other
     outputs that run along the sequence (logits, hidden states) come back as this rank's shard: positions
-    [r*S/P, (r+1)*S/P) for SP rank r."""
+    [r*L, min((r+1)*L, S)) for SP rank r, L = ceil(S/P)."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable):
         super().__init__()
@@ -79,21 +79,25 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     process_group: dist.ProcessGroup | None = None,
     sac: str = "sac",
     backend: str = "inductor",
+    ulysses_size: int | None = None,
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
     consecutive-rank SP groups. process_group: an existing SP group instead. sac: activation checkpointing
-    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass)."""
+    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
+    ulysses_size: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention across the groups
+    (default: the largest size the heads and the node allow; the SP degree whenever the heads divide it)."""
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend)
+    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend,
+                              ulysses_size=ulysses_size)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend)
 
 
 def backend(
     *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
-    inner: str = "inductor", model: torch.nn.Module | None = None,
+    inner: str = "inductor", model: torch.nn.Module | None = None, ulysses_size: int | None = None,
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
@@ -102,4 +106,5 @@ def backend(
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner)
+    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
+                        ulysses_size=ulysses_size)

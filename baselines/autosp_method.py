@@ -27,7 +27,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig):
         self.model = model
         self.ctx = ctx
-        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend)
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
+                                       ulysses_size=cfg.ulysses_size)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         self.implementation = f"autosp-{cfg.compile_backend}-sac:{cfg.sac}"
 
@@ -64,9 +65,11 @@ class AutoSP(Strategy):
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
-        if num_heads % sp:
-            valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-            raise ConfigError(f"{num_heads} query heads are not divisible by the SP degree {sp}; valid: {valid}")
+        u = cfg.ulysses_size
+        if u is not None and (u < 1 or sp % u or num_heads % u):  # the compiler also checks the KV heads
+            valid = [d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0]
+            raise ConfigError(f"--ulysses-size {u} must divide the SP degree {sp} and the {num_heads} query heads; "
+                              f"valid: {valid}")
         if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 

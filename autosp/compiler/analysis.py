@@ -99,15 +99,3 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
 def _is_user_tensor(node: fx.Node) -> bool:
     value = node.meta.get("example_value")
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-
-
-def check_sp_degree(analysis: SequenceAnalysis, sp_size: int) -> None:
-    """Fail early, naming the numbers, for layouts Ulysses cannot split `sp_size` ways (any sequence length
-    can: see `padding`)."""
-    for site in analysis.sites:
-        if site.heads % sp_size:
-            valid = [d for d in range(1, site.heads + 1) if site.heads % d == 0]
-            raise SequenceParallelError(
-                f"attention {site.layer} has {site.heads} query heads, not divisible by the SP degree {sp_size}; "
-                f"valid SP degrees for this model: {valid}"
-            )

@@ -9,14 +9,15 @@ shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, eager_attention, indices, loss, padding, resize, shard
-from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
+from autosp.compiler import communicate, eager_attention, hybrid, indices, loss, padding, resize, shard
+from autosp.compiler.analysis import analyze, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -24,14 +25,27 @@ from autosp.errors import SequenceParallelError
 _SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"}
 
 
-def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str) -> fx.GraphModule:
-    """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard."""
+def sequence_parallel_pass(
+    gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str, ulysses_size: int | None = None,
+    hybrid_groups: Callable[[int], tuple[str, str]] | None = None,
+) -> fx.GraphModule:
+    """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard.
+
+    ulysses_size: all-to-alls inside groups of this many ranks, ring attention across them (default: chosen from
+    the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups."""
     analysis = analyze(gm)
-    check_sp_degree(analysis, sp_size)
+    eager = any(not is_attention(site.node) for site in analysis.sites)
+    ulysses = hybrid.choose_ulysses_size(analysis.sites, sp_size, ulysses_size, eager)
+    groups = ("", "")
+    if ulysses < sp_size:
+        if hybrid_groups is None:
+            raise SequenceParallelError(f"Ulysses groups of {ulysses} need process groups; compile with autosp.compile")
+        groups = hybrid_groups(ulysses)
     original = {n: n.meta.get("example_value") for n in gm.graph.nodes}
     fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
     ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original,
-                    trainable=indices.trainable_nodes(gm.graph, original))
+                    trainable=indices.trainable_nodes(gm.graph, original),
+                    ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1])
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
     gm.graph.lint()

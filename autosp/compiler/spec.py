@@ -73,6 +73,26 @@ class SPContext:
     specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
     full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from
     _localized: dict[tuple[fx.Node, ShardSpec], fx.Node] = field(default_factory=dict)
+    ulysses_size: int = 0  # hybrid Ulysses x Ring: all-to-alls inside groups of this size (0: the SP degree)
+    ulysses_group: str = ""
+    ring_group: str = ""
+
+    @property
+    def a2a_size(self) -> int:
+        """Ranks one attention all-to-all spans (the SP degree, or the Ulysses group of the hybrid)."""
+        return self.ulysses_size or self.sp_size
+
+    @property
+    def a2a_group(self) -> str:
+        return self.ulysses_group or self.group_name
+
+    @property
+    def a2a_rank(self) -> int:
+        return self.sp_rank % self.a2a_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.sp_size // self.a2a_size
 
     def is_local(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and node in self.specs

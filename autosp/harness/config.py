@@ -46,6 +46,7 @@ class RunConfig:
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
+    ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

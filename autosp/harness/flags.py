@@ -46,6 +46,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="documents packed per row (position_ids restart per document)")
     g.add_argument("--pad-fraction", type=float, default=_DATA_DEFAULTS.pad_fraction,
                    help="fraction of each row that is right padding (attention_mask 0)")
+    g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
+                   help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
     g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
 
@@ -59,5 +61,6 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
     fields = dict(method=getattr(args, "method", None), model=args.model, seq_len=getattr(args, "seq_len", None),
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
-                  compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data)
+                  compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
+                  ulysses_size=args.ulysses_size)
     return RunConfig(**{**fields, **varied})

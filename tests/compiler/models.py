@@ -108,3 +108,14 @@ class Decoder(nn.Module):
 def build_decoder(seed: int = 0, **options) -> Decoder:
     torch.manual_seed(seed)
     return Decoder(DecoderConfig(**options)).train()
+
+
+def build_hf_gemma2(seed: int = 0) -> nn.Module:
+    """Unmodified HF Gemma2 with eager attention: logit soft-capping (attention and final), HF's own masks."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, sliding_window=16, use_cache=False)
+    return Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager").train()

@@ -24,3 +24,8 @@ def test_sequence_length_not_divisible_by_sp_degree_is_exact(model, world_size, 
 @pytest.mark.parametrize("world_size, seq_len", [(2, 64), (4, 61)])
 def test_hand_written_attention_with_soft_capping_is_exact(world_size, seq_len):
     assert_exact(world_size, seq_len=seq_len, attention="eager", softcap=20.0)
+
+
+def test_unmodified_hf_gemma2_eager_attention_is_exact():
+    # soft-capped eager attention, a sliding-window layer (window 16 < 30 tokens), 30 tokens on 4 ranks (2 padded)
+    assert_exact(4, builder="tests.compiler.models.build_hf_gemma2", seq_len=30)

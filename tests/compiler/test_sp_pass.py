@@ -76,10 +76,28 @@ def test_kv_heads_fewer_than_sp_degree_are_replicated():
     assert len(repeats) == 2 * get_preset("tiny").num_layers and all(n.args[1] == 2 for n in repeats)
 
 
-def test_heads_not_divisible_names_layer_and_valid_degrees():
+RING = torch.ops.autosp.ring_attention.default
+
+
+@pytest.mark.parametrize("sp_size, ulysses_size, a2as, rings", [
+    (3, None, 0, 2),  # 4 heads on 3 ranks: pure ring (u=1), no all-to-all
+    (4, 2, 4 * 2, 2),  # forced Ulysses groups of 2, ring over 2 groups
+    (4, None, 4 * 2, 0),  # heads divide the degree: pure Ulysses
+])
+def test_heads_not_dividing_the_degree_get_a_hybrid_ulysses_ring(sp_size, ulysses_size, a2as, rings):
     gm, _ = _llama_graph("tiny", seq_len=48)
-    with pytest.raises(SequenceParallelError, match=r"layers\.0\.self_attn.*4 query heads.*SP degree 3.*\[1, 2, 4\]"):
-        _sp(gm, sp_size=3)
+    groups = []
+    gm = sequence_parallel_pass(gm, sp_rank=1, sp_size=sp_size, group_name="sp", ulysses_size=ulysses_size,
+                                hybrid_groups=lambda u: groups.append(u) or ("ulysses", "ring"))
+    assert (count(gm, A2A), count(gm, RING)) == (a2as, rings)
+    assert all(n.args[-1] == ("ring" if rings else "sp") for n in gm.graph.nodes if n.target is RING)
+    assert groups == ([ulysses_size or 1] if rings else [])
+
+
+def test_bad_ulysses_size_names_the_valid_ones():
+    gm, _ = _llama_graph("tiny", seq_len=48)
+    with pytest.raises(SequenceParallelError, match=r"ulysses_size=3 must divide.*valid here: \[1, 2, 4\]"):
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=4, group_name="sp", ulysses_size=3)
 
 
 def test_sequence_not_divisible_is_padded_on_the_last_shards():
