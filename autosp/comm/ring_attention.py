@@ -271,6 +271,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: boo
                       group_name: str) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention of contiguous sequence blocks [B, H, S/R, D] over the ring `group_name`."""
     group = _resolve_process_group(group_name)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the model's transposed projections, without a2a
     if _uses_flash(q):  # [B, S, H, D] for flash-attn; it takes K/V with fewer heads as they are
         forward, _ = _flash_ring()
         out, lse = forward(group, q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
@@ -281,13 +282,14 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: boo
 
 @ring_attention_op.register_fake
 def _ring_attention_fake(q, k, v, scale, causal, group_name):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))  # contiguous, as real
 
 
 @torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                                causal: bool, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if _uses_flash(q):
         _, backward = _flash_ring()
         bshd = [t.transpose(1, 2).contiguous() for t in (dout, q, k, v, out)]
@@ -298,7 +300,7 @@ def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
 
 @ring_attention_backward_op.register_fake
 def _ring_attention_backward_fake(dout, q, k, v, out, lse, scale, causal, group_name):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _ring_setup(ctx, inputs, output):

@@ -29,3 +29,17 @@ def test_hand_written_attention_with_soft_capping_is_exact(world_size, seq_len):
 def test_unmodified_hf_gemma2_eager_attention_is_exact():
     # soft-capped eager attention, a sliding-window layer (window 16 < 30 tokens), 30 tokens on 4 ranks (2 padded)
     assert_exact(4, builder="tests.compiler.models.build_hf_gemma2", seq_len=30)
+
+
+def test_hybrid_ulysses_ring_forced_groups_of_two_is_exact():
+    # tiny: 4 query / 2 KV heads on 4 ranks, Ulysses inside pairs of ranks, ring across the 2 pairs
+    assert_check_passes("autosp", 4, model="tiny", seq_len=64, compile_backend="aot_eager", sac="off",
+                        ulysses_size=2, ignore_fraction=0.2)
+
+
+@pytest.mark.parametrize("world_size, seq_len, compile_options", [
+    (4, 62, {}),  # 2 query heads on 4 ranks: u=2 chosen, ring over 2 groups; 1 KV head < u: replicated; padded
+    (2, 64, {"ulysses_size": 1}),  # pure ring
+])
+def test_hybrid_ulysses_ring_on_two_query_heads_is_exact(world_size, seq_len, compile_options):
+    assert_exact(world_size, seq_len=seq_len, heads=2, kv_heads=1, compile_options=compile_options)
