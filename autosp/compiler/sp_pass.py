@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, eager_attention, hybrid, indices, loss, padding, resize, shard
+from autosp.compiler import communicate, eager_attention, hybrid, indices, loss, padding, resize, routing, shard
 from autosp.compiler.analysis import analyze, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -77,7 +77,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if loss.is_sequence_reduction(ctx, node):
         loss.globalize(ctx, node)
         return
-    known_spec = shard.slice_local(ctx, node) or resize.resize(ctx, node)
+    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
     if node.target in _SHAPE_AGNOSTIC:
         return

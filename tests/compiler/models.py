@@ -26,6 +26,8 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
     log_in_forward: bool = False
+    experts: int = 0  # > 0: a mixture-of-experts MLP with top_k routing
+    top_k: int = 2
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -69,13 +71,37 @@ class Attention(nn.Module):
         return torch.matmul(probs, v)
 
 
+class MixtureOfExperts(nn.Module):
+    """Dropless top-k MoE, routed the way Mixtral/Qwen-MoE kernels do with static shapes: sort the (token, expert)
+    pairs by expert, gather the tokens (`tokens[order // top_k]`), run each pair's expert, add the results back."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(cfg.experts, cfg.dim, 2 * cfg.dim) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(cfg.experts, 2 * cfg.dim, cfg.dim) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, experts = F.softmax(self.gate(tokens), dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        routed = tokens.repeat_interleave(self.top_k, dim=0)[order]  # == tokens[order // top_k]
+        h = F.gelu(torch.bmm(routed[:, None], self.w_in[flat[order]]))
+        h = torch.bmm(h, self.w_out[flat[order]]).squeeze(1) * weights.reshape(-1)[order][:, None]
+        return torch.zeros_like(tokens).index_add_(0, order // self.top_k, h).view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
         self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
         self.attn = Attention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.dim))
+        self.mlp = MixtureOfExperts(cfg) if cfg.experts else nn.Sequential(
+            nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + F.dropout(self.attn(self.norm1(x)), p=self.cfg.residual_dropout, training=self.training)

@@ -43,3 +43,9 @@ def test_hybrid_ulysses_ring_forced_groups_of_two_is_exact():
 ])
 def test_hybrid_ulysses_ring_on_two_query_heads_is_exact(world_size, seq_len, compile_options):
     assert_exact(world_size, seq_len=seq_len, heads=2, kv_heads=1, compile_options=compile_options)
+
+
+@pytest.mark.parametrize("world_size, seq_len, batch_size", [(2, 64, 2), (4, 62, 1)])
+def test_mixture_of_experts_top2_of_4_is_exact(world_size, seq_len, batch_size):
+    # router top-k, argsort of (token, expert) pairs, repeat_interleave over the merged token dim, index_add_ back
+    assert_exact(world_size, seq_len=seq_len, batch_size=batch_size, experts=4, top_k=2)

@@ -153,3 +153,30 @@ def test_hand_written_attention_with_soft_capping_gets_the_four_all_to_alls():
     assert count(gm, torch.tanh) == 2  # the soft-cap runs inside the region, on this rank's heads over all 32
     (softmax, *_) = [n for n in gm.graph.nodes if n.target is F.softmax]
     assert tuple(softmax.meta["example_value"].shape) == (1, 1, 32, 32)
+
+
+def test_moe_routing_is_followed_locally_and_global_indices_are_refused():
+    from tests.compiler.models import build_decoder
+
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    gm, _ = capture(build_decoder(experts=4, top_k=2), input_ids=ids, labels=ids)
+    gm = _sp(gm, sp_size=4, sp_rank=2)
+    (index_add, *_) = [n for n in gm.graph.nodes if n.target == "index_add_"]
+    assert tuple(index_add.meta["example_value"].shape) == (2 * 8, 32)  # this rank's 2 x 8 tokens, added back
+
+
+class _GlobalIndex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids).view(1, 16, 2, 8).transpose(1, 2)
+        h = F.scaled_dot_product_attention(h, h, h, is_causal=True).transpose(1, 2).reshape(16, 16)
+        return h[torch.arange(16).flip(0)].cumsum(0).sum()
+
+
+def test_indexing_the_shard_with_global_positions_is_refused():
+    gm, _ = capture(_GlobalIndex(), input_ids=torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(SequenceParallelError, match="not computed from this rank's tokens"):
+        _sp(gm)
