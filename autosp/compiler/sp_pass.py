@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, eager_attention, hybrid, indices, loss, padding, resize, routing, shard
+from autosp.compiler import communicate, dropout, eager_attention, hybrid, indices, loss, padding, resize, routing, shard
 from autosp.compiler.analysis import analyze, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -74,6 +74,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         indices.localize_frontier(ctx, node)
     else:
         shard.localize_partners(ctx, node)
+    if dropout.is_sequence_dropout(ctx, node):
+        dropout.rewrite(ctx, node)
+        return
     if loss.is_sequence_reduction(ctx, node):
         loss.globalize(ctx, node)
         return

@@ -49,3 +49,8 @@ def test_hybrid_ulysses_ring_on_two_query_heads_is_exact(world_size, seq_len, co
 def test_mixture_of_experts_top2_of_4_is_exact(world_size, seq_len, batch_size):
     # router top-k, argsort of (token, expert) pairs, repeat_interleave over the merged token dim, index_add_ back
     assert_exact(world_size, seq_len=seq_len, batch_size=batch_size, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("world_size, seq_len", [(2, 64), (4, 61)])
+def test_residual_dropout_uses_the_single_device_mask(world_size, seq_len):
+    assert_exact(world_size, seq_len=seq_len, residual_dropout=0.3)
