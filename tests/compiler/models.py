@@ -145,3 +145,14 @@ def build_hf_gemma2(seed: int = 0) -> nn.Module:
                        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, attn_logit_softcapping=50.0,
                        final_logit_softcapping=30.0, sliding_window=16, use_cache=False)
     return Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager").train()
+
+
+def build_hf_qwen3_moe(seed: int = 0) -> nn.Module:
+    """Unmodified HF Qwen3-MoE (top-2 of 4 experts in every layer), experts run as HF's static-shape `batched_mm`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], use_cache=False)
+    return Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa", experts_implementation="batched_mm").train()

@@ -54,3 +54,7 @@ def test_mixture_of_experts_top2_of_4_is_exact(world_size, seq_len, batch_size):
 @pytest.mark.parametrize("world_size, seq_len", [(2, 64), (4, 61)])
 def test_residual_dropout_uses_the_single_device_mask(world_size, seq_len):
     assert_exact(world_size, seq_len=seq_len, residual_dropout=0.3)
+
+
+def test_unmodified_hf_qwen3_moe_is_exact():
+    assert_exact(2, builder="tests.compiler.models.build_hf_qwen3_moe", seq_len=31)  # odd length: padded
