@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autosp.comm.sharding import check_stage, full_state, shard_parameters
 from autosp.compiler.backend import make_backend
+from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
 
 
@@ -18,7 +19,7 @@ class SequenceParallelModule(torch.nn.Module):
     Every rank of the SP group passes the full, unsharded batch. The loss comes back equal to the single-device
     loss on every rank, and after `loss.backward()` every `.grad` equals the single-device gradient. Other
     outputs that run along the sequence (logits, hidden states) come back as this rank's shard: positions
-    [r*S/P, (r+1)*S/P) for SP rank r."""
+    [r*L, min((r+1)*L, S)) for SP rank r, L = ceil(S/P)."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable,
                  *, reduce_group: dist.ProcessGroup | None = None, zero: int = 0):
@@ -63,7 +64,8 @@ class SequenceParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         try:
-            return self._compiled(*args, **kwargs)
+            with tracing_config():  # logging calls do not break the graph
+                return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(
@@ -111,6 +113,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     compute_dtype: torch.dtype | None = None,
     tiling: str = "off",
     outputs: str = "all",
+    ulysses_size: int | None = None,
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
@@ -124,13 +127,15 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     tiling: off | loss | mlp | auto, optionally :<tokens per tile> — the LM head + cross-entropy (and token-wise
     blocks such as the MLP) run over tiles of the local tokens, recomputed in backward (exact). outputs: all | loss
     — `loss` returns None for every output but the loss; a model that returns its logits can have its loss tiled
-    only then."""
+    only then. ulysses_size: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention
+    across the groups (default: the largest size the heads and the node allow; the SP degree whenever the heads
+    divide it)."""
     check_stage(zero)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
     sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero,
-                              tiling=tiling, outputs=outputs)
+                              tiling=tiling, outputs=outputs, ulysses_size=ulysses_size)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
@@ -138,6 +143,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
 def backend(
     *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
     inner: str = "inductor", model: torch.nn.Module | None = None, tiling: str = "off", outputs: str = "all",
+    ulysses_size: int | None = None,
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
@@ -147,4 +153,4 @@ def backend(
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
-                        tiling=tiling, outputs=outputs)
+                        tiling=tiling, outputs=outputs, ulysses_size=ulysses_size)

@@ -31,7 +31,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
         tiled = parse_tiling(cfg.tiling).enabled
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
-                                       zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all")
+                                       zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
+                                       ulysses_size=cfg.ulysses_size)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else ""))
@@ -73,13 +74,16 @@ class AutoSP(Strategy):
     description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
     sequence_parallel = True
     zero_stages = (0, 1, 2, 3)
+    pads_sequence = True
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
-        if num_heads % sp:
-            valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-            raise ConfigError(f"{num_heads} query heads are not divisible by the SP degree {sp}; valid: {valid}")
+        u = cfg.ulysses_size
+        if u is not None and (u < 1 or sp % u or num_heads % u):  # the compiler also checks the KV heads
+            valid = [d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0]
+            raise ConfigError(f"--ulysses-size {u} must divide the SP degree {sp} and the {num_heads} query heads; "
+                              f"valid: {valid}")
         parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
         if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")

@@ -79,6 +79,8 @@ class Strategy(ABC):
     distributed: ClassVar[bool] = True
     #: ZeRO stages `--zero` may ask of this method; the first is its default (what runs without `--zero`)
     zero_stages: ClassVar[tuple[int, ...]] = (0,)
+    #: True for methods that train any sequence length by padding the shards internally
+    pads_sequence: ClassVar[bool] = False
 
     def zero_stage(self, cfg: RunConfig) -> int:
         """The ZeRO stage of the model state this method runs under `cfg` (recorded with every run)."""
@@ -98,7 +100,7 @@ class Strategy(ABC):
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.world_size % sp:
             raise ConfigError(f"--sp-size {sp} must divide --world-size {cfg.world_size}")
-        if sp > 1 and cfg.seq_len % sp:
+        if sp > 1 and cfg.seq_len % sp and not self.pads_sequence:
             raise ConfigError(
                 f"--seq-len {cfg.seq_len} is not divisible by the SP degree {sp}; "
                 f"use a multiple of {sp}, e.g. {(cfg.seq_len // sp + 1) * sp}"

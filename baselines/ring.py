@@ -4,7 +4,7 @@ Which ring runs (recorded as `implementation`, and why the fallback ran as
 `extra.ring_fallback_reason`):
 * `ring-flash-attn` (`zigzag_ring_flash_attn_func`) on CUDA in bf16/fp16 when the package imports — what the
   paper's baseline runs;
-* `torch-ring` (`baselines.ring_attention`) everywhere else: on CPU (flash-attn has no CPU path), in fp32
+* `torch-ring` (`autosp.comm.ring_attention`) everywhere else: on CPU (flash-attn has no CPU path), in fp32
   (flash-attn has no fp32 kernels, and ring-flash-attn's backward casts dq through bf16), or when
   ring-flash-attn / flash-attn is not installed. Same zigzag layout and algorithm, fp32-exact.
 
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import Strategy, TrainStep, register
-from baselines.ring_attention import zigzag_positions, zigzag_ring_attention
+from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.compiler import eager_attention, indices
 from autosp.compiler.spec import node_label
 from autosp.errors import SequenceParallelError
 
@@ -71,10 +72,15 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
             )
         sites.append(AttentionSite(node, node_label(node), math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3],
                                    q.shape[-2], q.shape[-1]))
+    trainable = indices.trainable_nodes(gm.graph, {n: n.meta.get("example_value") for n in gm.graph.nodes})
+    for region in eager_attention.find(gm, trainable):
+        q = region.query.meta["example_value"]
+        sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],
+                                   q.shape[-3], q.shape[-2], q.shape[-1]))
     if not sites:
         raise SequenceParallelError(
-            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention in the model's "
-            "graph; models that compute attention by hand (matmul + softmax) must call SDPA instead"
+            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention or a hand-written "
+            "softmax(q @ k.transpose(-2, -1)) @ v in the model's graph"
         )
     lengths = {s.seq_len for s in sites}
     if len(lengths) > 1:
@@ -93,20 +99,3 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
 def _is_user_tensor(node: fx.Node) -> bool:
     value = node.meta.get("example_value")
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-
-
-def check_sp_degree(analysis: SequenceAnalysis, sp_size: int) -> None:
-    """Fail early, naming the numbers, for layouts Ulysses cannot split `sp_size` ways."""
-    if analysis.seq_len % sp_size:
-        s = analysis.seq_len
-        raise SequenceParallelError(
-            f"sequence length {s} is not divisible by the SP degree {sp_size}; pad the batch to a multiple of "
-            f"{sp_size} (e.g. {-(-s // sp_size) * sp_size})"
-        )
-    for site in analysis.sites:
-        if site.heads % sp_size:
-            valid = [d for d in range(1, site.heads + 1) if site.heads % d == 0]
-            raise SequenceParallelError(
-                f"attention {site.layer} has {site.heads} query heads, not divisible by the SP degree {sp_size}; "
-                f"valid SP degrees for this model: {valid}"
-            )

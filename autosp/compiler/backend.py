@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import sync_gradients
+from autosp.compiler.hybrid import subgroups
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.specialize import is_symbolic, per_length
@@ -26,12 +27,14 @@ INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 def make_backend(
     sp_group: dist.ProcessGroup, *, reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1,
     sac: str = "sac", inner: str = "inductor", zero: int = 0, tiling: str = "off", outputs: str = "all",
+    ulysses_size: int | None = None,
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`.
 
     `reduce_group` (default: `sp_group`) holds every rank that shares the parameters (SP x DP); their gradients
     are summed over it and divided by `dp_size` during backward: all-reduced by hooks at ZeRO stages 0/1,
-    reduce-scattered inside the backward graph at stages 2/3 (the parameters are shards, `autosp.comm.sharding`)."""
+    reduce-scattered inside the backward graph at stages 2/3 (the parameters are shards, `autosp.comm.sharding`).
+    `ulysses_size`: see `hybrid` (default: chosen from the heads)."""
     if inner not in INNER_BACKENDS:
         raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
     # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the records of
@@ -51,11 +54,15 @@ def make_backend(
 
     def compile_static(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         if sp_size > 1:  # an SP degree of 1 is single-device training: only the checkpointing policy applies
-            gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name)
+            gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=sp_size, group_name=sp_group.group_name,
+                                        ulysses_size=ulysses_size, hybrid_groups=hybrid_group_names)
         tiling_reports.append(apply_tiling(gm, tiling_options, loss_only=outputs == "loss"))
         if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
             return gm.forward
         return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
+
+    def hybrid_group_names(ulysses: int) -> tuple[str, str]:
+        return tuple(g.group_name for g in subgroups(sp_group, ulysses))
 
     compile_graph.partition_fn = partition_fn  # its .records tell what each compiled graph saves for backward
     compile_graph.tiling_reports = tiling_reports  # what each compiled graph tiled, and why not the rest

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.fx as fx
 
+from autosp.compiler import hybrid, padding
 from autosp.compiler.analysis import SDPA_PARAMS, attention_args
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
@@ -54,11 +55,13 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
     heads, kv_heads = ctx.current[q].shape[head_dim], ctx.current[k].shape[head_dim]
     if kv_heads != heads and not args["enable_gqa"] and kv_heads != 1:
         raise SequenceParallelError(f"attention {label}: {heads} query vs {kv_heads} KV heads without enable_gqa")
-    replicate = kv_replication(heads, kv_heads, ctx.sp_size) if kv_heads % ctx.sp_size else 1
+    replicate = kv_replication(heads, kv_heads, ctx.a2a_size) if kv_heads % ctx.a2a_size else 1
     spec = ctx.spec(q)
 
     def gather_sequence(t: fx.Node) -> fx.Node:
-        return ctx.emit(node, ALL_TO_ALL, (t, head_dim, seq_dim, ctx.sp_size, ctx.group_name))
+        if ctx.a2a_size == 1:  # pure ring: every rank keeps all heads
+            return t
+        return ctx.emit(node, ALL_TO_ALL, (t, head_dim, seq_dim, ctx.a2a_size, ctx.a2a_group))
 
     new_args = dict(args)
     new_args["query"] = gather_sequence(q)
@@ -67,20 +70,27 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
             t = ctx.emit(node, torch.repeat_interleave, (t, replicate), {"dim": head_dim}, spec=spec)
         new_args[name] = gather_sequence(t)
     mask = args["attn_mask"]
+    if isinstance(mask, fx.Node) and ctx.is_local(mask):
+        raise SequenceParallelError(f"attention {label}: the mask is computed from sharded values")
+    mask = new_args["attn_mask"] = padding.attention_mask(ctx, mask, args["is_causal"], before=node)
     if isinstance(mask, fx.Node):
-        if ctx.is_local(mask):
-            raise SequenceParallelError(f"attention {label}: the mask is computed from sharded values")
         mask_shape = ctx.current[mask].shape
         if len(mask_shape) >= 3 and mask_shape[-3] == heads and heads > 1:
-            per_rank = heads // ctx.sp_size
-            new_args["attn_mask"] = ctx.emit(node, "narrow", (mask, mask.meta["example_value"].dim() - 3,
-                                                               ctx.sp_rank * per_rank, per_rank))
-    node.args = tuple(new_args[name] for name in SDPA_PARAMS[:3])
-    node.kwargs = {name: new_args[name] for name in SDPA_PARAMS[3:]}
+            per_rank = heads // ctx.a2a_size
+            new_args["attn_mask"] = ctx.emit(node, "narrow", (mask, len(mask_shape) - 3,
+                                                               ctx.a2a_rank * per_rank, per_rank))
+    if ctx.ring_size > 1:
+        hybrid.replace_with_ring(ctx, node, new_args)
+    else:
+        node.args = tuple(new_args[name] for name in SDPA_PARAMS[:3])
+        node.kwargs = {name: new_args[name] for name in SDPA_PARAMS[3:]}
     node.meta["example_value"] = ctx.current[node] = ctx.run(node)
+    if ctx.a2a_size == 1:
+        ctx.specs[node] = spec
+        return
     users = list(node.users)
     with ctx.graph.inserting_after(node):
-        out = ctx.graph.create_node("call_function", ALL_TO_ALL, (node, seq_dim, head_dim, ctx.sp_size, ctx.group_name))
+        out = ctx.graph.create_node("call_function", ALL_TO_ALL, (node, seq_dim, head_dim, ctx.a2a_size, ctx.a2a_group))
     out.meta["example_value"] = ctx.current[out] = ctx.run(out)
     out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     ctx.specs[out] = spec

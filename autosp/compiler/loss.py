@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.compiler.padding import real_part
 from autosp.compiler.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -65,6 +66,7 @@ def globalize(ctx: SPContext, node: fx.Node) -> None:
             denominator = ctx.emit(node, torch.sum, (valid,))
     else:
         source = node.args[0]
+        node.replace_input_with(source, real_part(ctx, source, before=node))  # padded positions add nothing
         reduced = _reduced_dims(node, ctx.current[source].dim())
         denominator = None
         if node.target in _MEANS:

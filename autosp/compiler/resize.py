@@ -19,6 +19,7 @@ from autosp.errors import SequenceParallelError
 
 RESHAPES = {"view", "reshape", "_unsafe_view", torch.reshape}
 EXPANDS = {"expand"}
+_LIKE = {"view_as", "reshape_as", "expand_as"}
 
 
 def _size_args(node: fx.Node) -> tuple[list, bool]:
@@ -78,6 +79,8 @@ def resize(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
     """Rewrite the hard-coded sizes of a view/reshape/expand of a local value to the local shard.
 
     Returns the spec of the result, or None when `node` is not a reshape of a local value."""
+    if node.target in _LIKE and len(node.args) > 1 and ctx.is_local(node.args[1]):
+        return ctx.spec(node.args[1])  # takes the (local) shape of another shard: its spec
     if node.target not in RESHAPES and node.target not in EXPANDS:
         return None
     source = node.args[0]

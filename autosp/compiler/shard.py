@@ -36,12 +36,14 @@ def localize_partners(ctx: SPContext, node: fx.Node) -> None:
         if ctx.is_local(inp) or not is_index_value(ctx, inp):
             continue
         shape = ctx.original[inp].shape
+        fill = 0
         if node.target in _TARGET_ALIGNED:
             dim = spec.dim if spec.dim == 0 else spec.dim - 1
+            fill = node.kwargs.get("ignore_index", -100)  # a padded position is never a label
         else:
             dim = spec.dim - (local_ndim - len(shape))
         if 0 <= dim < len(shape) and shape[dim] == spec.full_extent:
-            node.replace_input_with(inp, ctx.localize(inp, dim, spec, before=node))
+            node.replace_input_with(inp, ctx.localize(inp, dim, spec, before=node, fill=fill))
 
 
 def _slice_bounds(spec: ShardSpec, start: int | None, stop: int | None, step: int | None, label: str):

@@ -9,14 +9,16 @@ shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import communicate, indices, loss, masks, resize, shard
-from autosp.compiler.analysis import analyze, check_sp_degree, is_attention
+from autosp.compiler import (communicate, dropout, eager_attention, hybrid, indices, loss, masks, padding, resize,
+                             routing, shard)
+from autosp.compiler.analysis import analyze, is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -24,15 +26,28 @@ from autosp.errors import SequenceParallelError
 _SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"}
 
 
-def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str) -> fx.GraphModule:
-    """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard."""
+def sequence_parallel_pass(
+    gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str, ulysses_size: int | None = None,
+    hybrid_groups: Callable[[int], tuple[str, str]] | None = None,
+) -> fx.GraphModule:
+    """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard.
+
+    ulysses_size: all-to-alls inside groups of this many ranks, ring attention across them (default: chosen from
+    the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups."""
     analysis = analyze(gm)
-    check_sp_degree(analysis, sp_size)
     masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
+    eager = any(not is_attention(site.node) for site in analysis.sites)
+    ulysses = hybrid.choose_ulysses_size(analysis.sites, sp_size, ulysses_size, eager)
+    groups = ("", "")
+    if ulysses < sp_size:
+        if hybrid_groups is None:
+            raise SequenceParallelError(f"Ulysses groups of {ulysses} need process groups; compile with autosp.compile")
+        groups = hybrid_groups(ulysses)
     original = {n: n.meta.get("example_value") for n in gm.graph.nodes}
     fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
     ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original,
-                    trainable=indices.trainable_nodes(gm.graph, original))
+                    trainable=indices.trainable_nodes(gm.graph, original),
+                    ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1])
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
@@ -42,11 +57,18 @@ def sequence_parallel_pass(gm: fx.GraphModule, *, sp_rank: int, sp_size: int, gr
 
 
 def _rewrite(ctx: SPContext, node: fx.Node) -> None:
+    if node.op == "output":
+        padding.trim_outputs(ctx, node)
     if node.op in ("placeholder", "get_attr", "output"):
         ctx.current[node] = ctx.original[node]
         return
     if is_attention(node):
         communicate.rewrite_attention(ctx, node)
+        return
+    region = eager_attention.region_of(node)
+    if region is not None:  # hand-written attention is rewritten as one, at its last node
+        if node is region.output:
+            eager_attention.rewrite(ctx, region)
         return
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
         if not indices.is_frontier(ctx, node):
@@ -55,10 +77,13 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         indices.localize_frontier(ctx, node)
     else:
         shard.localize_partners(ctx, node)
+    if dropout.is_sequence_dropout(ctx, node):
+        dropout.rewrite(ctx, node)
+        return
     if loss.is_sequence_reduction(ctx, node):
         loss.globalize(ctx, node)
         return
-    known_spec = shard.slice_local(ctx, node) or resize.resize(ctx, node)
+    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
     if node.target in _SHAPE_AGNOSTIC:
         return

@@ -42,8 +42,9 @@ class ShardSpec:
 
 
 def canonical_spec(dim: int, seq_len: int, sp_rank: int, sp_size: int) -> ShardSpec:
-    """The even, rank-ordered shard Ulysses all-to-alls assume: rank r holds [r*S/P, (r+1)*S/P)."""
-    length = seq_len // sp_size
+    """The even, rank-ordered shard Ulysses all-to-alls assume: rank r holds [r*L, (r+1)*L), L = ceil(S/P)
+    (positions past S are padding, see `padding`)."""
+    length = -(-seq_len // sp_size)
     return ShardSpec(dim, seq_len, sp_rank * length, length)
 
 
@@ -72,6 +73,26 @@ class SPContext:
     specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
     full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from
     _localized: dict[tuple[fx.Node, ShardSpec], fx.Node] = field(default_factory=dict)
+    ulysses_size: int = 0  # hybrid Ulysses x Ring: all-to-alls inside groups of this size (0: the SP degree)
+    ulysses_group: str = ""
+    ring_group: str = ""
+
+    @property
+    def a2a_size(self) -> int:
+        """Ranks one attention all-to-all spans (the SP degree, or the Ulysses group of the hybrid)."""
+        return self.ulysses_size or self.sp_size
+
+    @property
+    def a2a_group(self) -> str:
+        return self.ulysses_group or self.group_name
+
+    @property
+    def a2a_rank(self) -> int:
+        return self.sp_rank % self.a2a_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.sp_size // self.a2a_size
 
     def is_local(self, node: Any) -> bool:
         return isinstance(node, fx.Node) and node in self.specs
@@ -113,16 +134,21 @@ class SPContext:
             self.specs[node] = spec
         return node
 
-    def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node) -> fx.Node:
-        """This rank's shard of a full value along `dim` (cached: one narrow per value and shard)."""
-        key = (full, spec.at(dim))
+    def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node, fill: float = 0) -> fx.Node:
+        """This rank's shard of a full value along `dim` (cached: one narrow per value and shard); positions past
+        the end of the sequence (a padded shard) hold `fill`."""
+        from autosp.compiler.padding import pad_full
+
+        key = (full, spec.at(dim), fill)
         if key not in self._localized:
             node = full
             if spec.merged:  # [.., outer*S*inner, ..] -> [.., outer, S, inner, ..], narrow S, merge back
                 node = self.emit(before, "unflatten", (node, dim, (spec.outer, spec.global_len, spec.inner)))
+                node = pad_full(self, node, dim + 1, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim + 1, spec.start, spec.length))
                 node = self.emit(before, "flatten", (node, dim, dim + 2), spec=spec.at(dim))
             else:
+                node = pad_full(self, node, dim, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim, spec.start, spec.length), spec=spec.at(dim))
             self.full_of[node] = full
             self._localized[key] = node

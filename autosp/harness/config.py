@@ -50,6 +50,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
     tiling: str = "off"  # autosp only: off | loss | auto, optionally :<tokens per tile> (autosp.compiler.tiling)
+    ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""
@@ -66,6 +67,8 @@ class RunConfig:
         _check_number("data_ignore_fraction", self.data.ignore_fraction, low=0.0, below=1.0)
         _check_number("pad_fraction", self.data.pad_fraction, low=0.0, below=1.0)
         _check_integer("packed_documents", self.data.packed_documents, low=1)
+        if self.ulysses_size is not None:
+            _check_integer("ulysses_size", self.ulysses_size, low=1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -50,6 +50,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's")
     g.add_argument("--tiling", default=d["tiling"],
                    help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
+    g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
+                   help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
     g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
     g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
@@ -66,5 +68,5 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
-                  zero=args.zero, tiling=args.tiling)
+                  zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size)
     return RunConfig(**{**fields, **varied})

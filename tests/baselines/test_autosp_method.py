@@ -76,10 +76,11 @@ def test_inductor_with_sac_matches_single_process():
 def test_bad_sizes_are_config_errors_before_any_rank_starts():
     with pytest.raises(ConfigError, match="needs a process group; use --world-size >= 2"):
         validate(RunConfig(method="autosp", model="tiny", seq_len=64, world_size=1))
-    with pytest.raises(ConfigError, match="not divisible by the SP degree 4"):
-        validate(RunConfig(method="autosp", model="tiny", seq_len=66, world_size=4))
-    with pytest.raises(ConfigError, match=r"4 query heads are not divisible by the SP degree 3; valid: \[1, 2, 4\]"):
-        validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=3))
+    validate(RunConfig(method="autosp", model="tiny", seq_len=65, world_size=4))  # any length: shards are padded
+    validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=3))  # hybrid: a ring over 3 ranks
+    with pytest.raises(ConfigError, match=r"--ulysses-size 3 must divide the SP degree 4 and the 4 query heads; "
+                                          r"valid: \[1, 2, 4\]"):
+        validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=4, ulysses_size=3))
 
 
 class _GraphBreak(torch.nn.Module):

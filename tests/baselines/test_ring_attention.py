@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from baselines.ring_attention import (
+from autosp.comm.ring_attention import (
     math_block_backward,
     math_block_forward,
     zigzag_positions,

@@ -76,16 +76,37 @@ def test_kv_heads_fewer_than_sp_degree_are_replicated():
     assert len(repeats) == 2 * get_preset("tiny").num_layers and all(n.args[1] == 2 for n in repeats)
 
 
-def test_heads_not_divisible_names_layer_and_valid_degrees():
+RING = torch.ops.autosp.ring_attention.default
+
+
+@pytest.mark.parametrize("sp_size, ulysses_size, a2as, rings", [
+    (3, None, 0, 2),  # 4 heads on 3 ranks: pure ring (u=1), no all-to-all
+    (4, 2, 4 * 2, 2),  # forced Ulysses groups of 2, ring over 2 groups
+    (4, None, 4 * 2, 0),  # heads divide the degree: pure Ulysses
+])
+def test_heads_not_dividing_the_degree_get_a_hybrid_ulysses_ring(sp_size, ulysses_size, a2as, rings):
     gm, _ = _llama_graph("tiny", seq_len=48)
-    with pytest.raises(SequenceParallelError, match=r"layers\.0\.self_attn.*4 query heads.*SP degree 3.*\[1, 2, 4\]"):
-        _sp(gm, sp_size=3)
+    groups = []
+    gm = sequence_parallel_pass(gm, sp_rank=1, sp_size=sp_size, group_name="sp", ulysses_size=ulysses_size,
+                                hybrid_groups=lambda u: groups.append(u) or ("ulysses", "ring"))
+    assert (count(gm, A2A), count(gm, RING)) == (a2as, rings)
+    assert all(n.args[-1] == ("ring" if rings else "sp") for n in gm.graph.nodes if n.target is RING)
+    assert groups == ([ulysses_size or 1] if rings else [])
 
 
-def test_sequence_not_divisible_is_a_clear_error():
-    gm, _ = _llama_graph("tiny", seq_len=50)
-    with pytest.raises(SequenceParallelError, match="sequence length 50 is not divisible by the SP degree 4"):
-        _sp(gm, sp_size=4)
+def test_bad_ulysses_size_names_the_valid_ones():
+    gm, _ = _llama_graph("tiny", seq_len=48)
+    with pytest.raises(SequenceParallelError, match=r"ulysses_size=3 must divide.*valid here: \[1, 2, 4\]"):
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=4, group_name="sp", ulysses_size=3)
+
+
+def test_sequence_not_divisible_is_padded_on_the_last_shards():
+    gm, _ = _llama_graph("tiny", seq_len=50, ignore_fraction=0.2)  # shards of 13: rank 3 holds 39..51, 2 padded
+    gm = _sp(gm, sp_size=4, sp_rank=3)
+    pads = [n for n in gm.graph.nodes if n.target is F.pad and n.args[1][-1] == 2]
+    assert {n.kwargs["value"] for n in pads} == {0, -100}  # token ids / positions with 0, loss targets ignored
+    narrows = [n for n in gm.graph.nodes if n.target == "narrow" and n.args[2] == 39]
+    assert narrows and all(n.args[3] == 13 for n in narrows)
 
 
 class _NoAttention(torch.nn.Module):
@@ -97,8 +118,8 @@ class _NoAttention(torch.nn.Module):
         return self.emb(input_ids).sum()
 
 
-class _HandWrittenAttention(torch.nn.Module):
-    """One SDPA layer followed by attention computed by hand: the second one cannot be rewritten."""
+class _SequenceByItself(torch.nn.Module):
+    """One SDPA layer followed by token-token products that are no attention: they cannot be rewritten."""
 
     def __init__(self):
         super().__init__()
@@ -107,8 +128,7 @@ class _HandWrittenAttention(torch.nn.Module):
     def forward(self, input_ids):
         h = self.emb(input_ids).view(2, 16, 2, 8).transpose(1, 2)
         h = F.scaled_dot_product_attention(h, h, h, is_causal=True)
-        scores = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
-        return (scores @ h).sum()
+        return (h @ h.transpose(-1, -2)).exp().sum()
 
 
 def test_no_attention_is_a_clear_error():
@@ -118,6 +138,45 @@ def test_no_attention_is_a_clear_error():
 
 
 def test_unrewritable_attention_pattern_is_named():
-    gm, _ = capture(_HandWrittenAttention(), input_ids=torch.zeros(2, 16, dtype=torch.long))
+    gm, _ = capture(_SequenceByItself(), input_ids=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(SequenceParallelError, match="attention pattern AutoSP cannot rewrite"):
+        _sp(gm)
+
+
+def test_hand_written_attention_with_soft_capping_gets_the_four_all_to_alls():
+    from tests.compiler.models import build_decoder
+
+    ids = torch.zeros(1, 30, dtype=torch.long)  # 30 on 4 ranks: shards of 8, the last two positions padded
+    gm, _ = capture(build_decoder(attention="eager", softcap=20.0), input_ids=ids, labels=ids)
+    gm = _sp(gm, sp_size=4, sp_rank=1)
+    assert count(gm, A2A) == 4 * 2
+    assert count(gm, torch.tanh) == 2  # the soft-cap runs inside the region, on this rank's heads over all 32
+    (softmax, *_) = [n for n in gm.graph.nodes if n.target is F.softmax]
+    assert tuple(softmax.meta["example_value"].shape) == (1, 1, 32, 32)
+
+
+def test_moe_routing_is_followed_locally_and_global_indices_are_refused():
+    from tests.compiler.models import build_decoder
+
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    gm, _ = capture(build_decoder(experts=4, top_k=2), input_ids=ids, labels=ids)
+    gm = _sp(gm, sp_size=4, sp_rank=2)
+    (index_add, *_) = [n for n in gm.graph.nodes if n.target == "index_add_"]
+    assert tuple(index_add.meta["example_value"].shape) == (2 * 8, 32)  # this rank's 2 x 8 tokens, added back
+
+
+class _GlobalIndex(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids).view(1, 16, 2, 8).transpose(1, 2)
+        h = F.scaled_dot_product_attention(h, h, h, is_causal=True).transpose(1, 2).reshape(16, 16)
+        return h[torch.arange(16).flip(0)].cumsum(0).sum()
+
+
+def test_indexing_the_shard_with_global_positions_is_refused():
+    gm, _ = capture(_GlobalIndex(), input_ids=torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(SequenceParallelError, match="not computed from this rank's tokens"):
         _sp(gm)
