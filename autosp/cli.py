@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     ("autosp.experiments.tables", "add_table_parser"),
     ("autosp.experiments.plots", "add_plot_parser"),
     ("autosp.experiments.flops", "add_flops_parser"),
+    ("autosp.experiments.simulate", "add_simulate_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3}
