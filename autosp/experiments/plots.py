@@ -25,6 +25,8 @@ CLAIM_BASELINE_METHODS = {
 }
 OURS = "autosp"
 CLAIM_STYLE = dict(color="0.85", edgecolor="0.3", hatch="//")
+#: simulated cells (`mode: simulated`, autosp simulate) are outlined and cross-hatched, never solid
+SIMULATED_STYLE = dict(fill=False, edgecolor="tab:red", hatch="xx")
 
 
 def _panel_title(key: tuple, names: list[str]) -> str:
@@ -58,11 +60,18 @@ def _trainability_claim_rows(table: pd.DataFrame, claims: pd.DataFrame) -> list[
                 ours = sub.loc[sub["method"] == OURS, "max_seq_len"].dropna()
                 base = sub.loc[sub["method"] == baseline, "max_seq_len"].dropna()
                 if len(ours) and len(base) and base.iloc[0] > 0:
-                    bars.append((f"vs {baseline}\n{key[0]} (measured)", float(ours.iloc[0] / base.iloc[0]), "measured"))
+                    mode = _mode(dict(zip(group, key)))
+                    bars.append((f"vs {baseline}\n{key[0]} ({mode})", float(ours.iloc[0] / base.iloc[0]), mode))
         rows = claims[(claims["metric"] == "max_trainable_seq_len_ratio") & (claims["autosp_vs"] == paper_name)]
         for _, claim in rows.iterrows():
             bars.append((f"vs {paper_name}\npaper claim, {claim['hardware']}", float(claim["factor"]), "claim"))
     return bars
+
+
+def _mode(parts: dict) -> str:
+    """measured or simulated (records from before the `mode` column are measured)."""
+    mode = parts.get("mode")
+    return mode if isinstance(mode, str) else "measured"
 
 
 def _bar_label(row: pd.Series) -> str:
@@ -91,7 +100,10 @@ def trainability_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFr
         colors = ["tab:red" if m == OURS else "tab:blue" for m in sub["method"]]
         ax.bar(x, sub["floor_limit_seq_len"].astype(float).fillna(0).to_numpy(), fill=False, edgecolor="k",
                ls="--", label="memory-floor limit (analytic; % = measured / limit)")
-        ax.bar(x, heights, color=colors, label="measured max length")
+        if _mode(dict(zip(group, key if isinstance(key, tuple) else (key,)))) == "simulated":
+            ax.bar(x, heights, fill=False, edgecolor=colors, hatch="xx", label="simulated max length (autosp simulate)")
+        else:
+            ax.bar(x, heights, color=colors, label="measured max length")
         for xi, (_, row) in zip(x, sub.iterrows()):
             ax.annotate(_bar_label(row), (xi, heights[xi]), ha="center", va="bottom", fontsize=6)
         ax.set_xticks(list(x), sub["method"], rotation=40, ha="right")
@@ -102,14 +114,15 @@ def trainability_figure(table: pd.DataFrame, path: str | Path, claims: pd.DataFr
     ax = axes[0][-1]
     bars = _trainability_claim_rows(table, claims)
     for i, (label, factor, kind) in enumerate(bars):
-        style = CLAIM_STYLE if kind == "claim" else dict(color="tab:red")
+        style = {"claim": CLAIM_STYLE, "simulated": SIMULATED_STYLE}.get(kind, dict(color="tab:red"))
         ax.barh(i, factor, **style)
         ax.annotate(f"{factor:.2f}×", (factor, i), va="center", fontsize=7)
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("AutoSP max length / baseline max length")
-    ax.set_title("AutoSP trainability ratio: measured here (red)\nvs paper claims (hatched; GPUs, Llama up to 8B)",
+    ax.set_title("AutoSP trainability ratio: measured here (red), simulated (outlined, xx)\n"
+                 "vs paper claims (hatched //; GPUs, Llama up to 8B)",
                  fontsize=9)
     _save(fig, path)
 

@@ -67,10 +67,6 @@ class SimulationError(ConfigError):
     """A configuration the simulator cannot run (one line: what and why)."""
 
 
-def _storage_key(storage: torch.UntypedStorage) -> int:
-    return id(storage)
-
-
 class LiveStorageTracker(TorchDispatchMode):
     """Live tensor storage bytes over the executed op sequence, raw and in device allocator blocks.
 
@@ -87,7 +83,9 @@ class LiveStorageTracker(TorchDispatchMode):
     def __init__(self, device: DeviceModel) -> None:
         super().__init__()
         self.device = device
-        self.live: dict[int, weakref.ref] = {}
+        self.live: dict[int, weakref.ref] = {}  # serial number -> storage (serials: ids of dead objects recur)
+        self.serials: dict[int, int] = {}  # id of a live storage object -> its serial number
+        self.serial = 0
         self.peak = 0
         self.peak_sizes: dict[int, int] = {}
         self.peak_op = ""
@@ -95,19 +93,29 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.ops = 0
 
-    def track(self, tensor: torch.Tensor) -> None:
+    def track(self, tensor: torch.Tensor) -> int:
+        """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
         storage = tensor.untyped_storage()
-        key = _storage_key(storage)
-        if key not in self.live:
-            self.live[key] = weakref.ref(storage)
-            weakref.finalize(storage, self.live.pop, key, None)
+        address = id(storage)
+        if address not in self.serials:
+            self.serial += 1
+            self.serials[address] = self.serial
+            self.live[self.serial] = weakref.ref(storage)
+            weakref.finalize(storage, self._forget, address, self.serial)
+        return self.serials[address]
+
+    def _forget(self, address: int, serial: int) -> None:
+        self.live.pop(serial, None)
+        if self.serials.get(address) == serial:
+            del self.serials[address]
 
     def sizes(self) -> dict[int, int]:
+        """Bytes of every live storage, by serial number."""
         sizes = {}
-        for key, ref in self.live.items():
+        for serial, ref in self.live.items():
             storage = ref()
             if storage is not None:
-                sizes[key] = storage.nbytes()
+                sizes[serial] = storage.nbytes()
         return sizes
 
     def charged(self, sizes: dict[int, int]) -> int:
@@ -207,11 +215,11 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
             gradients: set[int] = set()
             saved: set[int] = set()
             hooks = [p.register_post_accumulate_grad_hook(
-                lambda p: gradients.add(_storage_key(_local(p.grad).untyped_storage())))
+                lambda p: gradients.add(tracker.track(_local(p.grad))))
                 for p in model.parameters() if p.requires_grad]
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                saved.add(_storage_key(t.untyped_storage()))
+                saved.add(tracker.track(_local(t)))
                 return t
 
             tracker.phase = "forward"
@@ -249,8 +257,19 @@ def simulate_config(cfg: RunConfig) -> RunConfig:
     return cfg.replace(device="cpu", compile_backend=SIMULATED_BACKEND, memory_budget=None)
 
 
+#: predictions made in this process, by (configuration, allocator blocks): devices that round alike share them
+_PREDICTIONS: dict[tuple[str, int, int], tuple[RankPeak, dict[str, Any]]] = {}
+
+
 def predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
     """Rank 0's peak at the model's full depth: simulated whole, or at 2 and 3 layers and extrapolated."""
+    key = (cfg.config_hash(), device.small_block_bytes, device.large_block_bytes)
+    if key not in _PREDICTIONS:
+        _PREDICTIONS[key] = _predict_peak(cfg, device)
+    return _PREDICTIONS[key]
+
+
+def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
     from autosp.models import get_preset
 
     run_cfg = simulate_config(cfg)
@@ -335,12 +354,27 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
                probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"]}
                        for r in probes],
                wall_s=round(time.monotonic() - started, 3))
+    limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
+    row.update(floor_limit_seq_len=limit, floor=floor,
+               achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
     if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
         row["error"] = None
     else:
         row["error"] = probes[-1]["error"]
     row["run_id"] = row["search_id"] = uuid.uuid4().hex
     return row
+
+
+def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
+    """The analytic memory floor's longest length for the tensor budget (as `autosp search` reports it)."""
+    from autosp.experiments.floor import floor_for
+
+    try:
+        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
+                          dtype=cfg.dtype)
+    except ConfigError:
+        return None, None
+    return floor.max_seq_len(budget, granularity), floor.to_dict()
 
 
 def _summary(record: dict[str, Any]) -> str:

@@ -15,8 +15,8 @@ import pandas as pd
 
 from autosp.harness.config import ConfigError
 
-#: runs are comparable only within one (model, ranks, device, budget) setting
-TRAINABILITY_GROUP = ["model", "world_size", "device", "memory_budget"]
+#: runs are comparable only within one (model, ranks, device, budget) setting, measured or simulated
+TRAINABILITY_GROUP = ["model", "world_size", "device", "memory_budget", "mode"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
 #: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
 TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
