@@ -41,7 +41,7 @@ import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from torch.utils._pytree import tree_flatten
 from autosp.experiments.devices import DeviceModel, get_device_model
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 #: models up to this depth are simulated whole; deeper ones at 2 and 3 layers, extrapolated
 EXACT_LAYERS = 4
@@ -416,6 +419,40 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return status
 
 
+#: what identifies one cell of the validation: the same run, measured and simulated
+VALIDATION_KEY = ["method", "model", "world_size", "seq_len", "dtype", "batch_size"]
+
+
+def validation_table(records: "pd.DataFrame") -> "pd.DataFrame":
+    """Simulated vs measured per-rank peak for every configuration with both (CPU meter vs `cpu` device)."""
+    import pandas as pd
+
+    runs = records[records["kind"].isna()] if "kind" in records else records
+    runs = runs[(runs["device"] == "cpu") & (runs["status"] == "ok")]
+    measured = runs[runs["mode"] == "measured"].drop_duplicates(VALIDATION_KEY, keep="last")
+    simulated = runs[runs["mode"] == "simulated"].drop_duplicates(VALIDATION_KEY, keep="last")
+    table = measured[VALIDATION_KEY + ["peak_mem_bytes"]].merge(
+        simulated[VALIDATION_KEY + ["peak_mem_bytes", "extra.breakdown.peak_op"]], on=VALIDATION_KEY,
+        suffixes=("_measured", "_simulated"))
+    table["error"] = (table["peak_mem_bytes_simulated"] - table["peak_mem_bytes_measured"]) \
+        / table["peak_mem_bytes_measured"]
+    table["within_10pct"] = table["error"].abs() <= 0.10
+    return pd.DataFrame(table).sort_values(["model", "world_size", "method", "seq_len"]).reset_index(drop=True)
+
+
+def _cmd_simulate_check(args: argparse.Namespace) -> int:
+    from autosp.experiments.tables import format_table
+    from autosp.harness.records import load_records
+
+    table = validation_table(load_records(args.inputs))
+    if table.empty:
+        raise ConfigError("no configuration was both measured (autosp run) and simulated (--device cpu) in --in")
+    print(format_table(table))
+    print(f"{int(table['within_10pct'].sum())}/{len(table)} cells within 10%, max |error| "
+          f"{table['error'].abs().max():.2%}")
+    return 0 if table["within_10pct"].all() else 1
+
+
 def _budget(args: argparse.Namespace) -> int:
     from autosp.harness.measure import parse_size
 
@@ -443,6 +480,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         if action.dest == "device":
             action.dest, action.default = "sim_device", "a100-80gb"
             action.help = ("device type(s) to simulate, comma-separated: " + ", ".join(_catalogue_names()))
+
+
+    p = subparsers.add_parser("simulate-check", help="simulated vs measured CPU peaks of the same runs (validation)",
+                              epilog="exit code: 0 every cell within 10%%, 1 not, 2 no pairs")
+    p.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL files with both kinds of records")
+    p.set_defaults(func=_cmd_simulate_check)
 
 
 def _catalogue_names() -> list[str]:
