@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from autosp.experiments.devices import DeviceModel, get_device_model
@@ -73,7 +73,9 @@ class SimulationError(ConfigError):
 class LiveStorageTracker(TorchDispatchMode):
     """Live tensor storage bytes over the executed op sequence, raw and in device allocator blocks.
 
-    A storage is counted from the first op that outputs it until it is freed (a weakref finalizer); its
+    A storage is counted from the first op that outputs it until it is freed (a weakref finalizer). A wrapper
+    subclass (FSDP2's DTensor) is seen before its own dispatch runs the local op (unseen, the mode is off
+    there), and holds no memory itself: its inner tensors are counted instead. Each storage's
     size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
     are followed. `peak` is the maximum of the device-charged total since `reset_peak()`, with the set of
     storages live at that moment (for the breakdown) and the op that reached it.
@@ -134,7 +136,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.ops += 1
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
-                self.track(value)
+                for inner in _inner_tensors(value):
+                    self.track(inner)
         sizes = self.sizes()
         charged = self.charged(sizes)
         if charged > self.peak:
@@ -246,6 +249,17 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
                     gradient_bytes=grads, saved_activation_bytes=acts,
                     transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
                     peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops)
+
+
+def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold `t`'s memory: itself, or a wrapper subclass's inner tensors (recursively)."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _inner_tensors(inner)
+    else:
+        yield t
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
