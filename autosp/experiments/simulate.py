@@ -418,7 +418,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         else [get_device_model(name, _budget(args)) for name in args.sim_device.split(",")]
     args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
     cfg = run_config_from_args(args, seq_len=args.seq_len or 1)
-    if args.zero:
+    if args.zero and getattr(cfg, "zero", 0) != args.zero:
         if not hasattr(cfg, "zero"):
             raise ConfigError("--zero needs autosp's ZeRO sharding (RunConfig.zero), which this checkout lacks; "
                               "omit it (stage 0 is simulated)")
@@ -485,8 +485,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--search", action="store_true", help="longest trainable length (autosp search's logic)")
     p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
     p.add_argument("--max-len", type=int, default=1 << 22, help="longest length the search tries")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="autosp's ZeRO stage (needs RunConfig.zero; stage 0 otherwise)")
+    if not any(action.dest == "zero" for action in p._actions):  # the run flags may carry it (RunConfig.zero)
+        p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                       help="autosp's ZeRO stage (needs RunConfig.zero; stage 0 otherwise)")
     p.add_argument("--out", default="results/simulated.jsonl", help="JSONL file the records are appended to")
     p.set_defaults(func=_cmd_simulate)
     # --device names the simulated device type here (a catalogue entry, comma-separated for several)
