@@ -7,7 +7,7 @@ whenever DeepSpeed's op-compatibility table says the op can be built. That op on
 `inference_all_reduce`; training collectives go through torch.distributed (gloo here). The clean switch is
 that table itself: `deepspeed.ops.__compatible_ops__` is computed once per process and cached in the module
 (DeepSpeed keeps it as one dict so edits persist), and `build_shm_op` returns None for an op marked
-incompatible. Marking `deepspeed_shm_comm` incompatible on gloo skips the build and changes nothing else;
+incompatible. Marking `deepspeed_shm_comm` incompatible on gloo (and on the simulator's fake process group) skips the build and changes nothing else;
 on nccl (GPUs) the table is left alone.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def import_deepspeed(method: str) -> ModuleType:
     import deepspeed
 
     if dist.is_initialized():
-        if dist.get_backend() == "gloo":
+        if dist.get_backend() in ("gloo", "fake"):  # fake: the simulator's process group (autosp simulate)
             deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     return deepspeed

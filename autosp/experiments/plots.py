@@ -44,6 +44,8 @@ def method_color(method: str) -> str:
         return METHOD_COLORS["autosp"]
     palette = [c for c in plt.get_cmap("tab20").colors if c not in METHOD_COLORS.values()]
     return palette[sum(map(ord, method)) % len(palette)]
+#: simulated cells (`mode: simulated`, autosp simulate) are outlined and cross-hatched, never solid
+SIMULATED_STYLE = dict(fill=False, edgecolor="tab:red", hatch="xx")
 
 
 def _panel_title(key: tuple, names: list[str]) -> str:
@@ -84,11 +86,18 @@ def _trainability_claim_rows(table: pd.DataFrame, claims: pd.DataFrame) -> list[
                 ours = sub.loc[sub["method"] == OURS, "max_seq_len"].dropna()
                 base = sub.loc[sub["method"] == baseline, "max_seq_len"].dropna()
                 if len(ours) and len(base) and base.iloc[0] > 0:
-                    bars.append((f"vs {baseline}\n{key[0]} (measured)", float(ours.iloc[0] / base.iloc[0]), "measured"))
+                    mode = _mode(dict(zip(group, key)))
+                    bars.append((f"vs {baseline}\n{key[0]} ({mode})", float(ours.iloc[0] / base.iloc[0]), mode))
         rows = claims[(claims["metric"] == "max_trainable_seq_len_ratio") & (claims["autosp_vs"] == paper_name)]
         for _, claim in rows.iterrows():
             bars.append((f"vs {paper_name}\npaper claim, {claim['hardware']}", float(claim["factor"]), "claim"))
     return bars
+
+
+def _mode(parts: dict) -> str:
+    """measured or simulated (records from before the `mode` column are measured)."""
+    mode = parts.get("mode")
+    return mode if isinstance(mode, str) else "measured"
 
 
 def _bar_label(row: pd.Series) -> str:
@@ -184,14 +193,15 @@ def trainability_figure(table: pd.DataFrame, path: str | Path | list[str | Path]
     ax = axes[0][-1]
     bars = _trainability_claim_rows(table, claims)
     for i, (label, factor, kind) in enumerate(bars):
-        style = CLAIM_STYLE if kind == "claim" else dict(color=method_color(OURS))
+        style = {"claim": CLAIM_STYLE, "simulated": SIMULATED_STYLE}.get(kind, dict(color=method_color(OURS)))
         ax.barh(i, factor, **style)
         ax.annotate(f"{factor:.2f}×", (factor, i), va="center", fontsize=7)
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("AutoSP max length / baseline max length")
-    ax.set_title("AutoSP trainability ratio: measured here (red)\nvs paper claims (hatched; GPUs, Llama up to 8B)",
+    ax.set_title("AutoSP trainability ratio: measured here (red), simulated (outlined, xx)\n"
+                 "vs paper claims (hatched //; GPUs, Llama up to 8B)",
                  fontsize=9)
     _save(fig, path)
 

@@ -16,8 +16,8 @@ import pandas as pd
 
 from autosp.harness.config import ConfigError
 
-#: runs are comparable only within one (model, ranks, device type, budget) setting
-TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget"]
+#: runs are comparable only within one (model, ranks, device type, budget) setting, measured or simulated
+TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget", "mode"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
 #: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
 TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
@@ -65,12 +65,12 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     rows = search_rows(records)
     if rows.empty:
         raise ConfigError("no search results in the given records; run `autosp search ... --out FILE` first")
-    group = [c for c in TRAINABILITY_GROUP if c in rows]
     rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
     rows = rows.assign(mode=rows["mode"].fillna("measured"))  # simulated rows say so (`autosp simulate`)
+    group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
-    table = table[group + ["method"] + stage + ["mode", "compile_backend", "status", "max_seq_len",
+    table = table[group + ["method"] + stage + ["compile_backend", "status", "max_seq_len",
                                                 "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
                                                 "num_probes", "error"]].copy()
     if checks is not None and not checks.empty:

@@ -6,6 +6,7 @@ Weights are drawn on the CPU from a generator seeded by (seed, parameter name), 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import torch
@@ -38,13 +39,17 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def build_model(
-    name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    num_layers: int | None = None,
 ) -> nn.Module:
     """The model `name` in train mode: a preset (project Llama) or ``hf:<preset>`` (HF transformers Llama).
 
     ``device="meta"`` builds shapes only (no memory, no initialisation), e.g. to count parameters.
+    `num_layers` overrides the preset's depth (the simulator runs 2- and 3-layer versions of a model).
     """
     preset = get_preset(name)
+    if num_layers is not None:
+        preset = dataclasses.replace(preset, num_layers=num_layers)
     construct = (lambda p: build_hf_llama(p, hf_variant(name))) if is_hf_name(name) else LlamaForCausalLM
     if torch.device(device).type == "meta":
         with torch.device("meta"):
@@ -53,7 +58,8 @@ def build_model(
         # Built and initialised on the CPU, then moved: every device and rank gets identical weights.
         model = construct(preset)
         init_parameters(model, seed)
-        model.to(device=device)
+        if torch.device(device) != torch.device("cpu"):  # (a no-op move, which fake tensors cannot make)
+            model.to(device=device)
     cast_parameters(model, dtype)
     return model.train()
 

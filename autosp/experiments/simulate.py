@@ -1,0 +1,509 @@
+"""`autosp simulate`: one rank's peak memory of a P-rank job on a GPU you do not have, predicted on this CPU.
+
+Mechanism: rank r's *real* program runs on fake tensors. A fake process group (`backend="fake"`, PyTorch's
+`FakeStore`) makes this process rank r of P without peers (collectives hallucinate their outputs), and
+`FakeTensorMode` makes every tensor shape-only (meta storage, no data, no memory). The harness then does what
+`autosp run` does on a rank — build the model from the preset, hand it to the method's `Strategy.setup` (the
+same strategy code, the same SP pass and SAC partitioner for the compiled methods), a warm-up step and one
+measured step (forward, backward, AdamW) — while `LiveStorageTracker`, a TorchDispatchMode that sees every
+executed aten op (compiled graphs included: it ignores compile internals, so it sees what the compiled
+artifact runs, not the tracing), counts each output storage once from its creation until Python frees it.
+That is the quantity `autosp run`'s CPU meter measures with the profiler; each storage is also charged at its
+allocator block size (`autosp.experiments.devices`) and the device's context/workspace are added.
+
+PyTorch's own tools were the starting point: `torch.distributed._tools.MemTracker` counts the same thing per
+module, but it is a dispatch mode without `ignore_compile_internals`, so under it Dynamo refuses to compile
+(it skips frames under non-infra dispatch modes) and a compiled method would be measured uncompiled;
+inductor's `estimate_peak_memory` needs inductor's scheduler, i.e. real inductor compiles.
+
+Compiled methods (autosp, ulysses-compile) are simulated with the aot_eager backend: the graphs that run are
+the ones the method really builds (Dynamo graph -> SP pass -> aot_autograd with the SAC partition function),
+so the saved-for-backward set is exact; inductor's fusion is NOT modelled — every intermediate of those
+graphs is materialised, which over-counts inductor's transient working set (an upper bound) and is stated
+in the record (`extra.fusion`). Inductor's kernels themselves cannot run on fake tensors.
+
+Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and every term is extrapolated
+linearly to the real depth. Layers are identical, so model state and saved activations grow by the same bytes
+per layer, and the peak sits at the same op relative to the last layer; the extrapolation is accepted only
+when both runs peak at the same op in the same phase (else the whole depth is simulated), and
+tests/experiments/test_simulate.py checks it against the full-depth simulation.
+
+What it cannot run it says, in one line (status `error`): DeepSpeed's engines (zero3, ds-autosp) move the
+module with `Module.to` and compile with inductor, which fake tensors cannot take.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from autosp.experiments.devices import DeviceModel, get_device_model
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.measure import format_size
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: models up to this depth are simulated whole; deeper ones at 2 and 3 layers, extrapolated
+EXACT_LAYERS = 4
+#: methods whose engines cannot run on fake tensors, with the reason (checked before anything is built)
+UNSUPPORTED = {
+    "ds-autosp": "DeepSpeed's AutoSP always compiles with inductor, whose kernels cannot run on fake tensors",
+}
+#: compiled methods run their real graphs through this backend on fake tensors
+SIMULATED_BACKEND = "aot_eager"
+COMPONENTS = ("model_state_bytes", "gradient_bytes", "saved_activation_bytes", "transient_bytes")
+
+
+class SimulationError(ConfigError):
+    """A configuration the simulator cannot run (one line: what and why)."""
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live tensor storage bytes over the executed op sequence, raw and in device allocator blocks.
+
+    A storage is counted from the first op that outputs it until it is freed (a weakref finalizer). A wrapper
+    subclass (FSDP2's DTensor) is seen before its own dispatch runs the local op (unseen, the mode is off
+    there), and holds no memory itself: its inner tensors are counted instead. Each storage's
+    size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
+    are followed. `peak` is the maximum of the device-charged total since `reset_peak()`, with the set of
+    storages live at that moment (for the breakdown) and the op that reached it.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # off while Dynamo/aot_autograd trace, on while the compiled graphs run
+
+    def __init__(self, device: DeviceModel) -> None:
+        super().__init__()
+        self.device = device
+        self.live: dict[int, weakref.ref] = {}  # serial number -> storage (serials: ids of dead objects recur)
+        self.serials: dict[int, int] = {}  # id of a live storage object -> its serial number
+        self.serial = 0
+        self.peak = 0
+        self.peak_sizes: dict[int, int] = {}
+        self.peak_op = ""
+        self.peak_phase = ""
+        self.phase = "setup"
+        self.ops = 0
+
+    def track(self, tensor: torch.Tensor) -> int:
+        """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
+        storage = tensor.untyped_storage()
+        address = id(storage)
+        if address not in self.serials:
+            self.serial += 1
+            self.serials[address] = self.serial
+            self.live[self.serial] = weakref.ref(storage)
+            weakref.finalize(storage, self._forget, address, self.serial)
+        return self.serials[address]
+
+    def _forget(self, address: int, serial: int) -> None:
+        self.live.pop(serial, None)
+        if self.serials.get(address) == serial:
+            del self.serials[address]
+
+    def sizes(self) -> dict[int, int]:
+        """Bytes of every live storage, by serial number."""
+        sizes = {}
+        for serial, ref in self.live.items():
+            storage = ref()
+            if storage is not None:
+                sizes[serial] = storage.nbytes()
+        return sizes
+
+    def charged(self, sizes: dict[int, int]) -> int:
+        return sum(self.device.block_bytes(n) for n in sizes.values())
+
+    def reset_peak(self) -> None:
+        self.peak_sizes = self.sizes()
+        self.peak = self.charged(self.peak_sizes)
+        self.peak_op, self.peak_phase = "(step start)", self.phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the dispatch protocol
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                for inner in _inner_tensors(value):
+                    self.track(inner)
+        sizes = self.sizes()
+        charged = self.charged(sizes)
+        if charged > self.peak:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
+            self.peak, self.peak_sizes, self.peak_op, self.peak_phase = charged, sizes, str(func), phase
+        return out
+
+
+@dataclass
+class RankPeak:
+    """One rank's predicted peak (bytes charged in device blocks, context and workspaces not included)."""
+
+    peak_bytes: int
+    live_tensor_bytes: int  # the same moment, unrounded: what the CPU meter counts
+    model_state_bytes: int  # parameters, buffers, optimizer states (resident when the step starts), batch
+    gradient_bytes: int  # parameter gradients live at the peak
+    saved_activation_bytes: int  # tensors saved for backward and still live at the peak
+    transient_bytes: int  # everything else live at the peak: the working set of the op there
+    peak_op: str
+    peak_phase: str
+    num_layers: int
+    ops: int
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate needs a process without a process group")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker) -> Any:
+    """The global batch as fake tensors; its valid-label count (data, not shape) read from the real one."""
+    from autosp.models.data import Batch
+
+    class CountedBatch(Batch):
+        def num_valid_labels(self) -> int:
+            return count
+
+    fields = {k: None if v is None else fake_mode.from_tensor(v) for k, v in real.model_kwargs().items()}
+    batch = CountedBatch(**fields)
+    for t in fields.values():
+        if t is not None:
+            tracker.track(t)
+    return batch
+
+
+def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0) -> RankPeak:
+    """Run rank `rank` of `cfg` on fake tensors; its peak over one measured step (after cfg.warmup >= 1 steps)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autosp.harness.parallel import build_context
+    from autosp.harness.runner import DTYPES, global_batch, validate
+    from autosp.models import build_model, get_preset
+
+    strategy, sp_size = validate(cfg)
+    real_batch = global_batch(cfg, sp_size)
+    valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
+    layers = num_layers or get_preset(cfg.model).num_layers
+    torch._dynamo.reset()  # every simulation compiles its own graphs (and stays under the recompile limit)
+    tracker = LiveStorageTracker(device)
+    with fake_world(cfg.world_size, rank):
+        ctx = build_context(sp_size, torch.device("cpu"))
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, tracker:
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=layers)
+            step = strategy.setup(model, ctx, cfg)
+            batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker)
+            for _ in range(max(cfg.warmup, 1)):
+                step.forward_backward(batch)
+                step.optimizer_step()
+            resident = set(tracker.sizes())
+            gradients: set[int] = set()
+            saved: set[int] = set()
+            hooks = [p.register_post_accumulate_grad_hook(
+                lambda p: gradients.add(tracker.track(_local(p.grad))))
+                for p in model.parameters() if p.requires_grad]
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                saved.add(tracker.track(_local(t)))
+                return t
+
+            tracker.phase = "forward"
+            tracker.reset_peak()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step.forward_backward(batch)
+            tracker.phase = "optimizer"
+            step.optimizer_step()
+            for hook in hooks:
+                hook.remove()
+    sizes = tracker.peak_sizes
+    charge = device.block_bytes
+
+    def part(keys: set[int]) -> int:
+        return sum(charge(n) for k, n in sizes.items() if k in keys)
+
+    state = part(resident)
+    grads = part(gradients - resident)
+    acts = part(saved - resident - gradients)
+    return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
+                    gradient_bytes=grads, saved_activation_bytes=acts,
+                    transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
+                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops)
+
+
+def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold `t`'s memory: itself, or a wrapper subclass's inner tensors (recursively)."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _inner_tensors(inner)
+    else:
+        yield t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters/gradients), else the tensor."""
+    return getattr(t, "_local_tensor", t)
+
+
+def simulate_config(cfg: RunConfig) -> RunConfig:
+    """The configuration actually executed: compiled methods through aot_eager (see the module docstring)."""
+    if cfg.method in UNSUPPORTED:
+        raise SimulationError(f"--method {cfg.method} cannot be simulated: {UNSUPPORTED[cfg.method]}")
+    return cfg.replace(device="cpu", compile_backend=SIMULATED_BACKEND, memory_budget=None)
+
+
+#: predictions made in this process, by (configuration, allocator blocks): devices that round alike share them
+_PREDICTIONS: dict[tuple[str, int, int], tuple[RankPeak, dict[str, Any]]] = {}
+
+
+def predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
+    """Rank 0's peak at the model's full depth: simulated whole, or at 2 and 3 layers and extrapolated."""
+    key = (cfg.config_hash(), device.small_block_bytes, device.large_block_bytes)
+    if key not in _PREDICTIONS:
+        _PREDICTIONS[key] = _predict_peak(cfg, device)
+    return _PREDICTIONS[key]
+
+
+def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
+    from autosp.models import get_preset
+
+    run_cfg = simulate_config(cfg)
+    depth = get_preset(cfg.model).num_layers
+    try:
+        if depth <= EXACT_LAYERS:
+            return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
+        two, three = simulate_rank(run_cfg, device, num_layers=2), simulate_rank(run_cfg, device, num_layers=3)
+        if (two.peak_op, two.peak_phase) != (three.peak_op, three.peak_phase):
+            note = f"peak op differs at 2 and 3 layers ({two.peak_op} / {three.peak_op}): simulated whole"
+            return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False, "note": note}
+    except SimulationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the method on fake tensors is reported, not guessed
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise SimulationError(f"--method {cfg.method} cannot run on fake tensors: {type(exc).__name__}: {first}") \
+            from exc
+    per_layer = {name: getattr(three, name) - getattr(two, name)
+                 for name in ("peak_bytes", "live_tensor_bytes", *COMPONENTS)}
+    extrapolated = RankPeak(**{**asdict(three), **{name: getattr(three, name) + (depth - 3) * delta
+                                                    for name, delta in per_layer.items()}}, )
+    extrapolated.num_layers = depth
+    extrapolated.ops = two.ops + (depth - 2) * (three.ops - two.ops)
+    return extrapolated, {"layers_simulated": [2, 3], "extrapolated": True,
+                          "per_layer_peak_bytes": per_layer["peak_bytes"]}
+
+
+def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
+    """A `mode: simulated` record of `cfg` on `device`: predicted per-rank peak, status ok/oom/error."""
+    from autosp.harness.records import new_record
+    from autosp.harness.runner import validate
+
+    _, sp_size = validate(cfg.replace(device="cpu"))
+    record = new_record(cfg, sp_size=sp_size, mode="simulated")
+    record.update(device=device.name, device_name=f"simulated {device.name}", memory_budget=device.usable_bytes)
+    started = time.monotonic()
+    try:
+        peak, how = predict_peak(cfg, device)
+    except SimulationError as exc:
+        record.update(status="error", error=str(exc))
+        record["extra"]["wall_s"] = round(time.monotonic() - started, 3)
+        return record
+    total = peak.peak_bytes + device.fixed_bytes
+    record.update(status="ok" if total <= device.usable_bytes else "oom", peak_mem_bytes=total,
+                  peak_mem_by_rank=[total])
+    if record["status"] == "oom":
+        record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
+    record["extra"].update(
+        simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
+        executed_backend=SIMULATED_BACKEND,
+        fusion="none: every intermediate of the partitioned graphs is materialised (upper bound for inductor)",
+        zero_stage=getattr(cfg, "zero", 0),
+        breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
+                   "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
+                   "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
+                   "peak_op": peak.peak_op, "peak_phase": peak.peak_phase},
+        **how)
+    return record
+
+
+def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | None = None,
+                     min_len: int | None = None, max_len: int = 1 << 20) -> dict[str, Any]:
+    """Longest trainable length on `device` by `autosp search`'s own search, each probe a simulation."""
+    from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
+
+    granularity = granularity or default_granularity(cfg.world_size)
+    probes: list[dict[str, Any]] = []
+    started = time.monotonic()
+
+    def probe(seq_len: int) -> tuple[str, int | None]:
+        record = simulate(cfg.replace(seq_len=seq_len), device)
+        probes.append(record)
+        return record["status"], record["peak_mem_bytes"]
+
+    outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity, max_len=max_len,
+                                budget=device.usable_bytes)
+    best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
+    row = dict(best if best is not None else probes[-1])
+    row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
+               max_seq_len=outcome.max_seq_len, first_oom_seq_len=outcome.first_oom_seq_len,
+               granularity=granularity, num_probes=len(outcome.probes),
+               probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"]}
+                       for r in probes],
+               wall_s=round(time.monotonic() - started, 3))
+    limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
+    row.update(floor_limit_seq_len=limit, floor=floor,
+               achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
+    if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
+        row["error"] = None
+    else:
+        row["error"] = probes[-1]["error"]
+    row["run_id"] = row["search_id"] = uuid.uuid4().hex
+    return row
+
+
+def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
+    """The analytic memory floor's longest length for the tensor budget (as `autosp search` reports it)."""
+    from autosp.experiments.floor import floor_for
+
+    try:
+        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
+                          dtype=cfg.dtype)
+    except ConfigError:
+        return None, None
+    return floor.max_seq_len(budget, granularity), floor.to_dict()
+
+
+def _summary(record: dict[str, Any]) -> str:
+    head = f"{record['method']} {record['model']} P={record['world_size']} on {record['device']} (simulated)"
+    if record["status"] == "error":
+        return f"{head}: error: {record['error']}"
+    b = record["extra"].get("breakdown", {})
+    parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {format_size(b[k])}" for k in COMPONENTS if k in b)
+    detail = (f"peak {format_size(record['peak_mem_bytes'])} of {format_size(record['memory_budget'])} "
+              f"[{parts}; at {b.get('peak_op')} in {b.get('peak_phase')}]")
+    if record.get("kind") == "search":
+        return f"{head}: {record['status']}, max_seq_len={record['max_seq_len']} ({record['num_probes']} probes, " \
+               f"{record['wall_s']:.0f} s); at that length {detail}"
+    return f"{head} seq {record['seq_len']}: {record['status']}: {detail} ({record['extra']['wall_s']:.1f} s)"
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from autosp.harness.flags import run_config_from_args
+    from autosp.harness.records import append_record
+
+    if (args.seq_len is None) == (not args.search):
+        raise ConfigError("give exactly one of --seq-len S or --search")
+    devices = [get_device_model(name, None) for name in args.sim_device.split(",")] if args.memory_budget is None \
+        else [get_device_model(name, _budget(args)) for name in args.sim_device.split(",")]
+    args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
+    cfg = run_config_from_args(args, seq_len=args.seq_len or 1)
+    if args.zero and getattr(cfg, "zero", 0) != args.zero:
+        if not hasattr(cfg, "zero"):
+            raise ConfigError("--zero needs autosp's ZeRO sharding (RunConfig.zero), which this checkout lacks; "
+                              "omit it (stage 0 is simulated)")
+        cfg = cfg.replace(zero=args.zero)
+    status = 0
+    for device in devices:
+        record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len) if args.search \
+            else simulate(cfg, device)
+        append_record(args.out, record)
+        print(_summary(record) + f" -> {args.out}", flush=True)
+        status = max(status, 1 if record["status"] == "error" else 0)
+    return status
+
+
+#: what identifies one cell of the validation: the same run, measured and simulated
+VALIDATION_KEY = ["method", "model", "world_size", "seq_len", "dtype", "batch_size"]
+
+
+def validation_table(records: "pd.DataFrame") -> "pd.DataFrame":
+    """Simulated vs measured per-rank peak for every configuration with both (CPU meter vs `cpu` device)."""
+    import pandas as pd
+
+    runs = records[records["kind"].isna()] if "kind" in records else records
+    runs = runs[(runs["device"] == "cpu") & (runs["status"] == "ok")]
+    measured = runs[runs["mode"] == "measured"].drop_duplicates(VALIDATION_KEY, keep="last")
+    simulated = runs[runs["mode"] == "simulated"].drop_duplicates(VALIDATION_KEY, keep="last")
+    table = measured[VALIDATION_KEY + ["peak_mem_bytes"]].merge(
+        simulated[VALIDATION_KEY + ["peak_mem_bytes", "extra.breakdown.peak_op"]], on=VALIDATION_KEY,
+        suffixes=("_measured", "_simulated"))
+    table["error"] = (table["peak_mem_bytes_simulated"] - table["peak_mem_bytes_measured"]) \
+        / table["peak_mem_bytes_measured"]
+    table["within_10pct"] = table["error"].abs() <= 0.10
+    return pd.DataFrame(table).sort_values(["model", "world_size", "method", "seq_len"]).reset_index(drop=True)
+
+
+def _cmd_simulate_check(args: argparse.Namespace) -> int:
+    from autosp.experiments.tables import format_table
+    from autosp.harness.records import load_records
+
+    table = validation_table(load_records(args.inputs))
+    if table.empty:
+        raise ConfigError("no configuration was both measured (autosp run) and simulated (--device cpu) in --in")
+    print(format_table(table))
+    print(f"{int(table['within_10pct'].sum())}/{len(table)} cells within 10%, max |error| "
+          f"{table['error'].abs().max():.2%}")
+    return 0 if table["within_10pct"].all() else 1
+
+
+def _budget(args: argparse.Namespace) -> int:
+    from autosp.harness.measure import parse_size
+
+    return parse_size(args.memory_budget)
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`autosp simulate --method M --model X --device a100-80gb --world-size P (--seq-len S | --search)`."""
+    from autosp.harness.flags import add_run_config_arguments
+
+    p = subparsers.add_parser(
+        "simulate", help="predict one rank's peak memory (or max trainable length) on a GPU type, on fake tensors",
+        epilog="exit code: 0 predicted (ok or oom), 1 the method cannot be simulated, 2 bad input")
+    add_run_config_arguments(p, varied=("seq_len",))
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence to predict the peak for")
+    p.add_argument("--search", action="store_true", help="longest trainable length (autosp search's logic)")
+    p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
+    p.add_argument("--max-len", type=int, default=1 << 22, help="longest length the search tries")
+    if not any(action.dest == "zero" for action in p._actions):  # the run flags may carry it (RunConfig.zero)
+        p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                       help="autosp's ZeRO stage (needs RunConfig.zero; stage 0 otherwise)")
+    p.add_argument("--out", default="results/simulated.jsonl", help="JSONL file the records are appended to")
+    p.set_defaults(func=_cmd_simulate)
+    # --device names the simulated device type here (a catalogue entry, comma-separated for several)
+    for action in p._actions:
+        if action.dest == "device":
+            action.dest, action.default = "sim_device", "a100-80gb"
+            action.help = ("device type(s) to simulate, comma-separated: " + ", ".join(_catalogue_names()))
+
+
+    p = subparsers.add_parser("simulate-check", help="simulated vs measured CPU peaks of the same runs (validation)",
+                              epilog="exit code: 0 every cell within 10%%, 1 not, 2 no pairs")
+    p.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL files with both kinds of records")
+    p.set_defaults(func=_cmd_simulate_check)
+
+
+def _catalogue_names() -> list[str]:
+    from autosp.experiments.devices import device_catalogue
+
+    return list(device_catalogue())

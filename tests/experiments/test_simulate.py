@@ -1,0 +1,97 @@
+"""`autosp simulate`: a rank's real program on fake tensors predicts what `autosp run` measures."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from autosp.cli import main
+from autosp.experiments import simulate as sim
+from autosp.experiments.devices import LARGE_REQUEST_BYTES, MIB, get_device_model
+from autosp.experiments.tables import trainability_table
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.runner import run
+
+CPU = get_device_model("cpu", 1 << 30)
+
+
+@pytest.fixture(autouse=True)
+def fresh_predictions():
+    sim._PREDICTIONS.clear()
+    yield
+    sim._PREDICTIONS.clear()
+
+
+def test_simulated_peak_matches_the_measured_one_for_a_compiled_method():
+    """autosp (Dynamo -> SP pass -> SAC partition, aot_eager) on 2 ranks: prediction within 10% of the meter."""
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=256, world_size=2, compile_backend="aot_eager", steps=1)
+    measured = run(cfg)
+    simulated = sim.simulate(cfg, CPU)
+    assert measured["status"] == simulated["status"] == "ok"
+    assert simulated["mode"] == "simulated"
+    error = abs(simulated["peak_mem_bytes"] - measured["peak_mem_bytes"]) / measured["peak_mem_bytes"]
+    assert error <= 0.10, (simulated["peak_mem_bytes"], measured["peak_mem_bytes"])
+    breakdown = simulated["extra"]["breakdown"]
+    parts = sum(breakdown[name] for name in sim.COMPONENTS)
+    assert parts == simulated["peak_mem_bytes"]
+    assert breakdown["saved_activation_bytes"] > 0 and breakdown["model_state_bytes"] > 0
+
+
+def test_layer_extrapolation_equals_simulating_every_layer(monkeypatch):
+    """A 4-layer model predicted from its 2- and 3-layer programs gives the full-depth bytes exactly."""
+    cfg = sim.simulate_config(RunConfig(method="ring", model="small", seq_len=256, world_size=2))
+    whole = sim.simulate_rank(cfg, CPU)
+    monkeypatch.setattr(sim, "EXACT_LAYERS", 1)
+    extrapolated, how = sim.predict_peak(cfg, CPU)
+    assert how["extrapolated"] and how["layers_simulated"] == [2, 3]
+    assert extrapolated.peak_bytes == whole.peak_bytes
+    assert extrapolated.saved_activation_bytes == whole.saved_activation_bytes
+
+
+def test_gpu_devices_charge_allocator_blocks_context_and_workspace():
+    a100 = get_device_model("a100-80gb")
+    assert a100.block_bytes(1) == 512 and a100.block_bytes(LARGE_REQUEST_BYTES + 1) == 2 * MIB
+    assert get_device_model("mi250").name == "mi250-gcd"
+    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2)
+    on_cpu, on_gpu = sim.simulate(cfg, CPU), sim.simulate(cfg, a100)
+    charged = on_gpu["extra"]["breakdown"]["allocator_blocks_bytes"]
+    assert charged > on_cpu["peak_mem_bytes"]  # every storage rounded up to its block
+    assert on_gpu["peak_mem_bytes"] == charged + a100.context_bytes + a100.workspace_bytes
+    assert on_gpu["device"] == "a100-80gb" and on_gpu["memory_budget"] == a100.usable_bytes
+    tiny_budget = sim.simulate(cfg, get_device_model("cpu", on_cpu["peak_mem_bytes"] - 1))
+    assert tiny_budget["status"] == "oom"
+    with pytest.raises(ConfigError, match="unknown --device"):
+        get_device_model("tpu-v5")
+
+
+def test_a_method_that_cannot_run_on_fake_tensors_says_so_in_one_line():
+    record = sim.simulate(RunConfig(method="ds-autosp", model="tiny", seq_len=256, world_size=2), CPU)
+    assert record["status"] == "error" and record["peak_mem_bytes"] is None
+    assert "inductor" in record["error"] and "\n" not in record["error"]
+
+
+def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainability_table():
+    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2)
+    budget = sim.simulate(cfg.replace(seq_len=1024), CPU)["peak_mem_bytes"]
+    row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096)
+    assert row["status"] == "found" and row["max_seq_len"] == 1024 and row["first_oom_seq_len"] == 1536
+    table = trainability_table(pd.json_normalize([{**row, "timestamp": "t"}], sep="."))
+    assert table.loc[0, "mode"] == "simulated" and table.loc[0, "max_seq_len"] == 1024
+
+
+def test_cli_needs_a_length_or_search(capsys):
+    assert main(["simulate", "--method", "ring", "--model", "tiny", "--world-size", "2"]) == 2
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_validation_table_pairs_measured_and_simulated_runs_of_the_same_configuration():
+    from autosp.harness.records import new_record
+
+    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2)
+    measured = {**new_record(cfg, sp_size=2), "status": "ok", "peak_mem_bytes": 1000}
+    simulated = {**new_record(cfg, sp_size=2, mode="simulated"), "status": "ok", "peak_mem_bytes": 1150,
+                 "extra": {"breakdown": {"peak_op": "aten.mm.default"}}}
+    other = {**new_record(cfg.replace(seq_len=512), sp_size=2, mode="simulated"), "status": "ok",
+             "peak_mem_bytes": 5}
+    table = sim.validation_table(pd.json_normalize([measured, simulated, other], sep="."))
+    assert len(table) == 1
+    assert table.loc[0, "error"] == pytest.approx(0.15) and not table.loc[0, "within_10pct"]
