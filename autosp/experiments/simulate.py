@@ -319,8 +319,8 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     from autosp.harness.records import new_record
     from autosp.harness.runner import validate
 
-    _, sp_size = validate(cfg.replace(device="cpu"))
-    record = new_record(cfg, sp_size=sp_size, mode="simulated")
+    strategy, sp_size = validate(cfg.replace(device="cpu"))
+    record = new_record(cfg, sp_size=sp_size, mode="simulated", zero=strategy.zero_stage(cfg))
     record.update(device=device.name, device_name=f"simulated {device.name}", memory_budget=device.usable_bytes)
     started = time.monotonic()
     try:
@@ -338,7 +338,6 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
         executed_backend=SIMULATED_BACKEND,
         fusion="none: every intermediate of the partitioned graphs is materialised (upper bound for inductor)",
-        zero_stage=getattr(cfg, "zero", 0),
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
                    "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
@@ -418,11 +417,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         else [get_device_model(name, _budget(args)) for name in args.sim_device.split(",")]
     args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
     cfg = run_config_from_args(args, seq_len=args.seq_len or 1)
-    if args.zero and getattr(cfg, "zero", 0) != args.zero:
-        if not hasattr(cfg, "zero"):
-            raise ConfigError("--zero needs autosp's ZeRO sharding (RunConfig.zero), which this checkout lacks; "
-                              "omit it (stage 0 is simulated)")
-        cfg = cfg.replace(zero=args.zero)
     status = 0
     for device in devices:
         record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len) if args.search \
@@ -485,9 +479,6 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--search", action="store_true", help="longest trainable length (autosp search's logic)")
     p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
     p.add_argument("--max-len", type=int, default=1 << 22, help="longest length the search tries")
-    if not any(action.dest == "zero" for action in p._actions):  # the run flags may carry it (RunConfig.zero)
-        p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                       help="autosp's ZeRO stage (needs RunConfig.zero; stage 0 otherwise)")
     p.add_argument("--out", default="results/simulated.jsonl", help="JSONL file the records are appended to")
     p.set_defaults(func=_cmd_simulate)
     # --device names the simulated device type here (a catalogue entry, comma-separated for several)
