@@ -60,7 +60,7 @@ def assert_exact(world_size: int, *, builder: str = "tests.compiler.models.build
     """Fail unless `builder(**options)` compiled by AutoSP on `world_size` ranks trains exactly as one process."""
     outcome = launch(_rank, (builder, options, vocab, batch_size, seq_len, steps, ignore_fraction,
                              compile_options or {}), world_size=world_size, timeout_s=400)
-    assert outcome.status == "ok", outcome.error
+    assert outcome.status == "ok", f"{outcome.error}\n{outcome.output_tail}"
     worst = outcome.results[0]
     assert max(worst.values()) <= TOLERANCE, worst
     return worst
