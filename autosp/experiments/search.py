@@ -317,15 +317,16 @@ def record_failed_search(cfg: RunConfig, *, out: str, reason: str) -> dict:
     writes for a cell whose search process itself died, so the cell is reported (and drawn) as failed."""
     from autosp.harness.records import append_record, new_record
 
-    search_id = uuid.uuid4().hex
     from autosp.harness.runner import device_name
 
-    row = new_record(cfg.replace(seq_len=0), sp_size=cfg.sp_size or 1)
+    search_id = uuid.uuid4().hex
+    row = new_record(cfg, sp_size=cfg.sp_size or 1)
     try:  # the same device name as the cell's probes would report, so the cell lands in its device's panel
         row["device_name"] = device_name(cfg.device)
     except (RuntimeError, AssertionError):  # no such device here: the row still names the device asked for
         pass
-    row.update(kind="search", search_id=search_id, run_id=search_id, status=ERROR, error=reason, max_seq_len=None,
+    row.update(kind="search", search_id=search_id, run_id=search_id, status=ERROR, error=reason, seq_len=0,
+               max_seq_len=None,
                first_oom_seq_len=None, floor_limit_seq_len=None, achieved_over_limit=None, probes=[], num_probes=0)
     append_record(out, row)
     return row
