@@ -88,11 +88,19 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
     if ctx.a2a_size == 1:
         ctx.specs[node] = spec
         return
-    users = list(node.users)
-    with ctx.graph.inserting_after(node):
-        out = ctx.graph.create_node("call_function", ALL_TO_ALL, (node, seq_dim, head_dim, ctx.a2a_size, ctx.a2a_group))
-    out.meta["example_value"] = ctx.current[out] = ctx.run(out)
-    out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    ctx.specs[out] = spec
+    scatter_heads_back(ctx, node, seq_dim, head_dim, spec, ctx.a2a_size, ctx.a2a_group)
+
+
+def scatter_heads_back(ctx: SPContext, out: fx.Node, seq_dim: int, head_dim: int, spec: object, size: int,
+                       group: str) -> fx.Node:
+    """After attention over all positions of this rank's heads: the all-to-all back to all heads of this rank's
+    positions, inserted after `out` and taking its place for every user (the fourth all-to-all of Ulysses)."""
+    users = list(out.users)
+    with ctx.graph.inserting_after(out):
+        back = ctx.graph.create_node("call_function", ALL_TO_ALL, (out, seq_dim, head_dim, size, group))
+    back.meta["example_value"] = ctx.current[back] = ctx.run(back)
+    back.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
+    ctx.specs[back] = spec
     for user in users:
-        user.replace_input_with(node, out)
+        user.replace_input_with(out, back)
+    return back

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.compiler import communicate
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
@@ -147,15 +148,7 @@ def rewrite(ctx: SPContext, region: EagerAttention) -> None:
         if node is region.softmax:
             padding.hide_padding_keys(ctx, node)
         node.meta["example_value"] = ctx.current[node] = ctx.run(node)
-    out = region.output
-    users = list(out.users)
-    with ctx.graph.inserting_after(out):
-        back = ctx.graph.create_node("call_function", ALL_TO_ALL, (out, seq_dim, head_dim, ctx.sp_size, ctx.group_name))
-    back.meta["example_value"] = ctx.current[back] = ctx.run(back)
-    back.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
-    ctx.specs[back] = expected
-    for user in users:
-        user.replace_input_with(out, back)
+    communicate.scatter_heads_back(ctx, region.output, seq_dim, head_dim, expected, ctx.sp_size, ctx.group_name)
 
 
 def _full_partner(ctx: SPContext, side: fx.Node, heads: int, per_rank: int, before: fx.Node) -> fx.Node:
