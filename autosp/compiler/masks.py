@@ -28,6 +28,7 @@ import json
 import math
 import operator
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,17 +204,23 @@ def is_provably_causal(gm: fx.GraphModule, mask: fx.Node, seq_len: int) -> bool:
     return bool(torch.equal(pattern, d <= 0))
 
 
-def recognise_causal_masks(gm: fx.GraphModule, seq_len: int) -> int:
-    """Rewrite each SDPA whose mask is provably causal to `is_causal=True`; drop dead mask nodes. Returns the count."""
-    rewritten = 0
-    proofs: dict[fx.Node, bool] = {}
+def _masked_attentions(gm: fx.GraphModule,
+                       accept: Callable[[dict, fx.Node], bool]) -> Iterator[tuple[fx.Node, dict, fx.Node]]:
+    """(node, its SDPA arguments, its mask node) for each attention whose mask is a graph value `accept`s."""
     for node in list(gm.graph.nodes):
         if not is_attention(node):
             continue
         args = attention_args(node)
         mask = args["attn_mask"]
-        if not isinstance(mask, fx.Node) or args["is_causal"]:
-            continue
+        if isinstance(mask, fx.Node) and accept(args, mask):
+            yield node, args, mask
+
+
+def recognise_causal_masks(gm: fx.GraphModule, seq_len: int) -> int:
+    """Rewrite each SDPA whose mask is provably causal to `is_causal=True`; drop dead mask nodes. Returns the count."""
+    rewritten = 0
+    proofs: dict[fx.Node, bool] = {}
+    for node, args, mask in _masked_attentions(gm, lambda args, mask: not args["is_causal"]):
         if mask not in proofs:
             proofs[mask] = is_provably_causal(gm, mask, seq_len)
         if proofs[mask]:
@@ -233,13 +240,7 @@ def express_structured_masks(gm: fx.GraphModule, seq_len: int) -> int:
     with taking a block of query rows, which is all the op does to the rows."""
     expressed = 0
     programs: dict[fx.Node, Any] = {}
-    for node in list(gm.graph.nodes):
-        if not is_attention(node):
-            continue
-        args = attention_args(node)
-        mask = args["attn_mask"]
-        if not isinstance(mask, fx.Node) or not _is_pairwise(mask, seq_len):
-            continue
+    for node, args, mask in _masked_attentions(gm, lambda args, mask: _is_pairwise(mask, seq_len)):
         if mask not in programs:
             programs[mask] = _mask_program(mask, seq_len)
         if programs[mask] is None:
