@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import check_stage, full_state, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.tracing import tracing_config
@@ -122,8 +123,11 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
     zero: ZeRO stage 0-3 of the model state over all ranks sharing it (SP x DP; `autosp.comm.sharding`); at
     stages 2/3 the model's parameters become this rank's flat shards (build the optimizer with `make_optimizer`,
-    read full values with `full_parameters`/`full_gradients`). compute_dtype (stages 2/3): the dtype parameters
-    are gathered and computed in (e.g. bfloat16 over fp32 master shards); default: the parameters' own.
+    read full values with `full_parameters`/`full_gradients`). compute_dtype: mixed precision, the dtype the
+    model computes in over the parameters' own (fp32 master) dtype, e.g. bfloat16: parameters cast before they
+    are gathered (stages 2/3) or where they are used (stages 0/1, `autosp.comm.precision`), activations and
+    all-to-alls in that dtype, gradients (and their reduction) and optimizer state in the master dtype;
+    default: the parameters' own dtype.
     tiling: off | loss | mlp | auto, optionally :<tokens per tile> — the LM head + cross-entropy (and token-wise
     blocks such as the MLP) run over tiles of the local tokens, recomputed in backward (exact). outputs: all | loss
     — `loss` returns None for every output but the loss; a model that returns its logits can have its loss tiled
@@ -134,6 +138,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
+    elif compute_dtype is not None:
+        cast_parameters(model, compute_dtype)
     sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero,
                               tiling=tiling, outputs=outputs, ulysses_size=ulysses_size)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)

@@ -17,7 +17,7 @@ import autosp
 from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.activations import compiled_breakdown, quadratic_saved_values
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -32,7 +32,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         tiled = parse_tiling(cfg.tiling).enabled
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
                                        zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
-                                       ulysses_size=cfg.ulysses_size)
+                                       ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg))
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else ""))

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from autosp.comm.precision import cast_parameters
+from autosp.comm.sharding import full_name
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.precision import precision_of
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -49,6 +52,20 @@ class TrainStep(ABC):
         return {}
 
 
+def compute_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype a mixed-precision `--dtype` computes in over fp32 master parameters; None when not mixed."""
+    precision = precision_of(cfg.dtype)
+    return precision.compute if precision.mixed else None
+
+
+def compute_in_precision(model: torch.nn.Module, cfg: RunConfig) -> None:
+    """Mixed precision for a replicated model: it computes on compute-dtype casts of its fp32 master parameters
+    (`autosp.comm.precision`), so gradients, their reduction and AdamW's moments stay fp32."""
+    dtype = compute_dtype(cfg)
+    if dtype is not None:
+        cast_parameters(model, dtype)
+
+
 class ReplicatedTrainStep(TrainStep):
     """A step whose model and AdamW state are replicated on every rank (`self.model`, `self.optimizer`):
     gradients are already full after backward, so the full values are the local ones."""
@@ -61,11 +78,11 @@ class ReplicatedTrainStep(TrainStep):
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
+        return {full_name(n): (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()
                 for n, p in self.model.named_parameters()}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+        return {full_name(n): p.detach().cpu().clone() for n, p in self.model.named_parameters()}
 
 
 class Strategy(ABC):

@@ -15,9 +15,11 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 
+import torch
 import torch.distributed as dist
 
 from autosp.harness.config import ConfigError
+from autosp.harness.precision import precision_of
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 
@@ -43,6 +45,21 @@ def import_deepspeed(method: str) -> ModuleType:
     return deepspeed
 
 
-def precision_config(dtype: str) -> dict[str, dict[str, bool]]:
-    """The DeepSpeed config section for a training dtype (fp32: none)."""
-    return {"bfloat16": {"bf16": {"enabled": True}}, "float16": {"fp16": {"enabled": True}}}.get(dtype, {})
+#: DeepSpeed's mixed precision: the module in bf16, fp32 master partitions and moments in its ZeRO optimizer,
+#: gradients accumulated and communicated in fp32 (its defaults would accumulate and reduce them in bf16)
+MIXED_BF16 = {"bf16": {"enabled": True}, "communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
+
+
+def precision_config(dtype: str, method: str, *, pure_bf16: bool = False) -> dict[str, object]:
+    """The DeepSpeed config sections for `--dtype` (fp32: none). `pure_bf16`: the engine can train all-bf16
+    (ZeRO stage 0); elsewhere DeepSpeed's bf16 always keeps fp32 masters, and its fp16 always scales the loss,
+    so pure 16-bit names are refused rather than run as something else."""
+    precision = precision_of(dtype)
+    if precision.mixed:
+        return dict(MIXED_BF16)
+    if precision.compute == torch.float32:
+        return {}
+    if pure_bf16 and precision.compute == torch.bfloat16:
+        return {"bf16": {"enabled": True}}
+    raise ConfigError(f"--method {method} has no {precision.label} training: DeepSpeed's bf16 keeps fp32 master "
+                      "weights and its fp16 scales the loss; use --dtype bfloat16 (mixed) or float32")

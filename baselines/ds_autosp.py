@@ -2,7 +2,7 @@
 
 Setup: `deepspeed.initialize` with `{"zero_optimization": {"stage": 0}, "compile": {"deepcompile": true,
 "passes": ["autosp"]}, "sequence_parallel_size": P}` (AutoSP composes with ZeRO 0/1 only; with 2/3 DeepSpeed
-silently falls back to plain torch.compile), then `engine.compile()` — its AutoSP backend shards the traced
+silently falls back to plain torch.compile; mixed bf16 runs stage 1, DeepSpeed's BF16 optimizer with fp32 masters), then `engine.compile()` — its AutoSP backend shards the traced
 graph, inserts its all-to-alls and its long-context checkpointing, and always compiles with inductor.
 Each step: this dp rank's rows of the *full* sequence go through `prepare_autosp_inputs(input_ids, labels,
 position_ids, attention_mask)` (position_ids = arange when the data has none, as DeepSpeed's example does) and
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autosp.harness.config import RunConfig
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.precision import precision_of
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
@@ -41,11 +42,17 @@ def autosp_config(cfg: RunConfig, sp_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "steps_per_print": 2**31 - 1,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": mixed_stage(cfg)},
         "compile": {"deepcompile": True, "passes": ["autosp"]},
         "sequence_parallel_size": sp_size,
     }
-    return {**config, **precision_config(cfg.dtype)}
+    return {**config, **precision_config(cfg.dtype, "ds-autosp", pure_bf16=True)}
+
+
+def mixed_stage(cfg: RunConfig) -> int:
+    """ZeRO 1 under mixed bf16 (DeepSpeed keeps fp32 master weights and gradients only in a ZeRO optimizer; its
+    AutoSP composes with stage 0/1), else 0 (at stage 0 its bf16 trains everything in bf16)."""
+    return 1 if precision_of(cfg.dtype).mixed else 0
 
 
 class DeepSpeedAutoSPStep(TrainStep):
@@ -57,6 +64,7 @@ class DeepSpeedAutoSPStep(TrainStep):
 
         self.prepare_autosp_inputs = prepare_autosp_inputs
         self.ctx = ctx
+        self.mixed = precision_of(cfg.dtype).mixed
         if hasattr(model, "config"):  # hf:<preset>: HF's default, under which SDPA gets is_causal=True, no mask
             model.config.use_cache = True
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -92,6 +100,11 @@ class DeepSpeedAutoSPStep(TrainStep):
         return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
+        if self.mixed:  # the fp32 masters, not the bf16 module copy
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            return {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+                    for n, p in self.engine.module.named_parameters()}
         return {n: p.detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
 
 
@@ -101,9 +114,18 @@ class DeepSpeedAutoSP(Strategy):
     description = "DeepSpeed's reference AutoSP (deepcompile pass 'autosp', ZeRO-0), run as documented"
     sequence_parallel = True
 
+    zero_stages = (0, 1)
+
+    def zero_stage(self, cfg: RunConfig) -> int:
+        return mixed_stage(cfg)
+
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         require_deepspeed(self.name)
         super().validate(cfg, num_heads, num_kv_heads)
+        precision_config(cfg.dtype, self.name, pure_bf16=True)
+        if cfg.zero not in (None, mixed_stage(cfg)):
+            raise ConfigError(f"--method {self.name} runs ZeRO stage {mixed_stage(cfg)} under --dtype {cfg.dtype} "
+                              "(stage 1 where DeepSpeed keeps fp32 master weights, i.e. mixed bf16); drop --zero")
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
         return DeepSpeedAutoSPStep(model, ctx, cfg)

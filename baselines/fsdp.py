@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from autosp.harness.config import RunConfig
-from baselines.base import Strategy, TrainStep, register
+from baselines.base import Strategy, TrainStep, compute_dtype, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.fsdp_sharding import full, shard_llama
 
@@ -54,5 +54,5 @@ class FSDPStrategy(Strategy):
         super().validate(cfg, num_heads, num_kv_heads)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        shard_llama(model, ctx.mesh["dp"], self.name)
+        shard_llama(model, ctx.mesh["dp"], self.name, compute_dtype(cfg))
         return FSDPStep(model, ctx, cfg)

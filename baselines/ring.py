@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.precision import precision_of
 from baselines.base import Strategy, TrainStep, register
 from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
@@ -74,7 +75,7 @@ class Ring(Strategy):
             )
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
-        dtype = next(model.parameters()).dtype
+        dtype = precision_of(cfg.dtype).compute  # what attention computes in (the parameters may be fp32 masters)
         implementation, fallback_reason, attend = choose_ring(ctx.device, dtype, ctx.sp_group)
         for module in attention_modules(model, self.name):
             module.attention_fn = lambda q, k, v, mask: attend(q, k, v)  # mask: the model's local one, unused

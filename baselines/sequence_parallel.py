@@ -31,7 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
 from autosp.models.presets import is_hf_name
-from baselines.base import ReplicatedTrainStep
+from autosp.comm.sharding import full_name
+from baselines.base import ReplicatedTrainStep, compute_in_precision
 from baselines.fsdp_sharding import full
 
 if TYPE_CHECKING:
@@ -137,7 +138,9 @@ class SequenceParallelStep(ReplicatedTrainStep):
         self.forward = model if forward is None else forward
         self.positions, self.set_full_mask = positions, set_full_mask
         self.implementation = implementation
-        self.sharded = sharded  # parameters are FSDP2 DTensors: FSDP reduces the gradients
+        self.sharded = sharded  # parameters are FSDP2 DTensors: FSDP reduces the gradients (and casts, if mixed)
+        if not sharded:
+            compute_in_precision(model, cfg)
         self.extra: dict[str, object] = {}  # method-specific facts for the record (`metrics`)
         self.params = list(model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr)
@@ -157,10 +160,10 @@ class SequenceParallelStep(ReplicatedTrainStep):
         return total
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {name: full(p.grad, p) for name, p in self.model.named_parameters()}
+        return {full_name(name): full(p.grad, p) for name, p in self.model.named_parameters()}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: full(p, p) for name, p in self.model.named_parameters()}
+        return {full_name(name): full(p, p) for name, p in self.model.named_parameters()}
 
     def metrics(self) -> dict[str, object]:
         return dict(self.extra)

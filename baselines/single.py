@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_in_precision, register
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -41,4 +41,5 @@ class Single(Strategy):
             raise ConfigError(f"--method single has no sequence parallelism; drop --sp-size {cfg.sp_size}")
 
     def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
+        compute_in_precision(model, cfg)
         return SingleTrainStep(model, ctx.device, cfg.lr)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import sdpa_attention
-from baselines.base import Strategy, TrainStep, register
+from baselines.base import Strategy, TrainStep, compute_dtype, register
 from baselines.deepspeed_env import import_deepspeed, require_deepspeed
 from baselines.sequence_parallel import (
     SequenceParallelStep,
@@ -100,7 +100,7 @@ class Ulysses(Strategy):
 
             from baselines.fsdp_sharding import shard_llama
 
-            shard_llama(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), self.name)
+            shard_llama(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), self.name, compute_dtype(cfg))
         forward = torch.compile(model, backend=cfg.compile_backend) if self.compiled else model
 
         def positions(seq_len: int) -> Tensor:

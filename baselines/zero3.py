@@ -49,7 +49,7 @@ def zero3_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
             "overlap_comm": cfg.device != "cpu",
         },
     }
-    return {**config, **precision_config(cfg.dtype)}
+    return {**config, **precision_config(cfg.dtype, "zero3")}
 
 
 class Zero3Step(TrainStep):
@@ -93,6 +93,7 @@ class Zero3Strategy(Strategy):
         reject_sequence_parallel(cfg, self.name)
         require_deepspeed(self.name)
         super().validate(cfg, num_heads, num_kv_heads)
+        precision_config(cfg.dtype, self.name)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
         return Zero3Step(model, ctx, cfg)

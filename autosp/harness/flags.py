@@ -28,7 +28,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per data-parallel replica")
     g.add_argument("--world-size", type=int, default=d["world_size"], help="number of ranks")
     g.add_argument("--sp-size", type=int, default=d["sp_size"], help="SP degree (default: the method's)")
-    g.add_argument("--dtype", default=d["dtype"], help="float32 | bfloat16 | float16")
+    g.add_argument("--dtype", default=d["dtype"], help="float32 | bfloat16 (mixed: bf16 compute, fp32 master weights, gradients, AdamW "
+                   "moments) | bfloat16-pure | float16-pure")
     g.add_argument("--device", default=d["device"], help="cpu | cuda (ROCm builds of torch use cuda too)")
     g.add_argument("--seed", type=int, default=d["seed"])
     g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")

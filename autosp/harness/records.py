@@ -37,7 +37,7 @@ FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",
     "sp_size", "dp_size", "dtype", "device", "device_name", "mode", "status", "error", "peak_mem_bytes",
     "peak_mem_by_rank", "iter_time_s", "tokens_per_s", "loss", "memory_budget", "sac", "compile_backend",
-    "zero",    "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
+    "zero", "precision", "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
 )
 _VERSIONED = ("deepspeed", "transformers", "numpy", "pandas", "autosp")
 
@@ -86,6 +86,16 @@ def _zero_stage(cfg: RunConfig) -> int | None:
         return cfg.zero
 
 
+def _precision(cfg: RunConfig) -> str | None:
+    """What `--dtype` ran: float32, bfloat16-mixed (fp32 state), bfloat16-pure, ...; None for an unknown name."""
+    from autosp.harness.precision import precision_of
+
+    try:
+        return precision_of(cfg.dtype).label
+    except ConfigError:
+        return None
+
+
 def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: int | None = None) -> dict[str, Any]:
     """A record with every field present: identity, configuration and provenance filled, results None.
     `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None)."""
@@ -109,6 +119,7 @@ def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: in
         sac=cfg.sac,
         compile_backend=cfg.compile_backend,
         zero=zero if zero is not None else _zero_stage(cfg),
+        precision=_precision(cfg),
         git_commit=commit,
         git_dirty=dirty,
         versions=software_versions(),

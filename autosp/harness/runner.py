@@ -24,18 +24,20 @@ from autosp.harness.measure import apply_device_budget, format_sizes_apart, memo
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
 from autosp.harness.parallel import build_context
+from autosp.harness.precision import PRECISIONS, precision_of
 from autosp.harness.records import append_record, check_writable, new_record
 from baselines.base import Strategy, TrainStep, get_strategy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: `--dtype` -> the dtype the model is built in: its state (master parameters) dtype; a mixed precision's compute
+#: dtype is applied by the method (`autosp.harness.precision`)
+DTYPES = {name: p.state for name, p in PRECISIONS.items()}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _SAC = re.compile(r"^(off|sac|full|budget=(0(\.\d+)?|1(\.0+)?))$")
 
 
 def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strategy, int]:
     """ConfigError for anything that cannot run, before a rank starts; returns (strategy, SP degree)."""
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"unknown --dtype {cfg.dtype!r}; choose one of: {', '.join(DTYPES)}")
+    precision_of(cfg.dtype)
     if cfg.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"unknown --compile-backend {cfg.compile_backend!r}; choose one of: "
                           f"{', '.join(COMPILE_BACKENDS)}")

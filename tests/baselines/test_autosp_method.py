@@ -11,7 +11,7 @@ from autosp.harness.check import check
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.errors import SequenceParallelError
 from autosp.harness.launch import launch
-from autosp.harness.runner import validate
+from autosp.harness.runner import build_train_step, global_batch, validate
 
 
 def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", **kw):
@@ -48,9 +48,41 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
     ("tiny", 4, 2, dict(sp_size=2, ignore_fraction=0.3)),  # shards over SP x DP, gradients / dp_size
     ("hf:tiny", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized
     ("tiny", 2, 1, dict(packed_documents=2)),  # ZeroRedundancyOptimizer
+    # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
+    ("tiny", 2, 0, dict(dtype="bfloat16", seq_len=128)),  # parameters cast where used (autosp.comm.precision)
+    ("tiny", 2, 3, dict(dtype="bfloat16", seq_len=128)),  # bf16 gathers of fp32 master shards
 ])
 def test_zero_stages_match_single_process(model, world_size, zero, options):
     _check(model, world_size, zero=zero, **options)
+
+
+def _mixed_precision_dtypes(method: str) -> dict:
+    """One step under --dtype bfloat16: the dtypes of what autosp's compiled forward communicates and of the state."""
+    cfg = RunConfig(method=method, model="tiny", seq_len=128, world_size=2, dtype="bfloat16",
+                    compile_backend="aot_eager", timeout_s=300)
+    strategy, sp_size = validate(cfg)
+    step, device = build_train_step(cfg, strategy, sp_size)
+    step.forward_backward(global_batch(cfg, sp_size).to(device))
+    grads = {str(p.grad.dtype) for p in step.model.parameters()}
+    step.optimizer_step()
+    graphs = step.compiled.partition_records if method == "autosp" else []
+    return {"all_to_all": [(str(n.args[0].meta["val"].dtype), str(n.meta["val"].dtype))
+                           for r in graphs for n in r.fw_module.graph.nodes if "all_to_all" in str(n.target)],
+            "params": {str(p.dtype) for p in step.model.parameters()}, "grads": grads,
+            "moments": {str(t.dtype) for s in step.optimizer.state.values() for t in s.values() if t.dim()}}
+
+
+def _mixed_precision_ranks() -> list[dict]:
+    return [_mixed_precision_dtypes(method) for method in ("autosp", "ulysses")]
+
+
+def test_bfloat16_is_mixed_precision_bf16_all_to_alls_over_fp32_state():
+    outcome = launch(_mixed_precision_ranks, world_size=2, timeout_s=300)
+    assert outcome.status == "ok", outcome.traceback
+    autosp_run, ulysses_run = outcome.results[0]
+    assert autosp_run["all_to_all"] == [("torch.bfloat16", "torch.bfloat16")] * 8  # 4 per attention, 2 layers
+    for run in (autosp_run, ulysses_run):
+        assert run["params"] == run["grads"] == run["moments"] == {"torch.float32"}, run
 
 
 def test_a_dropped_gradient_shard_fails_the_check():

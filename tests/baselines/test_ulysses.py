@@ -11,6 +11,8 @@ from tests.baselines.checking import assert_check_passes
     ("ulysses-ac", 4, dict(sp_size=2, packed_documents=3, pad_fraction=0.2, ignore_fraction=0.1)),
     # GQA: 2 KV heads split over 2 ranks, 2 rows
     ("ulysses-compile", 2, dict(ignore_fraction=0.3, batch_size=2, compile_backend="aot_eager")),
+    # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
+    ("ulysses", 2, dict(dtype="bfloat16", seq_len=128)),
 ])
 def test_ulysses_matches_single_process(method: str, world_size: int, options: dict) -> None:
     report = assert_check_passes(method, world_size, **options)

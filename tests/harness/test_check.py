@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
-from autosp.harness.check import CheckReport, check, compare, parameter_group, relative_error
-from autosp.harness.config import DataConfig, RunConfig
+from autosp.harness.check import (SPREAD_FACTOR, CheckReport, check, compare, parameter_group, relative_error,
+                                  spread_bounds)
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
+from autosp.harness.precision import precision_of
 
 PERTURBED_MODULE = "tests.perturbed_method"
 
@@ -60,3 +62,32 @@ def test_compare_flags_loss_and_missing_parameters() -> None:
     report = compare(missing, ref, CheckReport("m", 2, 2, 1, 1e-4, False))
     assert not report.passed and "missing ['lm_head.weight']" in report.error
     assert compare(ref, ref, CheckReport("m", 2, 2, 1, 1e-4, False)).passed
+
+
+def test_low_precision_bounds_come_from_the_reference_spread_per_group() -> None:
+    """bf16: the method may err against fp32 up to SPREAD_FACTOR x the bf16 single process's own error, per group."""
+    fp32 = _trace(2.0, torch.ones(4))
+    same_precision = _trace(2.0 * (1 + 1e-3), torch.tensor([1.0, 1.0, 1.0, 1.02]))  # grad error 1e-2, loss 1e-3
+    spread = compare(same_precision, fp32, CheckReport("single", 1, 1, 1, 1e-4, False))
+    bounds = spread_bounds(spread, floor=1e-4)
+    assert bounds["grads"]["lm_head"] == pytest.approx(SPREAD_FACTOR * 1e-2)
+    assert bounds["loss"]["loss"] == pytest.approx(SPREAD_FACTOR * 1e-3)
+
+    def report() -> CheckReport:
+        return CheckReport("m", 2, 2, 1, 1e-4, False, bounds=bounds)
+
+    within = _trace(2.0 * (1 - 2e-3), torch.tensor([1.0, 1.0, 0.97, 1.0]))  # 1.5x, 2x the spread
+    assert compare(within, fp32, report()).passed
+    beyond = _trace(2.0, torch.tensor([1.0, 1.0, 1.0, 1.1]))  # 5x the gradient spread
+    assert not compare(beyond, fp32, report()).passed
+    assert "[4.0e-02]" in compare(beyond, fp32, report()).format()
+
+
+def test_precision_names() -> None:
+    assert precision_of("bfloat16").mixed and precision_of("bfloat16").label == "bfloat16-mixed"
+    assert precision_of("bfloat16").state == torch.float32 and precision_of("bfloat16").compute == torch.bfloat16
+    assert precision_of("bfloat16-pure").label == "bfloat16-pure" and precision_of("float32").label == "float32"
+    with pytest.raises(ConfigError, match="dynamic loss scaling"):
+        precision_of("float16")
+    with pytest.raises(ConfigError, match="unknown --dtype 'int8'"):
+        precision_of("int8")

@@ -78,9 +78,9 @@ def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_records(tmp_path) -> N
 
 
 def test_float16_nan_is_an_error_not_a_measurement(tmp_path) -> None:
-    """float16 on CPU diverges at once on this model: the run must say so, never report the NaN as ok."""
+    """pure float16 on CPU diverges at once on this model: the run must say so, never report the NaN as ok."""
     out = tmp_path / "runs.jsonl"
-    cfg = RunConfig(method="ulysses", model="tiny", seq_len=128, world_size=2, dtype="float16", steps=2, warmup=1,
+    cfg = RunConfig(method="ulysses", model="tiny", seq_len=128, world_size=2, dtype="float16-pure", steps=2, warmup=1,
                     timeout_s=120)
     record = run(cfg, out=out)
     assert record["status"] == "error" and "training diverged" in record["error"], record["error"]
