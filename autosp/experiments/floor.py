@@ -12,8 +12,8 @@ What is counted (all of it a true lower bound for the methods of this project):
 - the parameters held whole for compute beyond the stored copy: at stage 3 the one unit gathered at a time
   (the largest of a decoder layer and the embedding); at stage 2 the whole gathered model, kept from forward to
   backward; under mixed precision at stages 0-2 the compute-dtype copy of the whole model;
-- precision: pure (everything in `dtype`, what `--dtype` runs today) or mixed (`mixed_precision=True`: fp32
-  master parameters, fp32 gradients and fp32 AdamW moments, compute and communication in `dtype`);
+- precision: pure (everything in `dtype`, `--dtype bfloat16-pure`) or mixed (`mixed_precision=True`, `--dtype
+  bfloat16`: fp32 master parameters, fp32 gradients and fp32 AdamW moments, compute and communication in `dtype`);
 - activations per local token: each decoder layer's input (what a full-recompute schedule still keeps:
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
   ``ForCausalLMLoss``, which materialises them) unless the loss is tiled (``tiled_loss``: AutoSP's
@@ -29,6 +29,7 @@ from dataclasses import dataclass, asdict
 import torch
 
 from autosp.harness.config import ConfigError
+from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset
 
 FP32_BYTES = 4
@@ -185,10 +186,15 @@ def memory_floor(
 
 
 def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
-              zero: int | None = None, mixed_precision: bool = False, tiled_loss: bool = False) -> MemoryFloor:
-    """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...)."""
+              zero: int | None = None, mixed_precision: bool | None = None, tiled_loss: bool = False) -> MemoryFloor:
+    """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...). `dtype` is a run's
+    `--dtype` (`bfloat16` = mixed, `bfloat16-pure`, ...: what a record or RunConfig holds) unless
+    `mixed_precision` is given, which makes `dtype` the compute dtype."""
     from autosp.models import get_preset
 
+    if mixed_precision is None:
+        precision = precision_of(dtype)
+        dtype, mixed_precision = str(precision.compute).removeprefix("torch."), precision.mixed
     return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
                         model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss)
 
