@@ -30,11 +30,11 @@ def model_state_table(records: pd.DataFrame) -> pd.DataFrame:
         floor = floor_for(method, model, world_size=int(world), dtype=dtype, zero=int(zero))
         predicted = floor.params_bytes + floor.optimizer_bytes
         rows.append({"method": method, "model": model, "P": int(world), "seq_len": int(seq_len), "zero": int(zero),
-                     "resident_mib": last["resident"] / MIB, "predicted_state_mib": predicted / MIB,
+                     "precision": floor.precision, "resident_mib": last["resident"] / MIB, "predicted_state_mib": predicted / MIB,
                      "ratio": last["resident"] / predicted, "peak_mib": last["peak_mem_bytes"] / MIB})
     table = pd.DataFrame(rows)
     if not table.empty:
-        keys = ["method", "model", "P", "seq_len"]
+        keys = ["method", "model", "P", "seq_len", "precision"]
         stage0 = table[table["zero"] == 0].set_index(keys)["resident_mib"]
         table["vs_stage0"] = [r.resident_mib / stage0.get(tuple(r[k] for k in keys), float("nan"))
                               for _, r in table.iterrows()]

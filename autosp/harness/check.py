@@ -167,6 +167,11 @@ def trace_rank(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...], steps: 
     return trace if rank == 0 else None
 
 
+def trace_references(cfg_dicts: list[dict[str, Any]], extra_imports: tuple[str, ...], steps: int) -> list[dict]:
+    """Body of the one single-process reference rank: `trace_rank` of each config in turn (one process start)."""
+    return [trace_rank(cfg_dict, extra_imports, steps) for cfg_dict in cfg_dicts]
+
+
 def reference_config(cfg: RunConfig, sp_size: int) -> RunConfig:
     """Single-process training of the same global batch: dp_size * batch_size rows on one rank."""
     return cfg.replace(method="single", world_size=1, sp_size=None,
@@ -227,17 +232,18 @@ def check(cfg: RunConfig, *, tolerance: float | None = None, steps: int = DEFAUL
     report = CheckReport(cfg.method, cfg.world_size, sp_size, steps,
                          tolerance if tolerance is not None else DEFAULT_TOLERANCE, passed=False)
     reference = reference_config(cfg, sp_size)
-    runs = {"the method": cfg, "the fp32 single-process reference": reference.replace(dtype="float32")}
-    if calibrated(cfg.dtype):
-        runs[f"the {cfg.dtype} single-process reference"] = reference
+    # the references share one process: fp32, then (low precision) the same precision as the method
+    references = [reference.replace(dtype="float32")] + ([reference] if calibrated(cfg.dtype) else [])
     traces = []
-    for who, run_cfg in runs.items():
-        outcome = launch(trace_rank, (run_cfg.to_dict(), extra_imports, steps), world_size=run_cfg.world_size,
-                         device=run_cfg.device, timeout_s=run_cfg.timeout_s)
+    for who, body, args, world in (
+            ("the method", trace_rank, (cfg.to_dict(), extra_imports, steps), cfg.world_size),
+            ("the single-process reference", trace_references,
+             ([r.to_dict() for r in references], extra_imports, steps), 1)):
+        outcome = launch(body, args, world_size=world, device=cfg.device, timeout_s=cfg.timeout_s)
         if outcome.status != "ok":
             report.status, report.error = outcome.status, f"{who}: {outcome.error}"
             return report
-        traces.append(outcome.results[0])
+        traces += outcome.results[0] if body is trace_references else [outcome.results[0]]
     if calibrated(cfg.dtype):
         spread = compare(traces[2], traces[1], CheckReport("single", 1, 1, steps, report.tolerance, passed=False))
         report.reference_spread = {"loss": {"loss": max(spread.loss_errors)}, "grads": spread.grad_errors,
