@@ -24,3 +24,21 @@ def test_run_on_project_llama_is_recorded_with_deepspeeds_own_outcome() -> None:
     else:
         assert record["status"] in ("ok", "error"), record["error"]
 
+
+
+def test_bfloat16_is_deepspeeds_mixed_precision_with_fp32_gradients() -> None:
+    """DeepSpeed's bf16 with fp32 gradient accumulation and communication; its fp32 masters need a ZeRO optimizer,
+    so ds-autosp runs stage 1 in mixed bf16; pure names DeepSpeed cannot run are refused, not run as mixed."""
+    import pytest
+
+    from autosp.harness.config import ConfigError
+    from baselines.zero3 import zero3_config
+
+    mixed = autosp_config(RunConfig("ds-autosp", "tiny", 64, world_size=2, dtype="bfloat16"), sp_size=2)
+    assert mixed["zero_optimization"]["stage"] == 1 and mixed["bf16"] == {"enabled": True}
+    assert mixed["communication_data_type"] == "fp32" and mixed["data_types"] == {"grad_accum_dtype": "fp32"}
+    pure = autosp_config(RunConfig("ds-autosp", "tiny", 64, world_size=2, dtype="bfloat16-pure"), sp_size=2)
+    assert pure["zero_optimization"]["stage"] == 0 and "communication_data_type" not in pure
+    assert zero3_config(RunConfig("zero3", "tiny", 64, world_size=2, dtype="bfloat16"), 1000)["bf16"]["enabled"]
+    with pytest.raises(ConfigError, match="zero3 has no bfloat16-pure training"):
+        zero3_config(RunConfig("zero3", "tiny", 64, world_size=2, dtype="bfloat16-pure"), num_params=1000)
