@@ -2,8 +2,9 @@
 
 Setup: `deepspeed.initialize` with `{"zero_optimization": {"stage": 0}, "compile": {"deepcompile": true,
 "passes": ["autosp"]}, "sequence_parallel_size": P}` (AutoSP composes with ZeRO 0/1 only; with 2/3 DeepSpeed
-silently falls back to plain torch.compile; mixed bf16 runs stage 1, DeepSpeed's BF16 optimizer with fp32 masters), then `engine.compile()` — its AutoSP backend shards the traced
-graph, inserts its all-to-alls and its long-context checkpointing, and always compiles with inductor.
+silently falls back to plain torch.compile; mixed bf16 runs stage 1, DeepSpeed's BF16 optimizer with fp32
+masters), then `engine.compile()` — its AutoSP backend shards the traced graph, inserts its all-to-alls and its
+long-context checkpointing, and always compiles with inductor.
 Each step: this dp rank's rows of the *full* sequence go through `prepare_autosp_inputs(input_ids, labels,
 position_ids, attention_mask)` (position_ids = arange when the data has none, as DeepSpeed's example does) and
 into the engine; the model computes its own loss (labels shifted inside, HF style); `engine.backward`,
@@ -113,8 +114,7 @@ class DeepSpeedAutoSP(Strategy):
     name = "ds-autosp"
     description = "DeepSpeed's reference AutoSP (deepcompile pass 'autosp', ZeRO-0), run as documented"
     sequence_parallel = True
-
-    zero_stages = (0, 1)
+    zero_stages = (0, 1)  # 1 only under mixed bf16 (`mixed_stage`)
 
     def zero_stage(self, cfg: RunConfig) -> int:
         return mixed_stage(cfg)
