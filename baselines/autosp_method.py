@@ -16,7 +16,7 @@ from torch import nn
 import autosp
 from autosp.compiler.sac import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
-from autosp.experiments.activations import compiled_breakdown, quadratic_saved_values
+from autosp.experiments.activations import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, register
@@ -70,6 +70,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
                 "saved_quadratic": quadratic_saved_values(records, self.seq_len),
+                "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
                 **({"sac_auto": plans} if plans else {})}
 
 

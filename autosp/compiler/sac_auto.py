@@ -195,9 +195,9 @@ def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
     return node
 
 
-def live_bytes_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> int:
-    """Peak of the bytes alive while `gm` runs node by node (see the module doc); placeholders count only when
-    named in `counted_inputs`; outputs are never freed."""
+def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, list[fx.Node]]:
+    """(peak of the bytes alive while `gm` runs node by node, the values holding them at that moment; see the
+    module doc): placeholders count only when named in `counted_inputs`; outputs are never freed."""
     nodes = list(gm.graph.nodes)
     owners: dict[fx.Node, fx.Node] = {}
     last_use: dict[fx.Node, int] = {}
@@ -210,25 +210,33 @@ def live_bytes_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> int:
         frees.setdefault(i, []).append(owner)
     size = {n: node_nbytes(n) for n in nodes
             if owners[n] is n and (n.op != "placeholder" or n.name in counted_inputs)}
-    live = sum(size.get(n, 0) for n in nodes if n.op == "placeholder")
-    peak = live
+    alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
+    live = sum(size[n] for n in alive)
+    peak, at_peak = live, set(alive)
     for i, node in enumerate(nodes):
-        if node.op != "placeholder":
-            live += size.get(node, 0)
-            peak = max(peak, live)
-        live -= sum(size.get(owner, 0) for owner in frees.get(i, ()))
+        if node.op != "placeholder" and size.get(node):
+            alive.add(node)
+            live += size[node]
+            if live > peak:
+                peak, at_peak = live, set(alive)
         for owner in frees.get(i, ()):
-            size.pop(owner, None)
-    return peak
+            if owner in alive:
+                alive.discard(owner)
+                live -= size[owner]
+    return peak, [n for n in nodes if n in at_peak]
 
 
 def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
     """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes)."""
     activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"]
     saved = sum(node_nbytes(n) for n in activations)
-    bw_inputs = {n.name for n in activations} | {
-        n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
-    return max(live_bytes_peak(fw, set()), live_bytes_peak(bw, bw_inputs)), saved
+    return max(live_at_peak(fw, set())[0], live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs))[0]), saved
+
+
+def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """Names of the backward graph's inputs that are this step's memory: saved activations and tangents."""
+    activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"}
+    return activations | {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
 
 
 def recompute_flops(bw: fx.GraphModule) -> int:
