@@ -59,6 +59,11 @@ class SequenceParallelModule(torch.nn.Module):
         return describe(getattr(self._backend, "tiling_reports", []))
 
     @property
+    def tiling_reports(self) -> list:
+        """One `autosp.compiler.tiling.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
+        return list(getattr(self._backend, "tiling_reports", []))
+
+    @property
     def partition_records(self) -> list:
         """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(getattr(self._backend, "partition_fn").records)

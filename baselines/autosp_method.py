@@ -14,8 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.compiler.sac import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
-from autosp.experiments.activations import compiled_breakdown, quadratic_saved_values
+from autosp.experiments.activations import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
+from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register
 
@@ -30,7 +32,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         self.ctx = ctx
         # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
         tiled = parse_tiling(cfg.tiling).enabled
-        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=cfg.sac, backend=cfg.compile_backend,
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=sac_policy(cfg, zero),
+                                       backend=cfg.compile_backend,
                                        zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
                                        ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg))
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
@@ -63,9 +66,25 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         records = self.compiled.partition_records
         if not records:
             return {}
+        plans = [r.plan for r in records if r.plan is not None]
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
-                "saved_quadratic": quadratic_saved_values(records, self.seq_len)}
+                "saved_quadratic": quadratic_saved_values(records, self.seq_len),
+                "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
+                **({"sac_auto": plans} if plans else {})}
+
+
+def sac_policy(cfg: RunConfig, zero: int) -> Policy:
+    """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less the model state
+    resident before the step (parameters, AdamW moments, gathered parameters: the floor's arithmetic); the
+    gradients are made in backward and the planner counts them itself."""
+    policy = parse_policy(cfg.sac)
+    if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
+        return policy
+    state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                      zero=zero)
+    resident = state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
+    return Policy(SacPolicy.AUTO, budget_bytes=max(0, cfg.memory_budget - resident))
 
 
 @register

@@ -13,7 +13,10 @@ Policies (``parse_policy``):
                  final norm, head, loss) are left to the min-cut;
   budget=<f>     attention and collectives pinned, then torch's ``activation_memory_budget`` = f;
   full           per-layer full checkpointing: only layer outputs and collectives saved, attention included
-                 in the recomputation.
+                 in the recomputation;
+  auto           budgeted (``autosp.compiler.sac_auto``): the cheapest mix of the above per layer whose estimated
+                 peak fits a per-rank byte budget (``budget=<bytes>``, e.g. ``budget=32MiB``; plain ``auto``:
+                 the device's free memory at compile time, no limit on CPU) — nothing recomputed when all fits.
 
 Layers are found from Dynamo's ``nn_module_stack`` (the first ``<name>.<int>`` / ``<name>[<int>]`` in a module
 path, e.g. ``model.layers.3``); nodes without one (inserted by the SP pass) inherit their inputs' layer.
@@ -28,9 +31,10 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,21 +77,35 @@ class SacPolicy:
     SAC = "sac"
     FULL = "full"
     BUDGET = "budget"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A parsed ``--sac`` value. ``budget`` is only set for kind ``budget``."""
+    """A parsed ``--sac`` value. ``budget`` (a fraction) is only set for kind ``budget``; ``budget_bytes`` only
+    for kind ``auto`` (None: the budget is the device's free memory at compile time, unlimited on CPU)."""
 
     kind: str
     budget: float | None = None
+    budget_bytes: int | None = None
 
     def __str__(self) -> str:
-        return f"budget={self.budget:g}" if self.kind == SacPolicy.BUDGET else self.kind
+        if self.kind == SacPolicy.BUDGET:
+            return f"budget={self.budget:g}"
+        if self.kind == SacPolicy.AUTO and self.budget_bytes is not None:
+            return f"budget={self.budget_bytes}B"
+        return self.kind
+
+
+_BYTES = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]i?b|b)$")
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+POLICY_CHOICES = "off, sac, full, auto, budget=<fraction in [0, 1]> or budget=<bytes, e.g. 32MiB>"
 
 
 def parse_policy(value: str | bool | Policy | None) -> Policy:
-    """``off | sac | full | budget=<fraction in [0, 1]>``; True/False/None map to sac/off/off."""
+    """``off | sac | full | auto | budget=<fraction in [0, 1]> | budget=<bytes with a unit, e.g. 32MiB>``
+    (a byte budget is kind ``auto`` with that budget); True/False/None map to sac/off/off."""
     if isinstance(value, Policy):
         return value
     if value is None or value is False:
@@ -95,18 +113,22 @@ def parse_policy(value: str | bool | Policy | None) -> Policy:
     if value is True:
         return Policy(SacPolicy.SAC)
     text = str(value).strip().lower()
-    if text in (SacPolicy.OFF, SacPolicy.SAC, SacPolicy.FULL):
+    if text in (SacPolicy.OFF, SacPolicy.SAC, SacPolicy.FULL, SacPolicy.AUTO):
         return Policy(text)
     if text.startswith("budget="):
-        raw = text.removeprefix("budget=")
+        raw = text.removeprefix("budget=").replace(" ", "")
+        size = _BYTES.match(raw)
+        if size:
+            return Policy(SacPolicy.AUTO, budget_bytes=int(float(size.group(1)) * _BYTE_UNITS[size.group(2)]))
         try:
             fraction = float(raw)
         except ValueError:
             fraction = float("nan")
         if not 0.0 <= fraction <= 1.0:  # also rejects nan
-            raise ConfigError(f"--sac budget={raw!r}: the budget must be a fraction in [0, 1], e.g. budget=0.5")
+            raise ConfigError(f"--sac budget={raw!r}: write a fraction in [0, 1] (budget=0.5) or bytes with a unit "
+                              "(budget=32MiB)")
         return Policy(SacPolicy.BUDGET, fraction)
-    raise ConfigError(f"unknown --sac policy {value!r}; choose off, sac, full or budget=<fraction in [0, 1]>")
+    raise ConfigError(f"unknown --sac policy {value!r}; choose {POLICY_CHOICES}")
 
 
 # ----------------------------------------------------------------------------------------------- node kinds
@@ -292,8 +314,11 @@ def _regather_parameters(graph: fx.Graph, forward: set[fx.Node]) -> None:
         stack.extend(user for user in node.users if user in forward and _is_view(user))
 
 
-def _tag_layers(graph: fx.Graph, forward: set[fx.Node], *, recompute_attention: bool) -> int:
-    """Pin layer outputs, mark the rest of each layer for recomputation; returns the number of layers."""
+def _tag_layers(graph: fx.Graph, forward: set[fx.Node], *, recompute_attention: bool | Container[str],
+                recompute: Container[str] | None = None) -> int:
+    """Pin layer outputs, mark the rest of each layer (of the layers in `recompute`; default all) for
+    recomputation, attention included in the layers `recompute_attention` names (True: all, False: none);
+    returns the number of layers."""
     layers = assign_layers(graph, forward)
     boundaries: set[fx.Node] = set()
     for node, layer in layers.items():
@@ -307,12 +332,16 @@ def _tag_layers(graph: fx.Graph, forward: set[fx.Node], *, recompute_attention: 
         if node in boundaries:
             _tag(node, CheckpointPolicy.MUST_SAVE)
             continue
+        if recompute is not None and layer not in recompute:
+            continue
         parent = _getitem_parent(node)
         if parent is not None:
             continue  # getitems follow their parent below
         if _is_random(node) or _is_mutating(node) or not _is_tensor_or_tuple(node):
             continue
-        if is_attention_forward(node) and not recompute_attention:
+        if is_attention_forward(node) and not (
+            recompute_attention is True or (recompute_attention is not False and layer in recompute_attention)
+        ):
             continue
         _tag(node, CheckpointPolicy.PREFER_RECOMPUTE)
     for node in graph.nodes:
@@ -352,6 +381,7 @@ class PartitionRecord:
     fw_module: fx.GraphModule
     bw_module: fx.GraphModule
     num_fwd_outputs: int
+    plan: dict[str, Any] | None = None  # policy auto: what the budgeted planner chose (autosp.compiler.sac_auto)
 
     @functools.cached_property
     def saved(self) -> list[fx.Node]:
@@ -405,6 +435,14 @@ class SacPartitioner(CustomPartitionerFn):
     def __call__(
         self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if self.policy.kind == SacPolicy.AUTO:
+            from autosp.compiler.sac_auto import plan_partition
+
+            fw_module, bw_module, plan = plan_partition(
+                joint_gm, joint_inputs, self.policy.budget_bytes, num_fwd_outputs=num_fwd_outputs, **kwargs
+            )
+            self.records.append(PartitionRecord(str(self.policy), fw_module, bw_module, num_fwd_outputs, plan))
+            return fw_module, bw_module
         tag_joint_graph(joint_gm, self.policy)
         budget = (
             functorch_config.patch(activation_memory_budget=self.policy.budget)
@@ -420,7 +458,7 @@ class SacPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # Never None: Inductor would then key the artifact like the stock partitioner's.
-        return (str(self.policy), get_hash_for_files((__file__,)))
+        return (str(self.policy), get_hash_for_files((__file__, str(Path(__file__).with_name("sac_auto.py")))))
 
 
 def make_partition_fn(policy: str | Policy = SacPolicy.SAC, *, cacheable: bool = True) -> SacPartitioner:

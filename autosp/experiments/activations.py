@@ -100,6 +100,56 @@ def quadratic_saved_values(records: Iterable[PartitionRecord], seq_len: int) -> 
     return found
 
 
+def peak_working_set(records: Iterable[PartitionRecord]) -> dict[str, Any]:
+    """What is alive at the estimated peak of each compiled graph's step (the liveness replay of
+    ``autosp.compiler.sac_auto``), summed over graphs: ``saved`` (activations forward kept for backward) and
+    ``working`` (values backward makes: recomputed forward values, activation gradients) by category,
+    ``gradients`` (parameter gradients made so far), the peak, and which half of the step it falls in."""
+    from autosp.compiler.sac_auto import backward_inputs, live_at_peak
+
+    total: dict[str, Any] = {"saved": dict.fromkeys(CATEGORIES, 0), "working": dict.fromkeys(CATEGORIES, 0),
+                             "gradients": 0, "peak_bytes": 0, "at": []}
+    for record in records:
+        fw, bw = record.fw_module, record.bw_module
+        saved = {n.name: n for n in record.saved if n.op != "placeholder"}
+        fw_peak, fw_alive = live_at_peak(fw, set())
+        bw_peak, bw_alive = live_at_peak(bw, backward_inputs(fw, bw, record.num_fwd_outputs))
+        backward = bw_peak >= fw_peak
+        (outputs,) = [n for n in (bw if backward else fw).graph.nodes if n.op == "output"]
+        returned = {a for a in outputs.all_input_nodes}
+        for node in bw_alive if backward else fw_alive:
+            if node.name in saved:
+                total["saved"][category_of_node(saved[node.name])] += node_nbytes(node)
+            elif backward and node in returned:
+                total["gradients"] += node_nbytes(node)
+            else:
+                total["working"][category_of_node(node)] += node_nbytes(node)
+        total["peak_bytes"] += max(bw_peak, fw_peak)
+        total["at"].append("backward" if backward else "forward")
+    return total
+
+
+def tiles_of(reports: Iterable[Any]) -> list[dict[str, Any]]:
+    """One row per tiled region (``autosp.compiler.tiling.TilingReport``): what, tokens, tokens per tile, and for
+    a loss the bytes of one tile's fp32 logits (alive inside the tiled op, invisible to the graph replay)."""
+    rows: list[dict[str, Any]] = []
+    for report in reports:
+        rows += [{"tile": "loss", "tokens": t["tokens"], "tile_tokens": t["tile_tokens"],
+                  "tile_logits_bytes": t["tile_tokens"] * t["vocab"] * 4} for t in report.tiled]
+        rows += [{"tile": b["module"], "tokens": b["tokens"], "tile_tokens": b["tile_tokens"]} for b in report.mlp]
+    return rows
+
+
+def working_set_table(working: dict[str, Any]) -> pd.DataFrame:
+    """Rows: categories, parameter gradients, total; columns: saved and working-set bytes at the peak."""
+    rows = {c: [working["saved"].get(c, 0), working["working"].get(c, 0)] for c in CATEGORIES}
+    rows["parameter gradients"] = [0, working["gradients"]]
+    df = pd.DataFrame.from_dict(rows, orient="index", columns=["saved at peak", "working set at peak"])
+    df.loc["total"] = df.sum()
+    df.index.name = "category"
+    return df
+
+
 class SavedActivationRecorder:
     """Context manager: bytes autograd saves for backward while it is active (``model``'s parameters
     excluded), by the category of the innermost running module of ``model``. ``by_module=False`` (or no
@@ -198,7 +248,8 @@ def _rank_saved_activations(cfg_dict: dict[str, Any], extra_imports: tuple[str, 
     else:
         by_category, source = recorder.bytes_by_category, "saved_tensors_hooks (eager)"
     return {"saved_by_category": dict(by_category), "source": source,
-            "implementation": step.implementation or cfg.method}
+            "implementation": step.implementation or cfg.method,
+            **{key: metrics[key] for key in ("peak_working_set", "tiles") if key in metrics}}
 
 
 def measure_saved_activations(cfg: Any, *, out: str, extra_imports: Iterable[str] = ()) -> dict[str, Any]:
@@ -218,7 +269,8 @@ def measure_saved_activations(cfg: Any, *, out: str, extra_imports: Iterable[str
         first = outcome.results[0]
         record["implementation"] = first["implementation"]
         record["extra"].update(saved_by_category=first["saved_by_category"], saved_activation_source=first["source"],
-                               saved_activation_bytes=sum(first["saved_by_category"].values()))
+                               saved_activation_bytes=sum(first["saved_by_category"].values()),
+                               **{key: first[key] for key in ("peak_working_set", "tiles") if key in first})
     append_record(out, record)
     return record
 
@@ -240,6 +292,17 @@ def _cmd_activations(args: Any) -> int:
     parts = ", ".join(f"{c} {format_size(b)}" for c, b in record["extra"]["saved_by_category"].items() if b)
     print(f"{method_label(cfg.method, cfg.sac)} {cfg.model} S={cfg.seq_len} P={cfg.world_size}: saved for backward "
           f"per rank {format_size(record['extra']['saved_activation_bytes'])} ({parts}) -> {args.out}")
+    working = record["extra"].get("peak_working_set")
+    if working is None:
+        print("(the working set at the peak is known only for compiled methods: their partitioned graphs)")
+        return 0
+    print(f"\nalive at the estimated peak of the step (graph replay, per rank; at: {', '.join(working['at'])}):")
+    print(working_set_table(working).map(format_size).to_string())
+    print(f"estimated peak beyond the model state: {format_size(working['peak_bytes'])}")
+    for tile in record["extra"].get("tiles", []):
+        logits = (f", one tile's fp32 logits {format_size(tile['tile_logits_bytes'])} (inside the tiled op)"
+                  if "tile_logits_bytes" in tile else "")
+        print(f"tiled: {tile['tile']}: {tile['tokens']} tokens in tiles of {tile['tile_tokens']}{logits}")
     return 0
 
 

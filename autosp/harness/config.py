@@ -43,7 +43,7 @@ class RunConfig:
     lr: float = 1e-3
     steps: int = 3
     warmup: int = 1
-    sac: str = "sac"  # autosp only: off | sac | full | budget=<fraction>
+    sac: str = "sac"  # autosp only: off | sac | full | budget=<fraction> | auto | budget=<bytes>
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (for methods that compile)
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import math
 import platform
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosp.compiler.sac import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
 from autosp.harness.measure import apply_device_budget, format_sizes_apart, memory_meter, summarize_times, timed
@@ -32,7 +32,6 @@ from baselines.base import Strategy, TrainStep, get_strategy
 #: dtype is applied by the method (`autosp.harness.precision`)
 DTYPES = {name: p.state for name, p in PRECISIONS.items()}
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-_SAC = re.compile(r"^(off|sac|full|budget=(0(\.\d+)?|1(\.0+)?))$")
 
 
 def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strategy, int]:
@@ -41,8 +40,7 @@ def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strateg
     if cfg.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"unknown --compile-backend {cfg.compile_backend!r}; choose one of: "
                           f"{', '.join(COMPILE_BACKENDS)}")
-    if not _SAC.match(cfg.sac):
-        raise ConfigError(f"unknown --sac {cfg.sac!r}; use off, sac, full or budget=<fraction in [0, 1]>")
+    parse_policy(cfg.sac)  # ConfigError naming the choices
     check_device(cfg.device, cfg.world_size)
     preset = get_preset(cfg.model)
     for module in extra_imports:

@@ -24,14 +24,29 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
 
 
 @pytest.mark.parametrize("model, world_size, options", [
-    ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3)),  # GQA, batch > 1, uneven -100 runs
+    # GQA, batch > 1, uneven -100 runs; --sac auto with a budget nothing fits: every layer fully recomputed
+    ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3, sac="auto", memory_budget=1)),
     ("tiny-mha", 4, dict(packed_documents=3)),  # MHA, packed documents through position_ids
     ("tiny", 4, dict(pad_fraction=0.25, ignore_fraction=0.2)),  # 2 KV heads < SP 4: replicated; padding mask
     ("small", 4, dict(sp_size=2, ignore_fraction=0.3)),  # 2-D mesh: 2 SP groups x 2 data-parallel replicas
     ("tiny", 2, dict(sp_size=1, ignore_fraction=0.3)),  # SP degree 1: compiled data parallelism only
 ])
 def test_project_llama_matches_single_process(model, world_size, options):
-    _check(model, world_size, sac="off" if world_size == 4 else "sac", **options)
+    _check(model, world_size, **{"sac": "off" if world_size == 4 else "sac", **options})
+
+
+def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
+    from autosp.compiler.sac import Policy
+    from autosp.experiments.floor import floor_for
+    from baselines.autosp_method import sac_policy
+
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=64, world_size=2, sac="auto", memory_budget=48 << 20)
+    state = floor_for("autosp", "tiny", world_size=2, zero=0)
+    resident = state.params_bytes + state.optimizer_bytes
+    assert sac_policy(cfg, 0) == Policy("auto", budget_bytes=(48 << 20) - resident)
+    assert sac_policy(cfg.replace(memory_budget=None), 0) == Policy("auto")  # the device's free memory / no limit
+    assert sac_policy(cfg.replace(memory_budget=1), 0) == Policy("auto", budget_bytes=0)
+    assert sac_policy(cfg.replace(sac="budget=1MiB"), 0) == Policy("auto", budget_bytes=1 << 20)
 
 
 @pytest.mark.parametrize("world_size, options", [

@@ -11,16 +11,19 @@ import torch.nn.functional as F
 from autosp.compiler.sac import (
     PartitionRecord,
     Policy,
+    is_attention_forward,
     is_attention_value,
     is_collective,
     layer_of_path,
     parse_policy,
     sac_backend,
 )
+from autosp.compiler.sac_auto import estimated_peak
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
 SEQ = 32
+aten = torch.ops.aten
 
 
 def _batch(vocab: int = 512) -> torch.Tensor:
@@ -59,6 +62,9 @@ def tiny_runs() -> dict[str, PartitionRecord]:
 
 
 def test_parse_policy_accepts_the_documented_values() -> None:
+    assert parse_policy("auto") == Policy("auto")
+    assert parse_policy("budget=32MiB") == Policy("auto", budget_bytes=32 << 20)
+    assert parse_policy(str(Policy("auto", budget_bytes=5))) == Policy("auto", budget_bytes=5)
     assert parse_policy("off") == Policy("off")
     assert parse_policy(" SAC ") == Policy("sac")
     assert parse_policy("full") == Policy("full")
@@ -67,7 +73,8 @@ def test_parse_policy_accepts_the_documented_values() -> None:
     assert parse_policy(True) == Policy("sac") and parse_policy(False) == Policy("off")
 
 
-@pytest.mark.parametrize("bad", ["on", "budget=", "budget=1.5", "budget=-0.1", "budget=nan", "budget=half"])
+@pytest.mark.parametrize("bad", ["on", "budget=", "budget=1.5", "budget=-0.1", "budget=nan", "budget=half",
+                                 "budget=3MiBs", "auto=1"])
 def test_parse_policy_rejects_bad_values(bad: str) -> None:
     with pytest.raises(ConfigError, match="sac"):
         parse_policy(bad)
@@ -104,6 +111,50 @@ def test_full_recomputes_attention_and_saves_least(tiny_runs: dict[str, Partitio
     full = tiny_runs["full"]
     assert full.attention_forwards_in_backward == full.attention_forwards_in_forward > 0
     assert full.saved_activation_bytes < tiny_runs["sac"].saved_activation_bytes
+
+
+# ------------------------------------------------------------------------------------ budgeted (auto)
+
+
+def _auto_plan(budget: int | None) -> tuple[PartitionRecord, dict]:
+    ids = _batch()
+    model = build_model("tiny")
+    record = _compiled_step(model, str(Policy("auto", budget_bytes=budget)) if budget is not None else "auto",
+                            lambda c: c(input_ids=ids, labels=ids).loss)
+    _assert_grads_equal(model, _eager_grads("tiny", ids))
+    return record, record.plan
+
+
+def _recomputed_categories(record: PartitionRecord) -> set[str]:
+    """What backward re-runs: "sdpa" for an attention kernel, else the module category of a recomputed matmul."""
+    from autosp.experiments.activations import category_of_node
+
+    return {"sdpa" if is_attention_forward(n) else category_of_node(n) for n in record.bw_module.graph.nodes
+            if is_attention_forward(n) or (n.meta.get("partitioner_tag") == "is_forward"
+                                           and n.target in (aten.mm.default, aten.bmm.default))}
+
+
+def test_auto_recomputes_nothing_when_everything_fits(tiny_runs: dict[str, PartitionRecord]) -> None:
+    record, plan = _auto_plan(None)  # CPU, no budget given: unlimited
+    assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == 0 and plan["fits"]
+    assert record.saved_activation_bytes == tiny_runs["off"].saved_activation_bytes
+    assert record.recomputed_ops == tiny_runs["off"].recomputed_ops
+    assert _recomputed_categories(record) == set()
+
+
+def test_auto_recomputes_the_mlp_before_attention(tiny_runs: dict[str, PartitionRecord]) -> None:
+    off, sac = (estimated_peak(r.fw_module, r.bw_module, r.num_fwd_outputs)[0] for r in (tiny_runs["off"],
+                                                                                         tiny_runs["sac"]))
+    layers = get_preset("tiny").num_layers
+    record, plan = _auto_plan((off + sac) // 2)  # token-wise recompute of some layers fits, saving all does not
+    assert 0 < plan["tokenwise_recompute_layers"] <= layers and plan["fits"]
+    assert not plan["recomputes_attention"] and record.attention_forwards_in_backward == 0
+    assert plan["estimated_peak_bytes"] <= plan["budget_bytes"] < off
+    assert "mlp" in _recomputed_categories(record) and "sdpa" not in _recomputed_categories(record)
+    record, plan = _auto_plan(sac - 1)  # below every token-wise rung: attention goes too, and the plan says so
+    assert plan["tokenwise_recompute_layers"] == layers and plan["recomputes_attention"]
+    assert record.attention_forwards_in_backward == plan["attention_recompute_layers"] > 0
+    assert "sdpa" in _recomputed_categories(record) and not plan["recomputes_collectives"]
 
 
 # ------------------------------------------------------------------------------ collectives (1-rank group)

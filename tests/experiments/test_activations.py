@@ -11,9 +11,14 @@ from autosp.experiments.activations import (
     breakdown_table,
     category_of_module,
     compiled_breakdown,
+    peak_working_set,
     quadratic_saved_values,
+    tiles_of,
+    working_set_table,
 )
 from autosp.compiler.sac import sac_backend
+from autosp.compiler.sac_auto import estimated_peak
+from autosp.compiler.tiling import TilingReport
 from autosp.harness.config import ConfigError
 from autosp.models import build_model
 
@@ -66,14 +71,23 @@ def test_eager_recorder_books_bytes_by_module_and_skips_parameters() -> None:
 
 
 def test_compiled_breakdown_matches_the_record_and_sac_drops_mlp() -> None:
-    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
-    breakdowns = {}
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
+    breakdowns, working = {}, {}
     for policy in ("off", "sac"):
         backend = sac_backend(policy, "aot_eager")
         torch.compile(build_model("tiny"), backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
         breakdowns[policy] = compiled_breakdown(backend.partition_fn.records)
         assert sum(breakdowns[policy].values()) == sum(r.saved_activation_bytes for r in backend.partition_fn.records)
+        working[policy] = peak_working_set(backend.partition_fn.records)
+        (record,) = backend.partition_fn.records
+        table = working_set_table(working[policy])
+        assert table.loc["total"].sum() == working[policy]["peak_bytes"] == estimated_peak(
+            record.fw_module, record.bw_module, record.num_fwd_outputs)[0]  # every byte at the peak is booked
     assert breakdowns["off"]["mlp"] > 0 and breakdowns["sac"]["mlp"] == 0
+    # at the peak (backward) sac holds no saved MLP value and less saved overall than off, which holds MLP values
+    assert working["sac"]["at"] == ["backward"] and working["sac"]["saved"]["mlp"] == 0
+    assert working["off"]["saved"]["mlp"] > 0 and working["sac"]["working"]["other"] > 0  # the logits' gradient
+    assert sum(working["sac"]["saved"].values()) < sum(working["off"]["saved"].values())
     assert 0 < breakdowns["sac"]["attention"] < breakdowns["off"]["attention"]
 
     table = breakdown_table(breakdowns, baseline="off")
@@ -81,6 +95,14 @@ def test_compiled_breakdown_matches_the_record_and_sac_drops_mlp() -> None:
     assert table.loc["total", "off"] == sum(breakdowns["off"].values())
     assert table.loc["attention", "sac reduction"] == breakdowns["off"]["attention"] / breakdowns["sac"]["attention"]
     assert table.loc["mlp", "sac reduction"] == float("inf")
+
+
+def test_tiles_name_the_loss_tile_logits_bytes() -> None:
+    report = TilingReport(tiled=[{"tokens": 512, "vocab": 1000, "tile_tokens": 128}],
+                          mlp=[{"module": "layers.0.mlp", "tokens": 512, "tile_tokens": 256}])
+    assert tiles_of([report]) == [
+        {"tile": "loss", "tokens": 512, "tile_tokens": 128, "tile_logits_bytes": 128 * 1000 * 4},
+        {"tile": "layers.0.mlp", "tokens": 512, "tile_tokens": 256}]
 
 
 def test_breakdown_table_needs_a_known_baseline() -> None:

@@ -1,0 +1,273 @@
+"""Budgeted SAC (``--sac auto`` / ``budget=<bytes>``): per compiled graph, the least recomputation that fits.
+
+Recomputing costs time, so it is only worth doing where memory is short. The planner walks a ladder of plans
+ordered by recompute cost and takes the first whose estimated peak fits the per-rank byte budget:
+
+1. save everything (attention and collectives pinned, the rest left to torch's min-cut, which only re-runs
+   what is free to re-run) — no layer is recomputed;
+2. recompute the token-wise ops (linear/MLP, norms, rotary, elementwise) of the first k decoder layers, k = 1..N:
+   the ``sac`` policy in k layers. Their FLOPs grow linearly in the sequence, attention's quadratically;
+3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
+   layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``).
+
+Collectives are never re-run by any rung (their outputs stay pinned; ZeRO-3 parameter gathers excepted, as in
+every policy). Within a phase the saved bytes fall as k grows, so the smallest fitting k is found by bisection:
+a graph is partitioned about 1 + 2 log2(N) times, each on a copy of the joint graph.
+
+Cost model, from the graph alone (no run):
+* memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
+  every non-view value allocates its bytes (shape x dtype from its fake value) and is freed after its last user;
+  views share their base; graph outputs (saved values, gradients) are never freed within their graph; backward
+  starts with the saved activations and tangents alive. Graph inputs (parameters, the batch) are resident model
+  state that the caller subtracts from the budget. It does not see buffers inside opaque kernels (a tiled
+  loss's one tile, attention's scratch), Inductor's fusion and buffer reuse (which lower the real peak), nor
+  anything outside the graph (the optimizer step). Measured (CPU profiler replay, aot_eager): single process,
+  tiny, 2K tokens, within 3-8% of the step's peak increase; with the SP pass and tiling on `small` (P=2) it
+  under-estimates by 15-20% (the all-to-alls' and tiled ops' internal buffers), so at the edge of a budget the
+  planner recomputes too little: an `autosp search` with `--sac auto` then finds a shorter length than `sac`.
+* time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
+  one per output element for the others (memory-bound ops), reported for the chosen plan.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autosp.compiler.sac import (
+    _getitem_parent,
+    _is_view,
+    _regather_parameters,
+    _tag,
+    _tag_layers,
+    assign_layers,
+    forward_nodes,
+    is_attention_forward,
+    is_attention_value,
+    is_collective_value,
+    node_nbytes,
+    saved_values,
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner chose for one graph (the record's ``extra.sac_auto`` entries)."""
+
+    budget_bytes: int | None
+    estimated_peak_bytes: int
+    saved_activation_bytes: int
+    layers: int
+    tokenwise_recompute_layers: int  # layers whose token-wise ops are recomputed
+    attention_recompute_layers: int  # of those, layers whose attention is recomputed too
+    recompute_flops: int
+    fits: bool
+    partitions_tried: int
+
+    @property
+    def recomputes_attention(self) -> bool:
+        return self.attention_recompute_layers > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recomputes_attention": self.recomputes_attention, "recomputes_collectives": False}
+
+
+def default_budget(joint_inputs: Sequence[Any]) -> int | None:
+    """Free memory of the device the graph runs on, at compile time (model state already resident); None on CPU."""
+    devices = {t.device for t in _flat_tensors(joint_inputs)}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    free, _total = torch.cuda.mem_get_info(cuda[0])
+    return int(free)
+
+
+def _flat_tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _flat_tensors(v)]
+    return []
+
+
+# --------------------------------------------------------------------------------------------- the ladder
+
+
+def _copy(joint_gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy to tag and partition (nodes' meta dicts copied shallowly: the fake values are shared)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in joint_gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph._codegen = joint_gm.graph._codegen
+    return fx.GraphModule(joint_gm, graph)
+
+
+def layer_order(joint_gm: fx.GraphModule) -> list[str]:
+    """The decoder layers of a joint graph in forward order."""
+    layers = assign_layers(joint_gm.graph, forward_nodes(joint_gm.graph))
+    return list(dict.fromkeys(layer for layer in layers.values() if layer is not None))
+
+
+def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequence[str]) -> None:
+    """Tag one rung: collectives always pinned, attention pinned outside `attention`, the token-wise ops of the
+    layers in `tokenwise` (attention too in `attention`) recomputed, layer outputs pinned when any layer is."""
+    graph = joint_gm.graph
+    forward = forward_nodes(graph)
+    layers = assign_layers(graph, forward)
+    for node in graph.nodes:
+        if node not in forward:
+            continue
+        if is_collective_value(node) or (is_attention_value(node) and layers.get(node) not in attention):
+            _tag(node, CheckpointPolicy.MUST_SAVE)
+    _regather_parameters(graph, forward)
+    if tokenwise:
+        _tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
+
+
+@dataclass
+class _Trial:
+    tokenwise: int
+    attention: int
+    fw_module: fx.GraphModule
+    bw_module: fx.GraphModule
+    peak: int
+    saved: int
+
+
+def plan_partition(
+    joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
+    **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any]]:
+    """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
+    returns (forward, backward, the plan as a dict). Nothing fits: the last rung (every layer fully recomputed)."""
+    budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
+    order = layer_order(joint_gm)
+    trials: list[_Trial] = []
+
+    def trial(tokenwise: int, attention: int) -> _Trial:
+        gm = _copy(joint_gm)
+        tag_rung(gm, order[:tokenwise], order[:attention])
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
+        trials.append(_Trial(tokenwise, attention, fw, bw, peak, saved))
+        return trials[-1]
+
+    def fits(t: _Trial) -> bool:
+        return budget is None or t.peak <= budget
+
+    def smallest_fitting(make: Any, count: int) -> _Trial | None:
+        """Bisection over k = 1..count of make(k), assuming the peak falls as k grows."""
+        top = make(count)
+        if not fits(top):
+            return None
+        low, high, best = 1, count - 1, top
+        while low <= high:
+            mid = (low + high) // 2
+            t = make(mid)
+            if fits(t):
+                best, high = t, mid - 1
+            else:
+                low = mid + 1
+        return best
+
+    n = len(order)
+    chosen = trial(0, 0)
+    if not fits(chosen) and n:
+        chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
+                  or next(t for t in trials if (t.tokenwise, t.attention) == (n, n)))
+    plan = Plan(budget_bytes=budget, estimated_peak_bytes=chosen.peak, saved_activation_bytes=chosen.saved,
+                layers=n, tokenwise_recompute_layers=chosen.tokenwise, attention_recompute_layers=chosen.attention,
+                recompute_flops=recompute_flops(chosen.bw_module), fits=fits(chosen), partitions_tried=len(trials))
+    return chosen.fw_module, chosen.bw_module, plan.to_dict()
+
+
+# ------------------------------------------------------------------------------------------- cost model
+
+
+def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node whose allocation `node`'s value lives in (a view's base; itself otherwise)."""
+    if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        return owners[node.args[0]]
+    return node
+
+
+def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, list[fx.Node]]:
+    """(peak of the bytes alive while `gm` runs node by node, the values holding them at that moment; see the
+    module doc): placeholders count only when named in `counted_inputs`; outputs are never freed."""
+    nodes = list(gm.graph.nodes)
+    owners: dict[fx.Node, fx.Node] = {}
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        owners[node] = _owner(node, owners)
+        for arg in node.all_input_nodes:
+            last_use[owners[arg]] = len(nodes) if node.op == "output" else i
+    frees: dict[int, list[fx.Node]] = {}
+    for owner, i in last_use.items():
+        frees.setdefault(i, []).append(owner)
+    size = {n: node_nbytes(n) for n in nodes
+            if owners[n] is n and (n.op != "placeholder" or n.name in counted_inputs)}
+    alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
+    live = sum(size[n] for n in alive)
+    peak, at_peak = live, set(alive)
+    for i, node in enumerate(nodes):
+        if node.op != "placeholder" and size.get(node):
+            alive.add(node)
+            live += size[node]
+            if live > peak:
+                peak, at_peak = live, set(alive)
+        for owner in frees.get(i, ()):
+            if owner in alive:
+                alive.discard(owner)
+                live -= size[owner]
+    return peak, [n for n in nodes if n in at_peak]
+
+
+def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
+    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes)."""
+    activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"]
+    saved = sum(node_nbytes(n) for n in activations)
+    return max(live_at_peak(fw, set())[0], live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs))[0]), saved
+
+
+def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """Names of the backward graph's inputs that are this step's memory: saved activations and tangents."""
+    activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"}
+    return activations | {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+
+
+def recompute_flops(bw: fx.GraphModule) -> int:
+    """FLOPs of the forward ops `bw` re-runs: torch's flop counter where it has a formula, else one per element."""
+    from torch._inductor.fx_utils import count_flops_fx
+
+    total = 0
+    for node in bw.graph.nodes:
+        if node.op != "call_function" or node.meta.get("partitioner_tag") != "is_forward":
+            continue
+        if node.target is operator.getitem or _getitem_parent(node) is not None:
+            continue
+        flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
+        total += flops if flops else node_nbytes(node) // max(1, _itemsize(node))
+    return total
+
+
+def _attention_flops(node: fx.Node) -> int:
+    """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
+    query, key = [a.meta["val"] for a in node.args  # past an RNG wrapper's leading (state, op) arguments
+                  if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
+    *batch_heads_sq, head_dim = query.shape
+    numel = 1
+    for d in batch_heads_sq:
+        numel *= int(d)
+    return 4 * numel * int(key.shape[-2]) * int(head_dim)
+
+
+def _itemsize(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.element_size() if isinstance(val, torch.Tensor) else 1
