@@ -99,6 +99,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.ops = 0
         self.watching = False  # peaks are followed only in the measured step (the warm-up's peak is never read)
+        self.blocks = _BlockCache(device.block_bytes)  # storage bytes -> bytes charged (every op re-sums them)
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -118,15 +119,10 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def sizes(self) -> dict[int, int]:
         """Bytes of every live storage, by serial number."""
-        sizes = {}
-        for serial, ref in self.live.items():
-            storage = ref()
-            if storage is not None:
-                sizes[serial] = storage.nbytes()
-        return sizes
+        return {serial: storage.nbytes() for serial, ref in self.live.items() if (storage := ref()) is not None}
 
     def charged(self, sizes: dict[int, int]) -> int:
-        return sum(self.device.block_bytes(n) for n in sizes.values())
+        return sum(map(self.blocks.__getitem__, sizes.values()))
 
     def reset_peak(self) -> None:
         self.watching = True
@@ -149,6 +145,18 @@ class LiveStorageTracker(TorchDispatchMode):
             phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
             self.peak, self.peak_sizes, self.peak_op, self.peak_phase = charged, sizes, str(func), phase
         return out
+
+
+class _BlockCache(dict):
+    """`device.block_bytes` memoised by size: a dict lookup per live storage and op instead of a call."""
+
+    def __init__(self, block_bytes: Any) -> None:
+        super().__init__()
+        self.block_bytes = block_bytes
+
+    def __missing__(self, nbytes: int) -> int:
+        self[nbytes] = charged = self.block_bytes(nbytes)
+        return charged
 
 
 @dataclass
