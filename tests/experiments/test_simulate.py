@@ -88,6 +88,8 @@ def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainabilit
 def test_curve_hint_is_where_the_line_through_the_nearest_peaks_meets_the_budget():
     curve = {1024: 100, 2048: 200, 8192: 1000}
     assert sim.curve_hint(curve, 350, 512) == 3584  # the line through 2048 and 1024: 3584 tokens at 350
+    # a neighbour one step away is passed over for a point far enough to give the slope
+    assert sim.curve_hint({4096: 500, 8192: 1000, 8704: 1020}, 1250, 512) == 10240  # (adjacent pair: 14336)
     assert sim.curve_hint({1024: 100}, 350, 512) is None
     assert sim.curve_hint({1024: 100, 2048: 100}, 350, 512) is None  # flat: no crossing to aim at
 
