@@ -128,7 +128,7 @@ def markdown_table(table: "pd.DataFrame") -> str:
     from autosp.experiments.devices import get_device_model
     from autosp.experiments.tables import paper_claims
 
-    claims = paper_claims().set_index("claim_id")["factor"]
+    claims = paper_claims().set_index("claim_id")
     table = table.assign(label=table["method"] + " z" + table["zero"].astype("Int64").astype(str))
     labels = list(dict.fromkeys(table["label"]))
     head = ["model", "device", *labels, *(f"autosp/{ref} (paper)" for ref, _ in RATIOS)]
@@ -139,8 +139,9 @@ def markdown_table(table: "pd.DataFrame") -> str:
         vendor = get_device_model(device).vendor
         ratios = []
         for ref, claim_ids in RATIOS:
-            claim = claims.get(claim_ids.get(vendor, ""))
-            claimed = f" ({claim:g}x)" if claim is not None else ""
+            claim_id = claim_ids.get(vendor, "")
+            applies = claim_id in claims.index and str(claims.loc[claim_id, "model"]).lower() in ("up to", model)
+            claimed = f" ({claims.loc[claim_id, 'factor']:g}x)" if applies else ""  # 5.6x is an 8B claim
             ratios.append(_ratio(best.get("autosp", 0.0), best.get(ref, 0.0)) + claimed if ref in best else "-")
         lines.append("| " + " | ".join([model, device, *(by_label.get(l, "") for l in labels), *ratios]) + " |")
     return "\n".join(lines)

@@ -16,12 +16,15 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
                  max_seq_len=k * 1024) for device in ("a100-80gb", "mi250-gcd") for method, zero, k in cells]
     rows.append(dict(model="llama-3.1-8b", device="a100-80gb", method="zero3", zero=3, status="error",
                      max_seq_len=None))
+    rows += [dict(model="llama-3.2-1b", device="a100-80gb", method=method, zero=zero, status="found",
+                  max_seq_len=k * 1024) for method, zero, k in cells]
     lines = markdown_table(pd.DataFrame(rows)).splitlines()
     assert lines[0].split(" | ")[2:8] == ["autosp z0", "autosp z3", "ulysses z0", "ring z0", "fsdp z3", "zero3 z3"]
     a100, mi250 = lines[2].split(" | "), lines[3].split(" | ")
     assert a100[2:4] == ["64K", "96K"] and a100[7] == "error"
     assert a100[-3:] == ["3.00x (2.7x)", "3.00x (3x)", "6.00x (5.6x) |"]
     assert mi250[-3] == "3.00x (2.5x)"  # AMD: the paper's 2.5x
+    assert lines[4].endswith("| 6.00x |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
 
 
 def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
