@@ -165,16 +165,22 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
         check_figure_path(path)
     check_writable(args.table_out, "--table-out")
     started, cpu = time.monotonic(), os.times()
-    rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
-                          max_len=args.max_len)
+    if args.render:  # the rows of an earlier (possibly stopped) run: table and figure only
+        from autosp.harness.records import read_records
+
+        rows = [r for path in args.render for r in read_records(path) if r.get("kind") == "search"]
+    else:
+        rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
+                              max_len=args.max_len)
     table = trainability_table(pd.json_normalize(rows, sep="."))
     text = markdown_table(table)
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)
-    footer = (f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
+    footer = ("\n\nRendered from " + " ".join(args.render) + "." if args.render else
+              f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
               f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
-              f"--jobs {args.jobs}. Simulated (`autosp simulate-table`), not measured.\n")
+              f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
     Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{args.table_out}.tmp")
     tmp.write_text(text + footer)
@@ -203,6 +209,8 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="results/simulated_table.jsonl", help="JSONL file the search rows go to")
     p.add_argument("--table-out", default="results/simulated_table.md", help="the Markdown table")
     p.add_argument("--figure", nargs="*", default=[], help="trainability figure files (.png, .pdf)")
+    p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
+                   help="no simulation: the table and figure of the search rows in these files")
     p.add_argument("--allow-errors", action="store_true",
                    help="exit 0 even where a method cannot be simulated (its cells say why)")
     p.set_defaults(func=_cmd_simulate_table)

@@ -41,5 +41,8 @@ def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
     assert rows[1]["extra"]["cell_simulated_lengths"] == 1  # the second device type reused the first's probe
     text = table.read_text()
     assert "| tiny | a100-80gb | >=1K | error |" in text and "CPU" in text
+    rendered = tmp_path / "rendered.md"  # the same table again from the rows alone, no simulation
+    assert main(["simulate-table", "--render", str(out), "--table-out", str(rendered), "--allow-errors"]) == 0
+    assert rendered.read_text().split("\n\n")[0] == text.split("\n\n")[0]
     assert main(["simulate-table", "--methods", "autosp:x", "--out", str(out), "--table-out", str(table)]) == 2
     capsys.readouterr()
