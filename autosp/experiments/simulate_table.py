@@ -107,10 +107,12 @@ def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: i
 
 
 def _length(row: "pd.Series") -> str:
+    import pandas as pd
+
     n = row["max_seq_len"]
     if row["status"] == "error":
         return "error"
-    if n is None or n != n or not n:  # NaN / None / 0
+    if pd.isna(n) or not n:  # a search that found no trainable length (a nullable Int64 column: NA)
         return "oom at min"
     text = f"{int(n) / 1024:g}K"
     return f">={text}" if row["status"] == "no_oom_up_to_max_len" else text
@@ -130,7 +132,9 @@ def markdown_table(table: "pd.DataFrame") -> str:
 
     claims = paper_claims().set_index("claim_id")
     table = table.assign(label=table["method"] + " z" + table["zero"].astype("Int64").astype(str))
-    labels = list(dict.fromkeys(table["label"]))
+    order = [parse_method(spec)[0] for spec in PAPER_METHODS]
+    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
+    labels = sorted(dict.fromkeys(table["label"]), key=rank)
     head = ["model", "device", *labels, *(f"autosp/{ref} (paper)" for ref, _ in RATIOS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, device), cell in table.groupby(["model", "device"], sort=False):
