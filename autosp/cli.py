@@ -34,6 +34,7 @@ SUBCOMMANDS = (
     ("autosp.experiments.activations", "add_activations_parser"),
     ("autosp.experiments.levers", "add_levers_parser"),
     ("autosp.experiments.simulate", "add_simulate_parser"),
+    ("autosp.experiments.simulate_table", "add_simulate_table_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autosp.errors import AutoSPError
 from autosp.experiments.devices import DeviceModel, get_device_model
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size
@@ -97,6 +98,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak_phase = ""
         self.phase = "setup"
         self.ops = 0
+        self.watching = False  # peaks are followed only in the measured step (the warm-up's peak is never read)
+        self.blocks = _BlockCache(device.block_bytes)  # storage bytes -> bytes charged (every op re-sums them)
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -116,17 +119,13 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def sizes(self) -> dict[int, int]:
         """Bytes of every live storage, by serial number."""
-        sizes = {}
-        for serial, ref in self.live.items():
-            storage = ref()
-            if storage is not None:
-                sizes[serial] = storage.nbytes()
-        return sizes
+        return {serial: storage.nbytes() for serial, ref in self.live.items() if (storage := ref()) is not None}
 
     def charged(self, sizes: dict[int, int]) -> int:
-        return sum(self.device.block_bytes(n) for n in sizes.values())
+        return sum(map(self.blocks.__getitem__, sizes.values()))
 
     def reset_peak(self) -> None:
+        self.watching = True
         self.peak_sizes = self.sizes()
         self.peak = self.charged(self.peak_sizes)
         self.peak_op, self.peak_phase = "(step start)", self.phase
@@ -138,12 +137,26 @@ class LiveStorageTracker(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 for inner in _inner_tensors(value):
                     self.track(inner)
+        if not self.watching:
+            return out
         sizes = self.sizes()
         charged = self.charged(sizes)
         if charged > self.peak:
             phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
             self.peak, self.peak_sizes, self.peak_op, self.peak_phase = charged, sizes, str(func), phase
         return out
+
+
+class _BlockCache(dict):
+    """`device.block_bytes` memoised by size: a dict lookup per live storage and op instead of a call."""
+
+    def __init__(self, block_bytes: Any) -> None:
+        super().__init__()
+        self.block_bytes = block_bytes
+
+    def __missing__(self, nbytes: int) -> int:
+        self[nbytes] = charged = self.block_bytes(nbytes)
+        return charged
 
 
 @dataclass
@@ -302,8 +315,9 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the method on fake tensors is reported, not guessed
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise SimulationError(f"--method {cfg.method} cannot run on fake tensors: {type(exc).__name__}: {first}") \
-            from exc
+        # the method's own refusal (it would refuse the real run alike) vs a failure of the simulation itself
+        what = "refuses this configuration" if isinstance(exc, AutoSPError) else "cannot run on fake tensors"
+        raise SimulationError(f"--method {cfg.method} {what}: {type(exc).__name__}: {first}") from exc
     per_layer = {name: getattr(three, name) - getattr(two, name)
                  for name in ("peak_bytes", "live_tensor_bytes", *COMPONENTS)}
     extrapolated = RankPeak(**{**asdict(three), **{name: getattr(three, name) + (depth - 3) * delta
@@ -346,22 +360,52 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     return record
 
 
+def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> int | None:
+    """Where the line through the two simulated lengths whose peaks lie nearest `tensor_budget` crosses it.
+
+    `curve`: length -> allocator-charged tensor peak (no context) of earlier probes of the same configuration,
+    e.g. a search for another device type. Only a first length to probe: the statuses of the probes decide.
+    The second point lies at least an eighth of the length away when there is one: the slope between two
+    lengths one granularity step apart is dominated by allocator rounding (seen: 0.21 vs 0.31 GiB per 1K)."""
+    if len(curve) < 2:
+        return None
+    distance = lambda n: (abs(curve[n] - tensor_budget), n)  # noqa: E731
+    first = min(curve, key=distance)
+    far = [n for n in curve if abs(n - first) >= max(granularity, first // 8)]
+    second = min(far or [n for n in curve if n != first], key=distance)
+    (s1, p1), (s2, p2) = sorted((n, curve[n]) for n in (first, second))
+    if p2 <= p1:
+        return None
+    return max(granularity, int((s1 + (tensor_budget - p1) * (s2 - s1) / (p2 - p1)) // granularity) * granularity)
+
+
 def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | None = None,
-                     min_len: int | None = None, max_len: int = 1 << 20) -> dict[str, Any]:
-    """Longest trainable length on `device` by `autosp search`'s own search, each probe a simulation."""
+                     min_len: int | None = None, max_len: int = 1 << 20,
+                     curve: dict[int, int] | None = None) -> dict[str, Any]:
+    """Longest trainable length on `device` by `autosp search`'s own search, each probe a simulation.
+
+    The search starts where `curve` (the peaks simulated so far for this configuration, extended by this
+    search's probes) says the device's budget is reached, else at the analytic floor's limit: with peaks
+    close to linear in the length, a search for a second device type needs about two probes (the answer and
+    one granularity step above), and every probe already simulated at a length is reused (`predict_peak`)."""
     from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
 
     granularity = granularity or default_granularity(cfg.world_size)
+    curve = {} if curve is None else curve
     probes: list[dict[str, Any]] = []
     started = time.monotonic()
+    limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
 
     def probe(seq_len: int) -> tuple[str, int | None]:
         record = simulate(cfg.replace(seq_len=seq_len), device)
         probes.append(record)
+        if record["status"] in ("ok", "oom"):
+            curve[seq_len] = record["extra"]["breakdown"]["allocator_blocks_bytes"]
         return record["status"], record["peak_mem_bytes"]
 
+    start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
     outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity, max_len=max_len,
-                                budget=device.usable_bytes)
+                                budget=device.usable_bytes, start_len=start)
     best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
     row = dict(best if best is not None else probes[-1])
     row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
@@ -370,7 +414,6 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
                probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"]}
                        for r in probes],
                wall_s=round(time.monotonic() - started, 3))
-    limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
     row.update(floor_limit_seq_len=limit, floor=floor,
                achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
     if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
@@ -418,9 +461,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
     cfg = run_config_from_args(args, seq_len=args.seq_len or 1)
     status = 0
+    curve: dict[int, int] = {}  # one configuration's peaks, shared by the searches for every device type
     for device in devices:
-        record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len) if args.search \
-            else simulate(cfg, device)
+        record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len, curve=curve) \
+            if args.search else simulate(cfg, device)
         append_record(args.out, record)
         print(_summary(record) + f" -> {args.out}", flush=True)
         status = max(status, 1 if record["status"] == "error" else 0)

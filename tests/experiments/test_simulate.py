@@ -72,10 +72,26 @@ def test_a_method_that_cannot_run_on_fake_tensors_says_so_in_one_line():
 def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainability_table():
     cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2)
     budget = sim.simulate(cfg.replace(seq_len=1024), CPU)["peak_mem_bytes"]
-    row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096)
+    curve: dict[int, int] = {}
+    row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096, curve=curve)
     assert row["status"] == "found" and row["max_seq_len"] == 1024 and row["first_oom_seq_len"] == 1536
     table = trainability_table(pd.json_normalize([{**row, "timestamp": "t"}], sep="."))
     assert table.loc[0, "mode"] == "simulated" and table.loc[0, "max_seq_len"] == 1024
+    # a second device type reuses the first search's curve: it starts at its boundary, the answer still backed
+    # by a simulated probe at the answer and one step above
+    bigger = sim.simulate(cfg.replace(seq_len=2560), CPU)["peak_mem_bytes"]
+    second = sim.simulated_search(cfg, get_device_model("cpu", bigger), granularity=512, max_len=4096, curve=curve)
+    assert second["max_seq_len"] == 2560 and second["first_oom_seq_len"] == 3072
+    assert [p["seq_len"] for p in second["probes"]] == [2560, 3072]
+
+
+def test_curve_hint_is_where_the_line_through_the_nearest_peaks_meets_the_budget():
+    curve = {1024: 100, 2048: 200, 8192: 1000}
+    assert sim.curve_hint(curve, 350, 512) == 3584  # the line through 2048 and 1024: 3584 tokens at 350
+    # a neighbour one step away is passed over for a point far enough to give the slope
+    assert sim.curve_hint({4096: 500, 8192: 1000, 8704: 1020}, 1250, 512) == 10240  # (adjacent pair: 14336)
+    assert sim.curve_hint({1024: 100}, 350, 512) is None
+    assert sim.curve_hint({1024: 100, 2048: 100}, 350, 512) is None  # flat: no crossing to aim at
 
 
 def test_cli_needs_a_length_or_search(capsys):

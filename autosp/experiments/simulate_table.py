@@ -1,0 +1,220 @@
+"""`autosp simulate-table`: the paper's trainability table (models x methods x device types), simulated.
+
+Every probe of a search is one fake-tensor simulation (`autosp.experiments.simulate`) whose cost does not
+depend on the length (shapes only), so the table's time is its number of probes times ~5-12 s of CPU.
+Three levers keep that number small; none changes a prediction (each probe is the same simulation):
+
+- one search per (model, method, ZeRO stage) serves every device type. Device types differ only in their
+  allocator constants and capacity (`devices.py`): a length already simulated is reused (`predict_peak`'s
+  cache, keyed by the allocator's block sizes), and the peak-vs-length line of the probes so far starts the
+  next device's search at its boundary (`simulate.curve_hint`), so it usually takes two probes — the answer
+  and one granularity step above, which `search_max_length` needs before it reports the answer;
+- the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
+- cells run in `--jobs` worker processes (one simulation is single-threaded Python).
+
+The Markdown table puts each cell's max length beside AutoSP's ratios to Ulysses, Ring and FSDP (ZeRO-3) and
+the paper's claimed ratios (`autosp/reference/paper_claims.csv`): 2.7x NVIDIA / 2.5x AMD vs Ulysses, 5.6x vs
+ZeRO-3 at 8B, 3.0x vs Ring.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autosp.harness.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
+#: method[:ZeRO stage]; the stage a method runs without one is its own default
+PAPER_METHODS = ("autosp", "autosp:3", "ulysses", "ulysses:3", "ring", "fsdp", "zero3", "ds-autosp")
+PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
+#: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
+RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
+          ("ring", {"nvidia": "trainability_vs_ring"}),
+          ("fsdp", {"nvidia": "trainability_vs_zero3"}))
+
+
+def parse_method(spec: str) -> tuple[str, int | None]:
+    """`autosp:3` -> ("autosp", 3); `ring` -> ("ring", None)."""
+    method, _, stage = spec.partition(":")
+    if stage and not stage.isdigit():
+        raise ConfigError(f"--methods entry {spec!r}: write method or method:<ZeRO stage>, e.g. autosp:3")
+    return method, int(stage) if stage else None
+
+
+def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtype: str) -> list[RunConfig]:
+    """One validated configuration per (model, method, stage); bad input fails here, before any simulation."""
+    from autosp.harness.runner import validate
+
+    configs = []
+    for model in models:
+        for spec in methods:
+            method, zero = parse_method(spec)
+            cfg = RunConfig(method=method, model=model, seq_len=2 * world_size, world_size=world_size, dtype=dtype,
+                            zero=zero, device="cpu")
+            validate(cfg)
+            configs.append(cfg.replace(seq_len=1))
+    return configs
+
+
+def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None, max_len: int) -> list[dict]:
+    """One configuration's search rows, one per device type, sharing one peak-vs-length curve."""
+    from autosp.experiments.devices import get_device_model
+    from autosp.experiments.simulate import simulated_search
+
+    curve: dict[int, int] = {}
+    started = time.process_time()
+    rows = [simulated_search(cfg, get_device_model(name), granularity=granularity, max_len=max_len, curve=curve)
+            for name in device_names]
+    for row in rows:
+        row["extra"]["cell_cpu_s"] = round(time.process_time() - started, 1)  # the whole cell, every device
+        row["extra"]["cell_simulated_lengths"] = len(curve)
+    return rows
+
+
+def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: int, out: str,
+                   granularity: int | None = None, max_len: int = 1 << 22) -> list[dict]:
+    """Every cell's search rows, appended to `out` as each cell finishes (a stopped run keeps what it did)."""
+    from autosp.experiments.simulate import _summary
+    from autosp.harness.records import append_record
+
+    rows: list[dict] = []
+
+    def keep(cell_rows: list[dict]) -> None:
+        for row in cell_rows:
+            append_record(out, row)
+            print(_summary(row), flush=True)
+        rows.extend(cell_rows)
+
+    # the compiled methods' cells take longest: started first so the workers finish together
+    order = sorted(configs, key=lambda c: c.method not in ("autosp", "ulysses-compile"))
+    if jobs <= 1:
+        for cfg in order:
+            keep(search_cell(cfg, device_names, granularity, max_len))
+        return rows
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(search_cell, cfg, device_names, granularity, max_len) for cfg in order]
+        for future in as_completed(futures):
+            keep(future.result())
+    return rows
+
+
+def _length(row: "pd.Series") -> str:
+    import pandas as pd
+
+    n = row["max_seq_len"]
+    if row["status"] == "error":
+        return "error"
+    if pd.isna(n) or not n:  # a search that found no trainable length (a nullable Int64 column: NA)
+        return "oom at min"
+    text = f"{int(n) / 1024:g}K"
+    return f">={text}" if row["status"] == "no_oom_up_to_max_len" else text
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    if not ours:
+        return "-"
+    return f"{ours / theirs:.2f}x" if theirs else "only autosp trains"
+
+
+def markdown_table(table: "pd.DataFrame") -> str:
+    """Max length per cell (columns method zZeRO-stage) and AutoSP's best over its stages vs each baseline's best,
+    beside the paper's claimed ratio for the device's vendor."""
+    from autosp.experiments.devices import get_device_model
+    from autosp.experiments.tables import paper_claims
+
+    claims = paper_claims().set_index("claim_id")
+    table = table.assign(label=table["method"] + " z" + table["zero"].astype("Int64").astype(str))
+    order = [parse_method(spec)[0] for spec in PAPER_METHODS]
+    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
+    labels = sorted(dict.fromkeys(table["label"]), key=rank)
+    head = ["model", "device", *labels, *(f"autosp/{ref} (paper)" for ref, _ in RATIOS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (model, device), cell in table.groupby(["model", "device"], sort=False):
+        by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
+        best = cell.assign(n=cell["max_seq_len"].fillna(0).astype(float)).groupby("method")["n"].max()
+        vendor = get_device_model(device).vendor
+        ratios = []
+        for ref, claim_ids in RATIOS:
+            claim_id = claim_ids.get(vendor, "")
+            applies = claim_id in claims.index and str(claims.loc[claim_id, "model"]).lower() in ("up to", model)
+            claimed = f" ({claims.loc[claim_id, 'factor']:g}x)" if applies else ""  # 5.6x is an 8B claim
+            ratios.append(_ratio(best.get("autosp", 0.0), best.get(ref, 0.0)) + claimed if ref in best else "-")
+        lines.append("| " + " | ".join([model, device, *(by_label.get(l, "") for l in labels), *ratios]) + " |")
+    return "\n".join(lines)
+
+
+def _cmd_simulate_table(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from autosp.experiments.devices import get_device_model
+    from autosp.experiments.plots import check_figure_path, trainability_figure
+    from autosp.experiments.tables import trainability_table
+    from autosp.harness.records import check_writable
+
+    devices = args.devices.split(",")
+    for name in devices:
+        if not get_device_model(name).memory_bytes:
+            raise ConfigError(f"--devices {name}: the table is for GPU types with their own memory")
+    configs = cell_configs(args.models.split(","), args.methods.split(","), world_size=args.world_size,
+                           dtype=args.dtype)
+    for path in args.figure:
+        check_figure_path(path)
+    check_writable(args.table_out, "--table-out")
+    started, cpu = time.monotonic(), os.times()
+    if args.render:  # the rows of an earlier (possibly stopped) run: table and figure only
+        from autosp.harness.records import read_records
+
+        rows = [r for path in args.render for r in read_records(path) if r.get("kind") == "search"]
+    else:
+        rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
+                              max_len=args.max_len)
+    table = trainability_table(pd.json_normalize(rows, sep="."))
+    text = markdown_table(table)
+    used = os.times()
+    cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
+        + (used.children_system - cpu.children_system)
+    footer = ("\n\nRendered from " + " ".join(args.render) + "." if args.render else
+              f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
+              f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
+              f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
+    Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{args.table_out}.tmp")
+    tmp.write_text(text + footer)
+    os.replace(tmp, args.table_out)
+    print(text + footer)
+    if args.figure:
+        trainability_figure(table, args.figure)
+        print(f"wrote {args.table_out} {' '.join(args.figure)}")
+    return 1 if any(r["status"] == "error" for r in rows) and not args.allow_errors else 0
+
+
+def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`autosp simulate-table [--models ...] [--methods ...] [--devices ...]`: the whole simulated table."""
+    p = subparsers.add_parser(
+        "simulate-table", help="the paper's trainability table on GPU types you do not have (simulated searches)",
+        epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
+    p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
+    p.add_argument("--methods", default=",".join(PAPER_METHODS),
+                   help="comma-separated method[:ZeRO stage], e.g. autosp,autosp:3,ulysses,ring,fsdp")
+    p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
+    p.add_argument("--max-len", type=int, default=1 << 22, help="longest length a search tries")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    p.add_argument("--out", default="results/simulated_table.jsonl", help="JSONL file the search rows go to")
+    p.add_argument("--table-out", default="results/simulated_table.md", help="the Markdown table")
+    p.add_argument("--figure", nargs="*", default=[], help="trainability figure files (.png, .pdf)")
+    p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
+                   help="no simulation: the table and figure of the search rows in these files")
+    p.add_argument("--allow-errors", action="store_true",
+                   help="exit 0 even where a method cannot be simulated (its cells say why)")
+    p.set_defaults(func=_cmd_simulate_table)
