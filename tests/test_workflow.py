@@ -52,7 +52,10 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
     assert "--memory-budget" not in plan  # the GPUs' own memory
     assert "searching [8 cores, 8 GPUs x 1 nodes]" in plan and "results/trainability/a100-80gb/P8/" in plan
     gh200 = dry_run(tmp_path, "figure_trainability", "--profile", "profiles/gh200", "--cores", "64")
-    assert "searching [8 cores, 4 GPUs x 2 nodes]" in gh200  # 4 superchips per node: P=8 holds two nodes
+    assert "searching [4 cores, 4 GPUs x 1 nodes]" in gh200  # 4 superchips per node: a cell fits one node
+    # a cell spanning nodes could not start (its ranks launch on one node): refused at planning, naming why
+    proc = snakemake(tmp_path, "-n", "figure_trainability", "--profile", "profiles/gh200", "--config", "world_size=8")
+    assert proc.returncode != 0 and "world_size 8 > gpus_per_node 4" in proc.stdout + proc.stderr
 
 
 def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
