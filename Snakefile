@@ -28,7 +28,9 @@ include: "workflows/sac.smk"
 
 rule tables:  # CSV + Markdown + LaTeX (booktabs), one per figure
     input:
-        rules.trainability_table.output,
+        trainability_outputs("results/tables/trainability{scope}.csv"),
+        trainability_outputs("results/tables/trainability{scope}.md"),
+        trainability_outputs("results/tables/trainability{scope}.tex"),
         rules.throughput_table.output,
         rules.memory_table.output,
         rules.sac_table.output,
@@ -36,7 +38,8 @@ rule tables:  # CSV + Markdown + LaTeX (booktabs), one per figure
 
 rule all:
     input:
-        rules.figure_trainability.output,
+        trainability_outputs("figures/trainability{scope}.png"),
+        trainability_outputs("figures/trainability{scope}.pdf"),
         rules.figure_throughput.output,
         rules.figure_memory.output,
         rules.figure_sac.output,
@@ -46,6 +49,7 @@ rule all:
 localrules:
     all,
     tables,
+    figure_trainability,
 
 
 include: "workflows/history.smk"

@@ -44,6 +44,8 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
         plan = dry_run(tmp_path, *TARGETS, *profile)
         for figure in FIGURES:
             assert f"figures/{figure}.pdf" in plan and f"results/tables/{figure}.tex" in plan, (profile, figure)
+        if profile == ["--profile", "profiles/local"]:  # `all` adds the presets too slow for the quick start
+            assert "figures/trainability-all.pdf" in plan and "cpu/P2/llama3-mini/autosp.jsonl" in plan
     plan = dry_run(tmp_path, "all", "--profile", "profiles/a100", "--cores", "64")  # as on a GPU node
     searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 8 --device cuda --dtype bfloat16",
                           plan)
@@ -52,7 +54,10 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
     assert "--memory-budget" not in plan  # the GPUs' own memory
     assert "searching [8 cores, 8 GPUs x 1 nodes]" in plan and "results/trainability/a100-80gb/P8/" in plan
     gh200 = dry_run(tmp_path, "figure_trainability", "--profile", "profiles/gh200", "--cores", "64")
-    assert "searching [8 cores, 4 GPUs x 2 nodes]" in gh200  # 4 superchips per node: P=8 holds two nodes
+    assert "searching [4 cores, 4 GPUs x 1 nodes]" in gh200  # 4 superchips per node: a cell fits one node
+    # a cell spanning nodes could not start (its ranks launch on one node): refused at planning, naming why
+    proc = snakemake(tmp_path, "-n", "figure_trainability", "--profile", "profiles/gh200", "--config", "world_size=8")
+    assert proc.returncode != 0 and "world_size 8 > gpus_per_node 4" in proc.stdout + proc.stderr
 
 
 def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
@@ -67,6 +72,7 @@ def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
         ("tiny", "48MiB"), ("small", "96MiB"), ("hf:tiny", "48MiB"), ("hf:small", "96MiB")}
     assert "cell autosp tiny P=2 cpu: searching [2 cores, 0 GPUs x 1 nodes]" in plan  # a core per rank
     assert "autosp check --method ds-autosp --model hf:tiny" in plan  # gradient correctness beside its number
+    assert "llama3-mini" not in plan  # only `all` measures it (the quick start's time)
 
 
 def test_models_override_uses_the_default_budget(tmp_path: Path) -> None:
@@ -116,6 +122,7 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
 
 REDUCED = """
 models: [tiny]
+all_models: []
 methods: [autosp, no-such-method]   # the second cell fails: its search exits with a bad-input error
 peer: {method: ds-autosp, models: [], compare: [], check: [], check_seq_len: 256}
 compile_backend: {default: aot_eager}

@@ -1,5 +1,4 @@
 # What every rule shares: settings looked up per model / method, the cell paths, the compile cache, resources.
-import math
 import os
 import re
 
@@ -60,6 +59,13 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
 # SLURM plugin requests them), so no two cells ever share a GPU.
 if config["device"] == "cuda" and config["gpus_per_node"] < 1:
     raise ValueError("device: cuda needs gpus_per_node >= 1 (the GPUs of one node)")
-GPUS = min(config["world_size"], config["gpus_per_node"]) if config["device"] == "cuda" else 0
-NODES = math.ceil(config["world_size"] / GPUS) if GPUS else 1
+# Every job starts its ranks on the node it runs on (`autosp run` spawns one rank per local GPU; a search's
+# probes do the same), so a cell must fit in one node: plan nothing that could not start.
+if config["device"] == "cuda" and config["world_size"] > config["gpus_per_node"]:
+    raise ValueError(
+        f"world_size {config['world_size']} > gpus_per_node {config['gpus_per_node']}: every cell launches its ranks "
+        f"on one node; set world_size <= {config['gpus_per_node']} (a multi-node run is `srun ... autosp run`, "
+        "see README, Clusters)")
+GPUS = config["world_size"] if config["device"] == "cuda" else 0
+NODES = 1
 RANK_THREADS = config["world_size"]

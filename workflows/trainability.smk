@@ -57,41 +57,57 @@ rule check:
 PEER = config["peer"]
 PEER_METHODS = [PEER["method"], *PEER["compare"]]
 PEER_MODELS = [f"hf:{preset}" for preset in PEER["models"]]
-TRAINABILITY_RESULTS = [
-    setting(f"results/trainability/{{device_type}}/P{{world_size}}/{model}/{method}.jsonl")
-    for model in config["models"] for method in config["methods"]
-] + [
-    setting(f"results/trainability/{{device_type}}/P{{world_size}}/{model}/{method}.jsonl")
-    for model in PEER_MODELS
-    for method in PEER_METHODS
-]
 PEER_CHECKS = [
     setting(f"results/checks/{{device_type}}/P{{world_size}}/{model}/{method}.json")
     for model in PEER_MODELS
     for method in PEER["check"]
 ]
+# Scope "" is the quick start's table and figure (`models`); scope "-all" (the `all` target) adds `all_models`,
+# presets too slow for the quick start.
+TRAINABILITY_SCOPES = [""] + (["-all"] if config["all_models"] else [])
+wildcard_constraints:
+    scope="(-all)?",
+
+
+def trainability_results(scope):
+    models = config["models"] + (config["all_models"] if scope else [])
+    cells = [(model, method) for model in models for method in config["methods"]]
+    cells += [(model, method) for model in PEER_MODELS for method in PEER_METHODS]
+    return [setting(f"results/trainability/{{device_type}}/P{{world_size}}/{model}/{method}.jsonl")
+            for model, method in cells]
+
+
+def trainability_outputs(pattern):
+    """`pattern` (with {scope}) for every scope the settings have."""
+    return [pattern.format(scope=scope) for scope in TRAINABILITY_SCOPES]
 
 
 rule trainability_table:
     input:
-        records=TRAINABILITY_RESULTS,
+        records=lambda w: trainability_results(w.scope),
         checks=PEER_CHECKS,
     output:
-        csv="results/tables/trainability.csv",
-        md="results/tables/trainability.md",
-        tex="results/tables/trainability.tex",
+        csv="results/tables/trainability{scope}.csv",
+        md="results/tables/trainability{scope}.md",
+        tex="results/tables/trainability{scope}.tex",
     shell:
         "{config[autosp]} table trainability --in {input.records} --checks {input.checks} --out {output.csv}"
 
 
-rule figure_trainability:
+rule figure_trainability_scope:
     input:
-        records=TRAINABILITY_RESULTS,
+        records=lambda w: trainability_results(w.scope),
         checks=PEER_CHECKS,
-        table=rules.trainability_table.output,
+        table="results/tables/trainability{scope}.csv",
     output:
-        png="figures/trainability.png",
-        pdf="figures/trainability.pdf",
+        png="figures/trainability{scope}.png",
+        pdf="figures/trainability{scope}.pdf",
     shell:
         "{config[autosp]} plot trainability --in {input.records} --checks {input.checks}"
         " --out {output.png} {output.pdf}"
+
+
+rule figure_trainability:  # the quick start's target
+    input:
+        "figures/trainability.png",
+        "figures/trainability.pdf",

@@ -10,8 +10,11 @@ Algorithm: lengths are multiples of a granularity g. From a start length (defaul
 doubles until the first OOM (or halves until the first success if the start already OOMs), then the
 bracket [last ok, first oom] is bisected down to g: about 2*log2(max_len / g) probes. When probes report
 their peak memory, the next length is instead guessed where the line through the nearest probes meets the
-budget (peak memory is close to linear in the length), which typically finishes in 4-5 probes; a
-safeguard falls back to doubling/bisection when guesses do not pay off. The answer relies on peak memory
+budget (peak memory is close to linear in the length); the first probe alone already guides when it also
+reports the bytes resident at the start of its step (the length-independent model state: the line's
+intercept), so a search is typically one short probe, one jump just below the limit, the answer and one
+granularity step above it (3-4 probes, each a fresh compile of a compiled method); a safeguard falls back
+to doubling/bisection when guesses do not pay off. The answer relies on peak memory
 being monotone in the length, which holds for every method here. Only status ``oom`` means "too long":
 an ``error`` or ``timeout`` probe stops the search and becomes the search's status, so a crash is never
 mistaken for a memory limit.
@@ -61,7 +64,7 @@ def default_granularity(world_size: int) -> int:
 
 
 def search_max_length(
-    probe: Callable[[int], str | tuple[str, int | None]],
+    probe: Callable[[int], str | tuple[str, int | None] | tuple[str, int | None, int | None]],
     *,
     granularity: int,
     min_len: int,
@@ -72,10 +75,13 @@ def search_max_length(
     """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
 
     `start_len` is a length expected near the answer: it and its neighbour are probed first.
-    `probe` returns a status, or (status, peak bytes). Given the peaks and the `budget` they are compared
-    with, the next length is guessed where a line through the two probes nearest the boundary crosses
-    the budget (memory is close to linear in the length), which usually brackets the answer in two steps
-    and confirms it in two more. Guesses only choose what to probe; statuses alone decide the answer, and
+    `probe` returns a status, or (status, peak bytes), or (status, peak bytes, resident bytes at the start
+    of the step). Given the peaks and the `budget` they are compared with, the next length is guessed where
+    a line through the two probes nearest the boundary crosses the budget (memory is close to linear in the
+    length); with a single peak, its resident bytes stand in for the line's value at length 0. The peak
+    above the resident bytes also holds length-independent work (optimizer temporaries), so that first
+    slope is steep and its guess falls short of the limit: a safe jump, after which two probes near the
+    boundary fix the line and one more confirms the answer. Guesses only choose what to probe; statuses alone decide the answer, and
     after two guesses that did not pay off one geometric/bisection step follows, so the probe count stays
     within a small multiple of plain bisection whatever the peaks look like.
     """
@@ -92,17 +98,20 @@ def search_max_length(
     good: int | None = None  # largest k (length / granularity) known ok
     bad: int | None = None  # smallest k known oom
     peaks: dict[int, int] = {}
+    resident: dict[int, int] = {}  # k -> bytes resident at step start (the line's intercept, from one probe)
 
     def ask(k: int) -> str | None:
         """Probe k; return a stopping status (error/timeout), else None after updating the bracket."""
         nonlocal good, bad
         result = probe(k * granularity)
-        status, peak = result if isinstance(result, tuple) else (result, None)
+        status, peak, base = (tuple(result) + (None, None))[:3] if isinstance(result, tuple) else (result, None, None)
         outcome.probes.append((k * granularity, status))
         if status not in (OK, OOM):
             return status if status in STOPPING else ERROR
         if peak is not None:
             peaks[k] = peak
+            if base is not None and 0 <= base < peak:
+                resident[k] = base
         if status == OK:
             good = k if good is None else max(good, k)
         else:
@@ -131,12 +140,15 @@ def search_max_length(
         else:
             anchor = good if good is not None else bad
             near = sorted(peaks, key=lambda k: (abs(k - anchor), k))[:2]
-        if len(near) < 2:
+        points = {k: peaks[k] for k in near}
+        if len(points) == 1 and near[0] in resident:  # one probe: its resident bytes are the value at length 0
+            points[0] = resident[near[0]]
+        if len(points) < 2:
             return None
-        k1, k2 = sorted(near)
-        if peaks[k2] <= peaks[k1]:
+        (k1, p1), (k2, p2) = sorted(points.items())
+        if p2 <= p1:
             return None
-        k = math.floor(k1 + (budget - peaks[k1]) * (k2 - k1) / (peaks[k2] - peaks[k1]))
+        k = math.floor(k1 + (budget - p1) * (k2 - k1) / (p2 - p1))
         lowest = good + 1 if good is not None else lo_k
         highest = bad - 1 if bad is not None else hi_k
         return min(max(k, lowest), highest)
@@ -147,14 +159,17 @@ def search_max_length(
         stop = ask(min(max(start_len // granularity, lo_k), hi_k))
         if stop is None and not settled():
             stop = ask(good + 1 if bad is None else bad - 1)
-    misses = 0  # consecutive guesses that neither found nor halved the bracket
+    misses = 0  # consecutive guesses that did no better than a geometric step (found/halved a bracket, doubled)
     while stop is None and not settled():
         guess = linear_guess() if misses < 2 else None
         width = bad - good if good is not None and bad is not None else None
+        good_before = good
         stop = ask(geometric_step() if guess is None else guess)
         if guess is None:
             misses = 0
         elif good is not None and bad is not None and (width is None or 2 * (bad - good) <= width):
+            misses = 0
+        elif bad is None and good is not None and good_before is not None and good >= 2 * good_before:
             misses = 0
         else:
             misses += 1
@@ -258,7 +273,7 @@ def run_search(
     last_record: dict = {}
     peaks: dict[int, int | None] = {}
 
-    def probe(seq_len: int) -> tuple[str, int | None]:
+    def probe(seq_len: int) -> tuple[str, int | None, int | None]:
         nonlocal last_record
         record = run(cfg.replace(seq_len=seq_len))
         record["search_id"] = search_id
@@ -268,9 +283,10 @@ def run_search(
         status = record["status"]
         print(f"  [{time.monotonic() - started:6.0f} s] probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
-        return status, record.get("peak_mem_bytes")
+        resident = ((record.get("extra") or {}).get("memory") or {}).get("resident_at_step_start_bytes")
+        return status, record.get("peak_mem_bytes"), resident
 
-    def probe_with_progress(seq_len: int) -> tuple[str, int | None]:
+    def probe_with_progress(seq_len: int) -> tuple[str, int | None, int | None]:
         bar.set_postfix_str(f"probing S={seq_len}")
         result = probe(seq_len)
         bar.update(1)

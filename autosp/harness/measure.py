@@ -138,11 +138,13 @@ class CudaMemoryMeter(MemoryMeter):
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.at_start: int | None = None
 
     @contextlib.contextmanager
     def measured_step(self) -> Iterator[None]:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.at_start = torch.cuda.memory_allocated(self.device)  # model state + batch: what no length changes
         yield
 
     def report(self) -> MemoryReport:
@@ -150,6 +152,7 @@ class CudaMemoryMeter(MemoryMeter):
         allocated = torch.cuda.max_memory_allocated(self.device)
         reserved = torch.cuda.max_memory_reserved(self.device)
         return MemoryReport(allocated, {"memory_kind": "cuda-max-allocated", "peak_reserved_bytes": reserved,
+                                        "resident_at_step_start_bytes": self.at_start,
                                         "device_total_bytes": torch.cuda.get_device_properties(self.device).total_memory})
 
 

@@ -151,6 +151,18 @@ def test_peaks_guide_the_search_to_a_few_probes(per_token: int) -> None:
     assert len(set(oracle.asked)) == len(oracle.asked)
 
 
+@pytest.mark.parametrize("per_token", [700, 17_000, 59_000])
+def test_resident_bytes_let_the_first_probe_jump_near_the_limit(per_token: int) -> None:
+    """One probe's peak and its step-start bytes give a line: jump, then the answer and one step above."""
+    budget, fixed = 1 << 30, 300 << 20
+    oracle = LinearMemoryOracle(fixed=fixed, per_token=per_token, budget=budget)
+    # the resident bytes miss part of the fixed cost (optimizer temporaries): the jump must stay below the limit
+    with_resident = lambda n: (*oracle(n), fixed - (40 << 20))  # noqa: E731
+    out = search_max_length(with_resident, granularity=512, min_len=512, max_len=1 << 22, budget=budget)
+    assert out.status == FOUND and out.max_seq_len == (oracle.limit // 512) * 512
+    assert oracle.asked[1] <= oracle.limit and len(oracle.asked) <= 4, oracle.asked
+
+
 def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() -> None:
     import random
 
