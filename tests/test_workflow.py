@@ -120,6 +120,20 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert run.returncode == 0 and "test_readme_quick_start_runs_as_written" in run.stdout, run.stdout + run.stderr
 
 
+def test_an_interrupted_cell_is_redone_not_recorded(tmp_path: Path) -> None:
+    """A cell whose command is interrupted (exit 130, after writing its `interrupted` row, as `autosp search`
+    does on SIGTERM) fails its job, so snakemake deletes the row and a rerun searches again."""
+    fake = tmp_path / "autosp-interrupted"
+    fake.write_text('#!/bin/sh\ncase "$*" in *--record-failure*) status=error code=0;; *) status=interrupted code=130;; esac\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo "{\\"status\\": \\"$status\\"}" >> "$2"; shift; done\n'
+                    'exit $code\n')
+    fake.chmod(0o755)
+    cell = "results/trainability/cpu/P2/tiny/autosp.jsonl"
+    proc = snakemake(tmp_path, cell, "--cores", "1", "--config", f"autosp={fake}")
+    assert proc.returncode != 0 and not (tmp_path / cell).exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert cell in dry_run(tmp_path, cell, "--config", f"autosp={fake}")
+
+
 REDUCED = """
 models: [tiny]
 all_models: []

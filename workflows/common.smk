@@ -36,6 +36,12 @@ def common_flags(method):
 # One cell = one (method, model, world size, device type): its own job, its own file. The device type and
 # world size come from the settings; the wildcard constraints keep a path from naming any other.
 SETTING = "{device_type}/P{world_size}"
+
+# How a cell's shell ends when its command fails. Exit 130 is an interruption (Ctrl-C, or SIGTERM from snakemake
+# or the scheduler), not the cell's result: the job fails, snakemake deletes its output and a rerun redoes it.
+# Any other failure is a result: the record the command wrote (`|| test -s`) or the search's fallback row.
+INTERRUPTED_FAILS = "rc=$?; [ $rc -ne 130 ] || exit 130;"
+KEEP_WRITTEN_RESULT = " || {{ " + INTERRUPTED_FAILS + " test -s {output}; }}"
 wildcard_constraints:
     device_type=re.escape(config["device_type"]),
     world_size=str(config["world_size"]),

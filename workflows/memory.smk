@@ -29,7 +29,7 @@ rule activations:
         flags=lambda w: run_flags(w.label),
     shell:
         "{config[autosp]} activations {params.flags} --model {wildcards.model} --seq-len {AM[seq_len]}"
-        " --timeout {config[probe_timeout_s]} --out {output} > {log} 2>&1 || test -s {output}"
+        " --timeout {config[probe_timeout_s]} --out {output} > {log} 2>&1" + KEEP_WRITTEN_RESULT
 
 
 MEMORY_RESULTS = [setting(f"results/memory/{{device_type}}/P{{world_size}}/{AM['model']}/{label}.jsonl")

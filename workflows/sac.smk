@@ -21,7 +21,7 @@ rule sac_search:
         record_failure=lambda w, output: search_command("autosp", w.model, output[0], f"--sac {w.policy}"),
     shell:
         "{params.command} > {log} 2>&1"
-        " || {{ reason=\"search exited with status $?: $(grep -v '^USDT' {log} | tail -n 1)\";"
+        " || {{ " + INTERRUPTED_FAILS + " reason=\"search exited with status $rc: $(grep -v '^USDT' {log} | tail -n 1 || true)\";"
         " {params.record_failure} --record-failure \"$reason\" >> {log} 2>&1; }}"
 
 
@@ -43,7 +43,7 @@ rule sac_bench:
     shell:
         "{config[autosp]} bench --methods autosp --sac {wildcards.policy} --model {wildcards.model}"
         " --seq-lens {SAC[seq_len]} --repeats {SAC[repeats]} {params.flags} --timeout {config[probe_timeout_s]}"
-        " --out {output} > {log} 2>&1 || test -s {output}"
+        " --out {output} > {log} 2>&1" + KEEP_WRITTEN_RESULT
 
 
 def sac_search_result(policy):

@@ -1,6 +1,7 @@
 # Max trainable sequence length: one search job per cell (method, model, world size, device type).
 # A search whose probes fail records the failure as its result (--no-fail-on-error); a search that itself
-# dies (crash, killed) is recorded as a failed cell by the fallback, so the table and figure still appear.
+# dies (crash, killed) is recorded as a failed cell by the fallback, so the table and figure still appear. An
+# interruption (exit 130) is no result: the job fails and a rerun redoes the cell (INTERRUPTED_FAILS).
 
 
 def search_command(method, model, out, extra=""):
@@ -28,7 +29,7 @@ rule search:
         record_failure=lambda w, output: search_command(w.method, w.model, output[0]),
     shell:
         "{params.command} > {log} 2>&1"
-        " || {{ reason=\"search exited with status $?: $(grep -v '^USDT' {log} | tail -n 1)\";"
+        " || {{ " + INTERRUPTED_FAILS + " reason=\"search exited with status $rc: $(grep -v '^USDT' {log} | tail -n 1 || true)\";"
         " {params.record_failure} --record-failure \"$reason\" >> {log} 2>&1; }}"
 
 
@@ -51,7 +52,7 @@ rule check:
         # exit 1 = the check ran and found a difference: a result to report, not a failed job
         "{config[autosp]} check --method {wildcards.method} --model {wildcards.model} {params.flags}"
         " --seq-len {config[peer][check_seq_len]} --timeout {config[probe_timeout_s]}"
-        " --json-out {output} > {log} 2>&1 || test -s {output}"
+        " --json-out {output} > {log} 2>&1" + KEEP_WRITTEN_RESULT
 
 
 PEER = config["peer"]
