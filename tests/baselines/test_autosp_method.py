@@ -46,7 +46,7 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
 @pytest.mark.parametrize("model, world_size, zero, options", [
     ("tiny", 4, 3, dict(ignore_fraction=0.3)),  # parameters sharded over 4, re-gathered in backward; GQA kv 2 < 4
     ("tiny", 4, 2, dict(sp_size=2, ignore_fraction=0.3)),  # shards over SP x DP, gradients / dp_size
-    ("hf:tiny", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized
+    ("hf:tiny-tied", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized; head tied: one shard
     ("tiny", 2, 1, dict(packed_documents=2)),  # ZeroRedundancyOptimizer
 ])
 def test_zero_stages_match_single_process(model, world_size, zero, options):
