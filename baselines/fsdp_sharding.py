@@ -30,6 +30,14 @@ def shard_llama(model: nn.Module, mesh: DeviceMesh, method: str) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def shard_over_world(model: nn.Module, device_type: str, method: str) -> None:
+    """ZeRO stage 3 of a hand-written SP baseline: `shard_llama` over every rank (all SP x DP ranks share the
+    parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard_llama(model, init_device_mesh(device_type, (torch.distributed.get_world_size(),)), method)
+
+
 def full(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Collective for a DTensor: the full value on CPU (zeros for a missing gradient)."""
     if t is None:

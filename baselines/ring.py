@@ -10,6 +10,7 @@ Which ring runs (recorded as `implementation`, and why the fallback ran as
 
 Plain causal attention only (as ring-flash-attn's zigzag variant): packed documents and padding masks are
 refused with a ConfigError. Every query and KV head stays on every rank (no head split), so any head count works.
+`--zero 3`: FSDP2 `fully_shard` per decoder layer over all ranks (`baselines.fsdp_sharding`), like `ulysses --zero 3`.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Ring(Strategy):
     name = "ring"
     description = "RingAttention, zigzag causal (ring-flash-attn on CUDA bf16/fp16, exact PyTorch ring elsewhere)"
     sequence_parallel = True
+    zero_stages = (0, 3)  # 3: FSDP2 fully_shard per decoder layer over all ranks, as `ulysses --zero 3`
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
@@ -86,6 +88,12 @@ class Ring(Strategy):
             if mask is not None:
                 raise ConfigError("--method ring got a batch with packed documents or padding; it is causal only")
 
-        step = SequenceParallelStep(model, ctx, cfg, positions, no_mask, implementation)
+        sharded = self.zero_stage(cfg) == 3
+        if sharded:
+            from baselines.fsdp_sharding import shard_over_world
+
+            shard_over_world(model, ctx.device.type, self.name)
+        step = SequenceParallelStep(model, ctx, cfg, positions, no_mask,
+                                    implementation + ("+fsdp2-zero3" if sharded else ""), sharded=sharded)
         step.extra = {"ring_fallback_reason": fallback_reason} if fallback_reason else {}
         return step

@@ -62,8 +62,8 @@ def test_a_dropped_gradient_shard_fails_the_check():
 
 
 def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts():
-    with pytest.raises(ConfigError, match=r"--method ring runs ZeRO stage\(s\) \[0\], not --zero 3"):
-        validate(RunConfig(method="ring", model="tiny", seq_len=64, world_size=2, zero=3))
+    with pytest.raises(ConfigError, match=r"--method ulysses-ac runs ZeRO stage\(s\) \[0\], not --zero 3"):
+        validate(RunConfig(method="ulysses-ac", model="tiny", seq_len=64, world_size=2, zero=3))
     with pytest.raises(ConfigError, match=r"--method zero3 runs ZeRO stage\(s\) \[3\], not --zero 1"):
         validate(RunConfig(method="zero3", model="tiny", seq_len=64, world_size=2, zero=1))
 
