@@ -4,7 +4,8 @@ Each SP rank back-propagates only through its own tokens, so a parameter's gradi
 gradients; data-parallel replicas (each averaging its own batch) are averaged. The reduction runs in *buckets* of
 gradients (one per decoder layer, split at `BUCKET_BYTES`), issued from inside the compiled backward graph right
 after the bucket's last gradient is produced, as one asynchronous functional collective (`_c10d_functional`) per
-bucket whose wait sits at the end of backward: the reduction of layer L overlaps the backward of layers < L.
+bucket, waited for once the next bucket is issued: the reduction of layer L overlaps the backward of layer L-1, and
+at most two buckets' buffers are alive at once.
 
   stages 0/1  the bucket's gradients are flattened into one buffer and all-reduced (as DDP's buckets);
   stages 2/3  the graph already reduce-scatters each parameter's gradient (the backward of `all_gather_shard`);
@@ -97,13 +98,18 @@ def bucket_gradient_reduction(
             full = replaced.args[0] if reduction.sharded else grad
             entries.append(_Entry(position, full, replaced, layer, order[full]))
     entries.sort(key=lambda e: e.order)
-    buckets = []
-    for bucket in _group(entries, reduction.bucket_bytes):
-        _reduce_bucket(graph, bucket, output, reduction, grads, num_fwd_outputs)
-        buckets.append(Bucket(bucket[0].layer, len(bucket), sum(_nbytes(e.full) for e in bucket)))
+    buckets = list(_group(entries, reduction.bucket_bytes))
+    issued = [_issue(graph, bucket, reduction) for bucket in buckets]
+    for k, (bucket, (collective, sizes)) in enumerate(zip(buckets, issued)):
+        # bucket k is waited for once bucket k+1 is issued: at most two reductions in flight, so their buffers (at
+        # stages 2/3 the full gradients) do not pile up until the end of backward
+        before = issued[k + 1][0].next if k + 1 < len(buckets) else output
+        _wait(graph, bucket, collective, sizes, before, reduction, grads)
+    if not reduction.sharded:
+        output.args = (list(output.args[0][:num_fwd_outputs]) + grads, *output.args[1:])
     graph.lint()
     joint_gm.recompile()
-    return buckets
+    return [Bucket(b[0].layer, len(b), sum(_nbytes(e.full) for e in b)) for b in buckets]
 
 
 def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
@@ -148,21 +154,24 @@ def _group(entries: list[_Entry], cap: int) -> Iterable[list[_Entry]]:
         yield bucket
 
 
-def _reduce_bucket(graph: fx.Graph, bucket: list[_Entry], output: fx.Node, reduction: GradientReduction,
-                   grads: list, num_fwd_outputs: int) -> None:
-    """Issue the bucket's collective after its last gradient; wait for it (and slice it) just before the output."""
+def _issue(graph: fx.Graph, bucket: list[_Entry], reduction: GradientReduction) -> tuple[fx.Node, list[int]]:
+    """Issue the bucket's collective right after its last gradient; returns it and the bucket's slice sizes."""
     p, name = reduction.group_size, reduction.group_name
     with graph.inserting_before(bucket[-1].full.next):  # (inserting_after would reverse the new nodes)
         if reduction.sharded:  # [P * s_i] each -> [P, sum s_i]: row r holds every parameter's shard r
             rows = [graph_call(graph, aten.view.default, _contiguous(graph, e.full), [p, -1]) for e in bucket]
             flat = graph_call(graph, aten.view.default, graph_call(graph, aten.cat.default, rows, 1), [-1])
-            issued = graph_call(graph, c10d.reduce_scatter_tensor.default, flat, "sum", p, name)
-            sizes = [fake_value(e.full).numel() // p for e in bucket]
-        else:
-            flats = [graph_call(graph, aten.view.default, _contiguous(graph, e.full), [-1]) for e in bucket]
-            issued = graph_call(graph, c10d.all_reduce.default, graph_call(graph, aten.cat.default, flats), "sum", name)
-            sizes = [fake_value(e.full).numel() for e in bucket]
-    with graph.inserting_before(output):
+            return (graph_call(graph, c10d.reduce_scatter_tensor.default, flat, "sum", p, name),
+                    [fake_value(e.full).numel() // p for e in bucket])
+        flats = [graph_call(graph, aten.view.default, _contiguous(graph, e.full), [-1]) for e in bucket]
+        return (graph_call(graph, c10d.all_reduce.default, graph_call(graph, aten.cat.default, flats), "sum", name),
+                [fake_value(e.full).numel() for e in bucket])
+
+
+def _wait(graph: fx.Graph, bucket: list[_Entry], issued: fx.Node, sizes: list[int], before: fx.Node,
+          reduction: GradientReduction, grads: list) -> None:
+    """Wait for the bucket's collective before `before`, and hand its slices on as the gradients."""
+    with graph.inserting_before(before):
         reduced = graph_call(graph, c10d.wait_tensor.default, issued)
         if not reduction.sharded and reduction.dp_size > 1:  # stages 2/3 divide after their reduce-scatter already
             reduced = graph_call(graph, aten.div.Tensor, reduced, reduction.dp_size)
@@ -170,24 +179,21 @@ def _reduce_bucket(graph: fx.Graph, bucket: list[_Entry], output: fx.Node, reduc
         for i, entry in enumerate(bucket):
             piece = graph_call(graph, operator.getitem, pieces, i)
             if not reduction.sharded:
-                piece = graph_call(graph, aten.view.default, piece, list(fake_value(entry.full).shape))
-                grads[entry.position] = piece
+                grads[entry.position] = graph_call(graph, aten.view.default, piece, list(fake_value(entry.full).shape))
                 continue
-            downstream = _downstream(entry.replaced, output)
+            downstream = _downstream(entry.replaced)
             entry.replaced.replace_all_uses_with(piece)
             graph.erase_node(entry.replaced)
             for node in downstream:  # the division by dp_size, now after the slice it divides
-                output.prepend(node)
-    if not reduction.sharded:
-        output.args = (list(output.args[0][:num_fwd_outputs]) + grads, *output.args[1:])
+                before.prepend(node)
 
 
-def _downstream(node: fx.Node, output: fx.Node) -> list[fx.Node]:
+def _downstream(node: fx.Node) -> list[fx.Node]:
     """Nodes computed from `node` on the way to the output, in graph order."""
     seen, stack = set(), list(node.users)
     while stack:
         user = stack.pop()
-        if user is not output and user not in seen:
+        if user.op != "output" and user not in seen:
             seen.add(user)
             stack.extend(user.users)
     return [n for n in node.graph.nodes if n in seen]
