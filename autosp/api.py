@@ -64,7 +64,7 @@ class SequenceParallelModule(torch.nn.Module):
 
     @property
     def gradient_buckets(self) -> list:
-        """The `autosp.comm.grad_sync.Bucket`s of the last compiled graph: one gradient collective each per backward."""
+        """The `autosp.comm.grad_sync.Bucket`s of the last compiled graph: one gradient collective each."""
         partitioners = getattr(self._backend, "gradient_partitioners", [])
         return list(partitioners[-1].buckets) if partitioners else []
 

@@ -10,7 +10,8 @@ Which ring runs (recorded as `implementation`, and why the fallback ran as
 
 Plain causal attention only (as ring-flash-attn's zigzag variant): packed documents and padding masks are
 refused with a ConfigError. Every query and KV head stays on every rank (no head split), so any head count works.
-`--zero 3`: FSDP2 `fully_shard` per decoder layer over all ranks (`baselines.fsdp_sharding`), like `ulysses --zero 3`.
+`--zero 3`: FSDP2 `fully_shard` per decoder layer over all ranks (`baselines.fsdp_sharding`), as `ulysses --zero 3`
+does.
 """
 from __future__ import annotations
 

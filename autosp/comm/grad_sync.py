@@ -77,7 +77,8 @@ class _Entry:
 
 
 def bucket_gradient_reduction(
-    joint_gm: fx.GraphModule, *, num_fwd_outputs: int, param_positions: Sequence[int], reduction: GradientReduction,
+    joint_gm: fx.GraphModule, *, num_fwd_outputs: int, param_positions: Sequence[int],
+    reduction: GradientReduction,
 ) -> list[Bucket]:
     """Rewrite the joint graph in place so the gradients of the primals at `param_positions` are reduced in
     buckets (see the module docstring); returns the buckets in the order backward issues them."""
@@ -126,7 +127,7 @@ def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
         else:
             stack.extend(node.all_input_nodes)
     if not found:
-        raise SequenceParallelError(f"gradient bucketing: no reduce-scatter produces the shard gradient {grad.name}")
+        raise SequenceParallelError(f"gradient bucketing: no reduce-scatter produces the gradient {grad.name}")
     return found
 
 
@@ -145,7 +146,8 @@ def _group(entries: list[_Entry], cap: int) -> Iterable[list[_Entry]]:
     """Consecutive gradients (in the order backward produces them) of one layer and dtype, at most `cap` bytes."""
     bucket: list[_Entry] = []
     for entry in entries:
-        if bucket and (entry.layer != bucket[0].layer or fake_value(entry.full).dtype != fake_value(bucket[0].full).dtype
+        dtype = fake_value(entry.full).dtype
+        if bucket and (entry.layer != bucket[0].layer or dtype != fake_value(bucket[0].full).dtype
                        or sum(_nbytes(e.full) for e in bucket) + _nbytes(entry.full) > cap):
             yield bucket
             bucket = []
@@ -179,7 +181,8 @@ def _wait(graph: fx.Graph, bucket: list[_Entry], issued: fx.Node, sizes: list[in
         for i, entry in enumerate(bucket):
             piece = graph_call(graph, operator.getitem, pieces, i)
             if not reduction.sharded:
-                grads[entry.position] = graph_call(graph, aten.view.default, piece, list(fake_value(entry.full).shape))
+                shape = list(fake_value(entry.full).shape)
+                grads[entry.position] = graph_call(graph, aten.view.default, piece, shape)
                 continue
             downstream = _downstream(entry.replaced)
             entry.replaced.replace_all_uses_with(piece)

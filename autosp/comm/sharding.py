@@ -89,7 +89,8 @@ def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, dp_size: int
     for module, name, shape, dtype, *owner in targets + ties:
         if owner:  # registering reshards its parameter in place, and the owner's already is a shard: a stand-in
             module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
-        spec = ShardedParameter(shape, group, dp_size=dp_size, regather=regather, compute_dtype=compute_dtype or dtype)
+        spec = ShardedParameter(shape, group, dp_size=dp_size, regather=regather,
+                                compute_dtype=compute_dtype or dtype)
         parametrize.register_parametrization(module, name, spec, unsafe=True)  # unsafe: shard and full differ
         if owner:  # a tied weight: one shard, gathered at each use, the gradients of the uses summed
             owner_module, owner_name = owner
@@ -160,8 +161,8 @@ def prefetch_gathers(gm: fx.GraphModule) -> int:
 
 
 def _gather_layer(node: fx.Node) -> str | None:
-    path = module_path(node)
-    return layer_of_path(path[: path.find(".parametrizations.")] if path and ".parametrizations." in path else path)
+    path = module_path(node)  # the gather runs in the parametrization of the module that uses the parameter
+    return layer_of_path(path.split(".parametrizations.")[0] if path else path)
 
 
 def graph_call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:

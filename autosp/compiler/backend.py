@@ -65,7 +65,8 @@ def make_backend(
             return gm.forward
         if reduction is None:
             return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
-        params = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+        params = [i for i, t in enumerate(example_inputs)
+                  if isinstance(t, torch.nn.Parameter) and t.requires_grad]
         partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
         return compile_with_partitioner(gm, example_inputs, partition_fn=partitioners[-1], inner=inner)
 

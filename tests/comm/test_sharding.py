@@ -68,7 +68,8 @@ def _stage_rank(zero: int) -> dict:
         "gradient_collectives_run": sum(e.name.startswith("c10d::") and gradient_collective in e.name.replace(
             "allreduce", "all_reduce") for e in prof.events()),
         # the first bucket's reduction starts before backward's last all-to-all, i.e. overlaps the rest of backward
-        "issued_inside_backward": bool(issued) and issued[0] < max(i for i, t in enumerate(backward) if "all_to_all" in t),
+        "issued_inside_backward": bool(issued)
+        and issued[0] < max(i for i, t in enumerate(backward) if "all_to_all" in t),
         # parameter gathers issued before layer 0's attention: with prefetch, layer 1's too
         "gathers_before_attention": sum("all_gather" in t for t in forward[:next(
             i for i, t in enumerate(forward) if "all_to_all" in t)]),
