@@ -68,6 +68,12 @@ class SequenceParallelModule(torch.nn.Module):
         """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(getattr(self._backend, "partition_fn").records)
 
+    @property
+    def gradient_buckets(self) -> list:
+        """The `autosp.comm.grad_sync.Bucket`s of the last compiled graph: one gradient collective each."""
+        partitioners = getattr(self._backend, "gradient_partitioners", [])
+        return list(partitioners[-1].buckets) if partitioners else []
+
     def forward(self, *args, **kwargs):
         try:
             with tracing_config():  # logging calls do not break the graph

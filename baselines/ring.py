@@ -10,6 +10,8 @@ Which ring runs (recorded as `implementation`, and why the fallback ran as
 
 Plain causal attention only (as ring-flash-attn's zigzag variant): packed documents and padding masks are
 refused with a ConfigError. Every query and KV head stays on every rank (no head split), so any head count works.
+`--zero 3`: FSDP2 `fully_shard` per decoder layer over all ranks (`baselines.fsdp_sharding`), as `ulysses --zero 3`
+does.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
-from baselines.base import Strategy, TrainStep, register
+from baselines.base import Strategy, TrainStep, compute_dtype, register
 from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
@@ -58,6 +60,7 @@ class Ring(Strategy):
     name = "ring"
     description = "RingAttention, zigzag causal (ring-flash-attn on CUDA bf16/fp16, exact PyTorch ring elsewhere)"
     sequence_parallel = True
+    zero_stages = (0, 3)  # 3: FSDP2 fully_shard per decoder layer over all ranks, as `ulysses --zero 3`
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
@@ -87,6 +90,12 @@ class Ring(Strategy):
             if mask is not None:
                 raise ConfigError("--method ring got a batch with packed documents or padding; it is causal only")
 
-        step = SequenceParallelStep(model, ctx, cfg, positions, no_mask, implementation)
+        sharded = self.zero_stage(cfg) == 3
+        if sharded:
+            from baselines.fsdp_sharding import shard_over_world
+
+            shard_over_world(model, ctx.device.type, self.name, compute_dtype(cfg))
+        step = SequenceParallelStep(model, ctx, cfg, positions, no_mask,
+                                    implementation + ("+fsdp2-zero3" if sharded else ""), sharded=sharded)
         step.extra = {"ring_fallback_reason": fallback_reason} if fallback_reason else {}
         return step

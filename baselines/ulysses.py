@@ -96,11 +96,9 @@ class Ulysses(Strategy):
             checkpoint_layers(model)
         sharded = self.zero_stage(cfg) == 3
         if sharded:
-            from torch.distributed.device_mesh import init_device_mesh
+            from baselines.fsdp_sharding import shard_over_world
 
-            from baselines.fsdp_sharding import shard_llama
-
-            shard_llama(model, init_device_mesh(ctx.device.type, (ctx.world_size,)), self.name, compute_dtype(cfg))
+            shard_over_world(model, ctx.device.type, self.name, compute_dtype(cfg))
         forward = torch.compile(model, backend=cfg.compile_backend) if self.compiled else model
 
         def positions(seq_len: int) -> Tensor:

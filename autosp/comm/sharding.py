@@ -22,11 +22,13 @@ import re
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
 from autosp.comm.ops import all_gather_shard
+from autosp.compiler.sac import layer_of_path, module_path
 from autosp.errors import SequenceParallelError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -71,23 +73,28 @@ def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, dp_size: int
                      compute_dtype: torch.dtype | None = None) -> int:
     """Replace every parameter of `model` by its flat shard over `group` (stages 2 and 3); returns how many.
 
+    A tied parameter (an LM head sharing the embedding) becomes one shard that every module using it gathers.
+
     `compute_dtype` (default: each parameter's own dtype): the dtype the gathered parameter is computed and
     communicated in; the shard (master weight), its gradient and the optimizer state keep the parameter's dtype."""
-    seen: dict[int, str] = {}
-    targets = []
-    for module_name, module in model.named_modules():
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    targets, ties = [], []  # (module, name, shape, dtype); ties: (..., the module and name that own the shard)
+    for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            qualified = f"{module_name}.{name}".lstrip(".")
-            if id(p) in seen:
-                raise SequenceParallelError(
-                    f"zero>=2 shards each parameter once, but {qualified} is tied to {seen[id(p)]}; "
-                    "untie the weights or use zero=0/1")
-            seen[id(p)] = qualified
-            targets.append((module, name, p))
-    for module, name, p in targets:
-        spec = ShardedParameter(p.shape, group, dp_size=dp_size, regather=regather,
-                                compute_dtype=compute_dtype or p.dtype)
+            if id(p) in owners:
+                ties.append((module, name, p.shape, p.dtype, *owners[id(p)]))
+            else:
+                targets.append((module, name, p.shape, p.dtype))
+                owners[id(p)] = (module, name)
+    for module, name, shape, dtype, *owner in targets + ties:
+        if owner:  # registering reshards its parameter in place, and the owner's already is a shard: a stand-in
+            module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        spec = ShardedParameter(shape, group, dp_size=dp_size, regather=regather,
+                                compute_dtype=compute_dtype or dtype)
         parametrize.register_parametrization(module, name, spec, unsafe=True)  # unsafe: shard and full differ
+        if owner:  # a tied weight: one shard, gathered at each use, the gradients of the uses summed
+            owner_module, owner_name = owner
+            module.parametrizations[name].original = owner_module.parametrizations[owner_name].original
     return len(targets)
 
 
@@ -109,3 +116,62 @@ def full_state(model: nn.Module, *, gradients: bool) -> dict[str, torch.Tensor]:
         full = spec.unshard(value) if isinstance(spec, ShardedParameter) else value.detach()
         out[full_name(name)] = full.cpu().clone()
     return out
+
+
+_GATHER = "autosp.all_gather_shard"
+
+
+def prefetch_gathers(gm: fx.GraphModule) -> int:
+    """Issue each layer's parameter gathers one layer ahead (in place, on a partitioned forward or backward graph).
+
+    Every blocking `autosp::all_gather_shard` becomes an asynchronous functional all-gather (`_c10d_functional`)
+    issued where the *previous* layer starts using its parameters, and a `wait_tensor` where the original gather
+    stood: the gather of layer k+1 is in flight while layer k computes (FSDP's forward/backward prefetch of one
+    layer). Layers are read off Dynamo's module stack; a run of gathers outside the layers (embedding, final norm,
+    LM head) counts as one layer. Returns how many gathers were issued early."""
+    graph = gm.graph
+    groups: list[list[fx.Node]] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith(_GATHER):
+            layer = _gather_layer(node)
+            if groups and _gather_layer(groups[-1][0]) == layer:
+                groups[-1].append(node)
+            else:
+                groups.append([node])
+    prefetched, waits = 0, {}
+    for k, group in enumerate(groups):
+        issue_before = waits[groups[k - 1][0]] if k else None  # where the previous layer waits for its first
+        for node in group:
+            shard, group_size, group_name, _dp, _regather, dtype = node.args
+            with graph.inserting_before(issue_before or node):
+                if fake_value(shard).dtype != dtype:
+                    shard = graph_call(graph, torch.ops.aten._to_copy.default, shard, dtype=dtype)
+                issued = graph_call(graph, torch.ops._c10d_functional.all_gather_into_tensor.default, shard,
+                                    group_size, group_name)
+            with graph.inserting_before(node):
+                waited = graph_call(graph, torch.ops._c10d_functional.wait_tensor.default, issued)
+            waited.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+            node.replace_all_uses_with(waited)
+            graph.erase_node(node)
+            waits[node] = waited
+            prefetched += k > 0
+    graph.lint()
+    gm.recompile()
+    return prefetched
+
+
+def _gather_layer(node: fx.Node) -> str | None:
+    path = module_path(node)  # the gather runs in the parametrization of the module that uses the parameter
+    return layer_of_path(path.split(".parametrizations.")[0] if path else path)
+
+
+def graph_call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    """A new node with its fake value (the partitioner and inductor read `meta["val"]`)."""
+    node = graph.call_function(target, args, kwargs)
+    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
+def fake_value(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]

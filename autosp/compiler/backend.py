@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autosp.comm.grad_sync import sync_gradients
+from autosp.comm.grad_sync import GradientReduction, ReducingPartitioner, sync_gradients
 from autosp.compiler.hybrid import subgroups
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
@@ -32,8 +32,9 @@ def make_backend(
     """A torch.compile backend making the graph sequence parallel over `sp_group`.
 
     `reduce_group` (default: `sp_group`) holds every rank that shares the parameters (SP x DP); their gradients
-    are summed over it and divided by `dp_size` during backward: all-reduced by hooks at ZeRO stages 0/1,
-    reduce-scattered inside the backward graph at stages 2/3 (the parameters are shards, `autosp.comm.sharding`).
+    are summed over it and divided by `dp_size` inside the backward graph, one collective per bucket of gradients
+    (`autosp.comm.grad_sync`): all-reduced at ZeRO stages 0/1, reduce-scattered at stages 2/3 (the parameters are
+    shards, `autosp.comm.sharding`).
     `ulysses_size`: see `hybrid` (default: chosen from the heads)."""
     if inner not in INNER_BACKENDS:
         raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
@@ -43,11 +44,14 @@ def make_backend(
     tiling_options, outputs = parse_tiling(tiling), check_outputs(outputs)
     tiling_reports: list = []
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
+    group = reduce_group or sp_group
+    reduction = GradientReduction(group.group_name, dist.get_world_size(group), dp_size, sharded=zero >= 2) \
+        if dist.get_world_size(group) > 1 else None
+    partitioners: list[ReducingPartitioner] = []
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if zero < 2 and dist.get_world_size(reduce_group or sp_group) > 1:
-            params = (t for t in example_inputs if isinstance(t, torch.nn.Parameter))
-            sync_gradients(params, reduce_group or sp_group, dp_size)
+        if inner == "eager" and zero < 2 and reduction is not None:  # no joint graph to put the buckets into
+            sync_gradients((t for t in example_inputs if isinstance(t, torch.nn.Parameter)), group, dp_size)
         if is_symbolic(example_inputs):
             return per_length(gm, compile_static)
         return compile_static(gm, example_inputs)
@@ -59,11 +63,17 @@ def make_backend(
         tiling_reports.append(apply_tiling(gm, tiling_options, loss_only=outputs == "loss"))
         if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
             return gm.forward
-        return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
+        if reduction is None:
+            return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
+        params = [i for i, t in enumerate(example_inputs)
+                  if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+        partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
+        return compile_with_partitioner(gm, example_inputs, partition_fn=partitioners[-1], inner=inner)
 
     def hybrid_group_names(ulysses: int) -> tuple[str, str]:
         return tuple(g.group_name for g in subgroups(sp_group, ulysses))
 
     compile_graph.partition_fn = partition_fn  # its .records tell what each compiled graph saves for backward
     compile_graph.tiling_reports = tiling_reports  # what each compiled graph tiled, and why not the rest
+    compile_graph.gradient_partitioners = partitioners  # .buckets: each graph's gradient collectives
     return compile_graph

@@ -56,7 +56,7 @@ METHOD_SHARDING: dict[str, MethodSharding] = {
     "ulysses": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
     "ulysses-ac": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ulysses-compile": MethodSharding(zero_stages=(0,), splits_sequence=True),
-    "ring": MethodSharding(zero_stages=(0,), splits_sequence=True),
+    "ring": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
     # DeepSpeed's AutoSP runs with ZeRO stage 0/1 only; with sp == world size ZeRO-1 has no DP group to shard over.
     "ds-autosp": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "zero3": MethodSharding(zero_stages=(3,), splits_sequence=False),

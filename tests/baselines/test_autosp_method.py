@@ -61,7 +61,7 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
 @pytest.mark.parametrize("model, world_size, zero, options", [
     ("tiny", 4, 3, dict(ignore_fraction=0.3)),  # parameters sharded over 4, re-gathered in backward; GQA kv 2 < 4
     ("tiny", 4, 2, dict(sp_size=2, ignore_fraction=0.3)),  # shards over SP x DP, gradients / dp_size
-    ("hf:tiny", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized
+    ("hf:tiny-tied", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized; head tied: one shard
     ("tiny", 2, 1, dict(packed_documents=2)),  # ZeroRedundancyOptimizer
     # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
     ("tiny", 2, 0, dict(dtype="bfloat16", seq_len=128)),  # parameters cast where used (autosp.comm.precision)
@@ -109,8 +109,8 @@ def test_a_dropped_gradient_shard_fails_the_check():
 
 
 def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts():
-    with pytest.raises(ConfigError, match=r"--method ring runs ZeRO stage\(s\) \[0\], not --zero 3"):
-        validate(RunConfig(method="ring", model="tiny", seq_len=64, world_size=2, zero=3))
+    with pytest.raises(ConfigError, match=r"--method ulysses-ac runs ZeRO stage\(s\) \[0\], not --zero 3"):
+        validate(RunConfig(method="ulysses-ac", model="tiny", seq_len=64, world_size=2, zero=3))
     with pytest.raises(ConfigError, match=r"--method zero3 runs ZeRO stage\(s\) \[3\], not --zero 1"):
         validate(RunConfig(method="zero3", model="tiny", seq_len=64, world_size=2, zero=1))
 
