@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from autosp.experiments.floor import memory_floor
+from autosp.experiments.floor import floor_for
+from autosp.harness.precision import precision_of
 from autosp.harness.measure import format_size, parse_size
 from autosp.models.presets import ModelPreset, get_preset
 
@@ -64,14 +65,15 @@ def token_bytes(preset: ModelPreset, levers: set[str], elem: int) -> TokenBytes:
 
 
 def lever_table(model: str, *, world_size: int, device_bytes: int, dtype: str = "bfloat16") -> pd.DataFrame:
-    """One row per configuration: none, then each lever of LEVERS added to the previous row's."""
+    """One row per configuration: none, then each lever of LEVERS added to the previous row's. `dtype` is a run's
+    `--dtype`: activations in its compute dtype, model state as it keeps it (`bfloat16`: mixed, fp32 state)."""
     preset = get_preset(model)
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    elem = torch.empty((), dtype=precision_of(dtype).compute).element_size()
     rows = []
     for n in range(len(LEVERS) + 1):
         levers = set(LEVERS[:n])
         method = "zero3" if "sharded state" in levers else "autosp"
-        state = memory_floor(method, preset, world_size=world_size, dtype=dtype).static_bytes
+        state = floor_for(method, model, world_size=world_size, dtype=dtype).static_bytes
         per_token = token_bytes(preset, levers, elem)
         local_tokens = max(0.0, (device_bytes - state) / per_token.device)
         seq_len = int(local_tokens * world_size)  # Ulysses: each rank keeps S / world_size tokens
