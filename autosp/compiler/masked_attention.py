@@ -8,19 +8,20 @@ attention are independent, so this is exact.
 
 Block skipping. For each block of query rows the op first bounds the program over tiles of keys: every row's
 minimum and maximum over the block (query rows) or over each key tile (key rows) go through the program in
-interval arithmetic (`_possible_tiles`), which says for each tile whether any entry *may* be unmasked (sound: it
+interval arithmetic (`_Plan.key_span`), which says for each tile whether any entry *may* be unmasked (sound: it
 never rules out an unmasked entry). Only the span from the first to the last such tile is evaluated exactly,
 and attention runs on the keys from the first to the last unmasked key of the block: a window's block on
 [q0 - w + 1, q1), a causal one on [0, q1), a packed document's from its document's first key, left padding from
 the first real key; a block whose every entry is masked is skipped (its rows attend to nothing: zeros, as SDPA).
-So both the mask work and the attention work scale with the unmasked area, not with S^2.
+So the mask work and the attention work scale with the blocks' key envelopes, not with S^2.
 
 Why this and not FlexAttention: torch 2.13's `flex_attention` raises "does not support backward on CPU", and
 training needs backward. The op calls plain `scaled_dot_product_attention` on each block's span on every device
-(CPU flash, CUDA/ROCm memory-efficient kernels); backward recomputes each block and differentiates it with SDPA's
-own fused backward. Nothing of size S x S exists: the mask costs O(rows * span) at a time. On CUDA a FlexAttention
-`mask_mod` generated from the same program would add skipping at the kernel's tile level inside a span (e.g. the
-masked triangle of a window's span) and fuse the mask into the kernel; not written here, as it cannot be tested.
+(CPU flash, CUDA/ROCm memory-efficient kernels); backward recomputes each block, on CPU with the fused kernel pair
+SDPA itself runs, elsewhere in tensor ops (`BLOCK_GRADIENTS`). Nothing of size S x S exists: the mask costs
+O(rows * span) at a time. On CUDA a FlexAttention `mask_mod` generated from the same program would add skipping at
+the kernel's tile level inside a span (e.g. the masked triangle of a window's span) and fuse the mask into the
+kernel; not written here, as it cannot be tested.
 """
 from __future__ import annotations
 
@@ -190,22 +191,48 @@ def _(query, key, value, rows, program, scale, enable_gqa):
     return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
 
+def _flash_cpu_gradients(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
+                         scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """On CPU, the kernel pair SDPA itself runs (bit-identical to it): the fused forward for the block's
+    log-sum-exp, then the fused backward. The kernel takes an additive mask."""
+    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, False, attn_mask=bias, scale=scale)
+
+
+def _math_gradients(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor,
+                    scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Anywhere else, softmax attention's gradient in tensor ops (probabilities recomputed for the block)."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    probs = torch.softmax((query @ key.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    probs = probs.nan_to_num(0.0)  # a fully masked row attends to nothing: zeros
+    grad_probs = grad_out @ value.transpose(-2, -1)
+    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+    return grad_scores @ key * scale, grad_scores.transpose(-2, -1) @ query * scale, probs.transpose(-2, -1) @ grad_out
+
+
+#: per device type, the gradient of one block's attention (the kernel runs below autograd: no autograd inside)
+BLOCK_GRADIENTS = {"cpu": _flash_cpu_gradients}
+
+
 @torch.library.custom_op("autosp::masked_attention_backward", mutates_args=())
 def masked_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rows: list[Tensor],
                               program: str, scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Attention's gradient one block of query rows at a time, on the block's key span only: each block is
-    recomputed and differentiated by SDPA's own fused backward (`torch.func.vjp`, which works inside an op's
-    kernel, where autograd is switched off), so nothing larger than a block is held."""
+    """Attention's gradient one block of query rows at a time, on the block's key span only (each block's
+    attention recomputed), so nothing larger than a block is held."""
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    repeat = heads // kv_heads if enable_gqa else 1
+    gradients = BLOCK_GRADIENTS.get(query.device.type, _math_gradients)
     grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     for queries, keys, mask in _attended_blocks(query, rows, program):
-        def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor = mask) -> Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-
-        _, vjp = torch.func.vjp(attention, query[..., queries, :], key[..., keys, :], value[..., keys, :])
-        block_q, block_k, block_v = vjp(grad_out[..., queries, :])
+        k, v = (t[..., keys, :].repeat_interleave(repeat, -3) for t in (key, value))
+        mask = mask.broadcast_to(torch.broadcast_shapes(mask.shape, (1, 1, queries.stop - queries.start, k.shape[-2])))
+        block_q, block_k, block_v = gradients(grad_out[..., queries, :], query[..., queries, :], k, v, mask, scale)
         grad_q[..., queries, :] = block_q
-        grad_k[..., keys, :] += block_k
-        grad_v[..., keys, :] += block_v
+        grad_k[..., keys, :] += block_k.unflatten(-3, (kv_heads, repeat)).sum(-3)  # each KV head served `repeat`
+        grad_v[..., keys, :] += block_v.unflatten(-3, (kv_heads, repeat)).sum(-3)  # consecutive query heads
     return grad_q, grad_k, grad_v
 
 

@@ -174,10 +174,14 @@ def _op_masks(seq_len):
     }
 
 
+@pytest.mark.parametrize("kernel", ["cpu flash", "tensor ops (other devices)"])
 @pytest.mark.parametrize("name", ["window, documents, padding", "sink or window", "scattered ids, not causal"])
-def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypatch, name):
-    """GQA, several blocks of query rows and key tiles (blocks of 16), against SDPA with the dense mask."""
+def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypatch, name, kernel):
+    """GQA, several blocks of query rows and key tiles (blocks of 16), against SDPA with the dense mask; the
+    backward through SDPA's CPU kernels and through the tensor-op gradient other devices run."""
     monkeypatch.setattr(masked_attention, "BLOCK_ELEMENTS", 64)
+    if kernel != "cpu flash":
+        monkeypatch.setattr(masked_attention, "BLOCK_GRADIENTS", {})
     torch.manual_seed(0)
     q = torch.randn(2, 4, 40, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 40, 8, requires_grad=True) for _ in range(2))
