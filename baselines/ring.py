@@ -81,13 +81,13 @@ class Ring(Strategy):
         dtype = precision_of(cfg.dtype).compute  # what attention computes in (the parameters may be fp32 masters)
         implementation, fallback_reason, attend = choose_ring(ctx.device, dtype, ctx.sp_group)
         for module in attention_modules(model, self.name):
-            module.attention_fn = lambda q, k, v, mask: attend(q, k, v)  # mask: the model's local one, unused
+            module.attention_fn = lambda q, k, v, mask: attend(q, k, v)  # mask: None, the model builds none
 
         def positions(seq_len: int) -> Tensor:
             return zigzag_positions(seq_len, ctx.sp_size, ctx.sp_rank)
 
-        def no_mask(mask: Tensor | None) -> None:
-            if mask is not None:
+        def no_mask(rows: list[Tensor] | None) -> None:
+            if rows is not None:
                 raise ConfigError("--method ring got a batch with packed documents or padding; it is causal only")
 
         sharded = self.zero_stage(cfg) == 3

@@ -11,8 +11,9 @@ Per step, on the global batch (dp_size * batch_size rows, full sequence):
   ZeRO stage 3 (`sharded`), let FSDP2 (`baselines.fsdp_sharding`) gather parameters and reduce-scatter gradients.
 
 The model's attention core is swapped through `LlamaAttention.attention_fn` (the project Llama's hook). The
-model builds a (local, meaningless) mask from the shard's position_ids; the SP attention ignores it and uses
-the full-sequence mask (`SequenceShard.full_mask`) where the data needs one.
+model builds no mask of its own (`LlamaModel.builds_mask` off: one from the shard's positions would be
+meaningless); the SP attention takes the full sequence's mask as its O(S) rows (`SequenceShard.mask_rows`,
+run by `autosp::masked_attention`) where the data needs one, so no [S, S] mask exists on any rank.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.checkpoint import checkpoint
 
 from autosp.harness.config import ConfigError, RunConfig
-from autosp.models.llama import IGNORE_INDEX, LlamaAttention, build_attention_mask
+from autosp.models.llama import IGNORE_INDEX, LlamaAttention, LlamaModel, attention_mask_rows
 from autosp.models.presets import is_hf_name
 from autosp.comm.sharding import full_name
 from baselines.base import ReplicatedTrainStep, compute_in_precision
@@ -50,7 +51,7 @@ class SequenceShard:
     input_ids: Tensor  # [b, S/P]
     position_ids: Tensor  # [b, S/P] global positions (RoPE)
     shift_labels: Tensor  # [b, S/P] labels shifted on the full sequence, then sharded
-    full_mask: Tensor | None  # [b, 1, S, S] causal & document & padding mask of the full rows, if the data needs one
+    mask_rows: list[Tensor] | None  # the full rows' causal & document & padding mask as O(S) rows, if needed
     num_items: int  # valid labels in the whole global batch
 
 
@@ -69,7 +70,7 @@ def shard_batch(batch: "Batch", ctx: "ParallelContext", positions: Tensor) -> Se
         input_ids=mine.input_ids[:, positions],
         position_ids=full_positions[:, positions],
         shift_labels=shift_labels[:, positions],
-        full_mask=build_attention_mask(full_positions, mine.attention_mask) if needs_mask else None,
+        mask_rows=attention_mask_rows(full_positions, mine.attention_mask) if needs_mask else None,
         num_items=batch.num_valid_labels(),
     )
 
@@ -119,8 +120,8 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
 class SequenceParallelStep(ReplicatedTrainStep):
     """A training step around a model whose attention core was replaced by a sequence-parallel one.
 
-    `positions(seq_len)` gives the global sequence positions this rank holds; `set_full_mask` is told the full
-    mask of the current rows before each forward (None for plain causal data).
+    `positions(seq_len)` gives the global sequence positions this rank holds; `set_mask_rows` is told the rows of
+    the current batch's full mask before each forward (None for plain causal data).
     """
 
     def __init__(
@@ -129,14 +130,17 @@ class SequenceParallelStep(ReplicatedTrainStep):
         ctx: "ParallelContext",
         cfg: RunConfig,
         positions: Callable[[int], Tensor],
-        set_full_mask: Callable[[Tensor | None], None],
+        set_mask_rows: Callable[[list[Tensor] | None], None],
         implementation: str,
         forward: Callable[..., object] | None = None,
         sharded: bool = False,
     ) -> None:
         self.model, self.ctx = model, ctx
         self.forward = model if forward is None else forward
-        self.positions, self.set_full_mask = positions, set_full_mask
+        self.positions, self.set_mask_rows = positions, set_mask_rows
+        for module in model.modules():
+            if isinstance(module, LlamaModel):
+                module.builds_mask = False
         self.implementation = implementation
         self.sharded = sharded  # parameters are FSDP2 DTensors: FSDP reduces the gradients (and casts, if mixed)
         if not sharded:
@@ -147,7 +151,7 @@ class SequenceParallelStep(ReplicatedTrainStep):
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:
         shard = shard_batch(batch, self.ctx, self.positions(batch.input_ids.shape[1]))
-        self.set_full_mask(shard.full_mask)
+        self.set_mask_rows(shard.mask_rows)
         logits = self.forward(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
         loss = F.cross_entropy(
             logits.float().flatten(0, 1), shard.shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
-from autosp.models.llama import sdpa_attention
+from autosp.models.llama import attention_from_mask_rows
 from baselines.base import Strategy, TrainStep, compute_dtype, register
 from baselines.deepspeed_env import import_deepspeed, require_deepspeed
 from baselines.sequence_parallel import (
@@ -46,15 +46,15 @@ class UlyssesAttention:
         from deepspeed.sequence.layer import DistributedAttention
 
         self.kv_repeat = math.lcm(num_kv_heads, sp_size) // num_kv_heads
-        self.full_mask: Tensor | None = None
+        self.mask_rows: list[Tensor] | None = None
         # DeepSpeed layout [B, S, H, D]: scatter heads (2), gather sequence (1)
         self.distributed = DistributedAttention(self._local_attention, group, scatter_idx=2, gather_idx=1)
 
-    def set_full_mask(self, mask: Tensor | None) -> None:
-        self.full_mask = mask
+    def set_mask_rows(self, rows: list[Tensor] | None) -> None:
+        self.mask_rows = rows
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        del mask  # built by the model from this shard's positions; the full-sequence mask is self.full_mask
+        del mask  # None: the model builds none; the full sequence's mask is self.mask_rows
         if self.kv_repeat > 1:
             k, v = k.repeat_interleave(self.kv_repeat, dim=1), v.repeat_interleave(self.kv_repeat, dim=1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -62,7 +62,7 @@ class UlyssesAttention:
 
     def _local_attention(self, q: Tensor, k: Tensor, v: Tensor, *args, **kwargs) -> Tensor:
         """Full sequence, this rank's heads: [B, S, H/P, D]."""
-        out = sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.full_mask)
+        out = attention_from_mask_rows(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.mask_rows)
         return out.transpose(1, 2)
 
 
@@ -109,7 +109,7 @@ class Ulysses(Strategy):
         implementation += "+fsdp2-zero3" if sharded else ""
         if self.compiled:
             implementation += f"+compile({cfg.compile_backend})"
-        return SequenceParallelStep(model, ctx, cfg, positions, attention.set_full_mask, implementation, forward,
+        return SequenceParallelStep(model, ctx, cfg, positions, attention.set_mask_rows, implementation, forward,
                                     sharded=sharded)
 
 

@@ -7,6 +7,7 @@ and `hf:<preset>` can be checked against it weight for weight.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autosp.compiler import masked_attention  # noqa: F401  (registers autosp::masked_attention)
 from autosp.models.presets import ModelPreset
 
 IGNORE_INDEX = -100
@@ -125,19 +127,34 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-def build_attention_mask(position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """Boolean [B, 1, S, S] mask: causal AND same packed document AND key not padding (True = attend).
+#: `build_attention_mask`'s mask as an `autosp::masked_attention` program over `attention_mask_rows`:
+#: (kv <= q) & (document[q] == document[kv]) & keep[kv]
+ATTENTION_MASK_PROGRAM = json.dumps([["le", ["row", 1], ["row", 0]], ["eq", ["row", 2], ["row", 3]],
+                                     ["and", ["step", 0], ["step", 1]], ["and", ["step", 2], ["row", 4]]])
 
-    A document starts wherever position_ids is 0, so packed rows never attend across documents.
-    """
-    seq_len = position_ids.shape[-1]
-    idx = torch.arange(seq_len, device=position_ids.device)
-    causal = idx[:, None] >= idx[None, :]  # [S, S]
-    document = torch.cumsum(position_ids == 0, dim=-1)  # [B, S]
-    mask = causal[None] & (document[:, :, None] == document[:, None, :])  # [B, S, S]
-    if attention_mask is not None:
-        mask = mask & attention_mask.bool()[:, None, :]
-    return mask[:, None]
+
+def attention_mask_rows(position_ids: Tensor, attention_mask: Tensor | None) -> list[Tensor]:
+    """The mask's O(S) inputs: query positions [S, 1], key positions [1, S], the document of each query
+    [B, 1, S, 1] and key [B, 1, 1, S] (a document starts wherever position_ids is 0), keys kept [B, 1, 1, S]."""
+    idx = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    document = torch.cumsum(position_ids == 0, dim=-1)[:, None]  # [B, 1, S]
+    keep = torch.ones_like(document, dtype=torch.bool) if attention_mask is None else attention_mask.bool()[:, None]
+    return [idx[:, None], idx[None, :], document[..., None], document[:, :, None, :], keep[:, :, None, :]]
+
+
+def build_attention_mask(position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Boolean [B, 1, S, S] mask: causal AND same packed document AND key not padding (True = attend): the dense
+    form of ATTENTION_MASK_PROGRAM, so packed rows never attend across documents."""
+    q, kv, document_q, document_kv, keep = attention_mask_rows(position_ids, attention_mask)
+    return (kv <= q) & (document_q == document_kv) & keep
+
+
+def attention_from_mask_rows(q: Tensor, k: Tensor, v: Tensor, rows: list[Tensor] | None) -> Tensor:
+    """`sdpa_attention` under `build_attention_mask`'s mask given as its rows (None: causal), never [S, S]:
+    what a hand-written sequence-parallel attention uses on the full sequence."""
+    if rows is None:
+        return sdpa_attention(q, k, v, None)
+    return torch.ops.autosp.masked_attention(q, k, v, rows, ATTENTION_MASK_PROGRAM, None, True)
 
 
 class LlamaModel(nn.Module):
@@ -147,13 +164,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(preset) for _ in range(preset.num_layers))
         self.norm = LlamaRMSNorm(preset.hidden_size, preset.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(preset.head_dim, preset.rope_theta)
+        # False when the attention core takes the full sequence's mask from elsewhere (hand-written SP baselines):
+        # then no mask of the shard's own positions ([S/P, S/P]) is built and the core gets None.
+        self.builds_mask = True
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None
     ) -> Tensor:
         hidden_states = self.embed_tokens(input_ids)
         # Plain causal attention (is_causal=True, no O(S^2) mask) unless positions or padding say otherwise.
-        needs_mask = position_ids is not None or attention_mask is not None
+        needs_mask = self.builds_mask and (position_ids is not None or attention_mask is not None)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         position_ids = position_ids.expand(input_ids.shape[0], -1)

@@ -15,7 +15,8 @@ from autosp.harness.runner import build_train_step, global_batch, validate
 
 
 def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", **kw):
-    data = DataConfig(**{k: kw.pop(k) for k in ("ignore_fraction", "packed_documents", "pad_fraction") if k in kw})
+    data = DataConfig(**{k: kw.pop(k) for k in ("ignore_fraction", "packed_documents", "pad_fraction", "pad_side")
+                         if k in kw})
     cfg = RunConfig(method="autosp", model=model, seq_len=seq_len, world_size=world_size, compile_backend=backend,
                     data=data, timeout_s=400, **kw)
     report = check(cfg)
@@ -53,6 +54,9 @@ def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
     (2, dict(pad_fraction=0.25)),  # HF builds its own [B,1,S,S] padding mask inside the graph
     (4, dict(ignore_fraction=0.3, packed_documents=2)),  # HF's packed-sequence detection from position_ids
     (2, dict(ignore_fraction=0.3, tiling="auto:8", model="hf:tiny-tied")),  # tiled loss + MLPs, tied head
+    # sliding window 16 < S (autosp::masked_attention, blocks skipped): with left padding; with packed documents
+    (2, dict(pad_fraction=0.25, pad_side="left", model="hf-mistral-w16:tiny")),
+    (4, dict(packed_documents=3, model="hf-qwen2-w16:tiny")),
 ])
 def test_unmodified_hf_llama_matches_single_process(world_size, options):
     _check(options.pop("model", "hf:tiny"), world_size, **options)

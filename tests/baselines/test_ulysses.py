@@ -1,8 +1,13 @@
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
+from autosp.harness.runner import build_train_step, global_batch
 from baselines.base import get_strategy
 from tests.baselines.checking import assert_check_passes
+from tests.baselines.gloo import run_ranks
 
 
 @pytest.mark.parametrize("method, world_size, options", [
@@ -34,3 +39,33 @@ def test_ulysses_at_zero_stage_3_matches_single_process() -> None:
     """DeepSpeed-Ulysses with FSDP2 sharding every layer over all ranks: the like-for-like baseline of autosp at 3."""
     report = assert_check_passes("ulysses", 2, zero=3, ignore_fraction=0.3)
     assert report.passed
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [(str(func), tuple(t.shape)) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _steps_build_no_square_mask(rank: int, world_size: int, seq_len: int) -> None:
+    for method, data in (("ulysses", DataConfig(packed_documents=3, pad_fraction=0.2)), ("ring", DataConfig())):
+        cfg = RunConfig(method, "tiny", seq_len, world_size=world_size, data=data)
+        step, _ = build_train_step(cfg, get_strategy(method), world_size)
+        with _Shapes() as seen:
+            step.forward_backward(global_batch(cfg, world_size))
+        sequence_dims = {seq_len, seq_len // world_size}
+        square = [(op, shape) for op, shape in seen.shapes if sum(d in sequence_dims for d in shape) >= 2]
+        assert not square, f"{method}: {square[:3]}"
+
+
+def test_hand_written_sp_steps_build_no_sequence_by_sequence_mask() -> None:
+    """Ulysses with packed documents and padding runs the full mask from its O(S) rows (autosp::masked_attention);
+    neither it nor the ring lets the model build a mask of the shard's positions. (96 and 48 are no tiny dim.)"""
+    run_ranks(2, _steps_build_no_square_mask, 96)

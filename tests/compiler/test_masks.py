@@ -151,25 +151,61 @@ def test_compiled_forward_and_backward_hold_no_sequence_by_sequence_tensor(name,
         assert not square
 
 
-def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypatch):
-    """Window x documents x key padding (one fully masked query row), GQA, several blocks of query rows."""
+def _op_masks(seq_len):
+    """(rows, program) of masks for the op tests: query rows [S, 1], key rows [1, S], batch rows [B, 1, 1, S]."""
+    pos = torch.arange(seq_len)
+    doc = (pos >= 13).long() + (pos >= 30).long()
+    keep = torch.ones(2, seq_len, dtype=torch.bool)
+    keep[1, :7] = False
+    scattered = torch.randint(0, 3, (seq_len,), generator=torch.Generator().manual_seed(0))
+    causal_window = [["le", ["row", 1], ["row", 0]], ["gt", ["row", 1], ["row", 2]], ["and", ["step", 0], ["step", 1]]]
+    return {
+        # window x documents x key padding (fully masked query rows in batch row 1)
+        "window, documents, padding": ([pos[:, None], pos[None, :], (pos - 5)[:, None], doc[:, None], doc[None, :],
+                                        keep[:, None, None, :]],
+                                       causal_window + [["eq", ["row", 3], ["row", 4]], ["and", ["step", 2], ["step", 3]],
+                                                        ["and", ["step", 4], ["row", 5]]]),
+        # an attention sink (key 0 for every query) beside a window: the span must reach back to key 0
+        "sink or window": ([pos[:, None], pos[None, :], (pos - 5)[:, None]],
+                           causal_window + [["eq", ["row", 1], ["const", 0]], ["or", ["step", 2], ["step", 3]]]),
+        # document ids that are not sorted: bounds rule nothing out, the exact mask decides
+        "scattered ids, not causal": ([scattered[:, None], scattered[None, :]],
+                                      [["ne", ["row", 0], ["row", 1]], ["not", ["step", 0]]]),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["cpu flash", "tensor ops (other devices)"])
+@pytest.mark.parametrize("name", ["window, documents, padding", "sink or window", "scattered ids, not causal"])
+def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypatch, name, kernel):
+    """GQA, several blocks of query rows and key tiles (blocks of 16), against SDPA with the dense mask; the
+    backward through SDPA's CPU kernels and through the tensor-op gradient other devices run."""
     monkeypatch.setattr(masked_attention, "BLOCK_ELEMENTS", 64)
+    if kernel != "cpu flash":
+        monkeypatch.setattr(masked_attention, "BLOCK_GRADIENTS", {})
     torch.manual_seed(0)
     q = torch.randn(2, 4, 40, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 40, 8, requires_grad=True) for _ in range(2))
-    pos = torch.arange(40)
-    doc = (pos >= 13).long() + (pos >= 30).long()
-    keep = torch.ones(2, 40, dtype=torch.bool)
-    keep[1, :7] = False
-    rows = [pos[:, None], pos[None, :], (pos - 5)[:, None], doc[:, None], doc[None, :], keep[:, None, None, :]]
-    program = json.dumps([["le", ["row", 1], ["row", 0]], ["gt", ["row", 1], ["row", 2]],
-                          ["and", ["step", 0], ["step", 1]], ["eq", ["row", 3], ["row", 4]],
-                          ["and", ["step", 2], ["step", 3]], ["and", ["step", 4], ["row", 5]]])
+    rows, program = _op_masks(40)[name]
+    program = json.dumps(program)
     mask = masked_attention.run_program(program, rows)
-    assert mask.shape == (2, 1, 40, 40) and not mask[1, 0, :7].any()
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     out = torch.ops.autosp.masked_attention(q, k, v, rows, program, None, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_attention_runs_each_query_block_on_the_keys_it_sees_only(monkeypatch):
+    """A causal window of 5 with the first 20 keys padded in every batch row: blocks of 16 queries attend to
+    [max(20, q0 - 4), q1) only, and the first block (its keys all padding) is skipped."""
+    monkeypatch.setattr(masked_attention, "BLOCK_ELEMENTS", 64)
+    pos = torch.arange(64)
+    rows = [pos[:, None], pos[None, :], (pos - 5)[:, None], (pos >= 20).expand(2, 64)[:, None, None, :]]
+    program = json.dumps([["le", ["row", 1], ["row", 0]], ["gt", ["row", 1], ["row", 2]],
+                          ["and", ["step", 0], ["step", 1]], ["and", ["step", 2], ["row", 3]]])
+    plan = masked_attention._Plan(program, rows, 64, 16)  # bounds per tile of 16 keys: no exact mask outside
+    assert [plan.key_span(i) for i in range(4)] == [slice(0, 0), slice(16, 32), slice(16, 48), slice(32, 64)]
+    blocks = masked_attention._attended_blocks(torch.randn(2, 4, 64, 8), rows, program)
+    assert [(queries.start, keys.start, keys.stop) for queries, keys, _ in blocks] == [(16, 20, 32), (32, 28, 48),
+                                                                                      (48, 44, 64)]

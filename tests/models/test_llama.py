@@ -7,7 +7,15 @@ import torch.nn.functional as F
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
-from autosp.models.llama import LlamaForCausalLM
+from autosp.compiler.masked_attention import run_program
+from autosp.models.llama import (
+    ATTENTION_MASK_PROGRAM,
+    LlamaForCausalLM,
+    attention_from_mask_rows,
+    attention_mask_rows,
+    build_attention_mask,
+    sdpa_attention,
+)
 
 SEQ = 32
 
@@ -100,3 +108,14 @@ def test_compiles_fullgraph_with_aot_eager(data):
     torch.testing.assert_close(compiled.logits, eager.logits)
     compiled.loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("pad_side", ["right", "left"])
+def test_attention_from_mask_rows_is_attention_under_the_dense_mask(pad_side):
+    """The O(S) rows + ATTENTION_MASK_PROGRAM (what hand-written SP baselines run) give the dense mask's attention."""
+    b = tiny_batch(DataConfig(packed_documents=3, pad_fraction=0.25, pad_side=pad_side))
+    rows = attention_mask_rows(b.position_ids, b.attention_mask)
+    dense = build_attention_mask(b.position_ids, b.attention_mask)
+    assert torch.equal(run_program(ATTENTION_MASK_PROGRAM, rows), dense) and max(r.numel() for r in rows) == 2 * SEQ
+    q, k, v = torch.randn(2, 4, SEQ, 16), torch.randn(2, 2, SEQ, 16), torch.randn(2, 2, SEQ, 16)
+    torch.testing.assert_close(attention_from_mask_rows(q, k, v, rows), sdpa_attention(q, k, v, dense))
