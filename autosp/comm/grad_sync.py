@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.comm.sharding import fake_value, graph_call, prefetch_gathers
+from autosp.comm.sharding import fake_value, graph_call
 from autosp.compiler.sac import SacPartitioner, layer_of_path, module_path
 from autosp.errors import SequenceParallelError
 
@@ -219,16 +219,12 @@ class ReducingPartitioner(CustomPartitionerFn):
         self.inner, self.reduction, self.param_positions = inner, reduction, tuple(param_positions)
         self.cacheable = inner.cacheable
         self.buckets: list[Bucket] = []
-        self.prefetched = 0  # gathers issued one layer ahead (stages 2/3)
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.buckets = bucket_gradient_reduction(joint_gm, num_fwd_outputs=num_fwd_outputs,
                                                  param_positions=self.param_positions, reduction=self.reduction)
-        fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        if self.reduction.sharded:  # after partitioning: the stage-3 re-gathers are in the backward graph by now
-            self.prefetched = prefetch_gathers(fw_module) + prefetch_gathers(bw_module)
-        return fw_module, bw_module
+        return self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
     def uuid(self) -> Any:
         return (self.inner.uuid(), repr(self.reduction), self.param_positions, get_hash_for_files((__file__,)))

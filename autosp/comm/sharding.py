@@ -28,7 +28,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from autosp.comm.ops import all_gather_shard
-from autosp.compiler.sac import layer_of_path, module_path
 from autosp.errors import SequenceParallelError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -116,53 +115,6 @@ def full_state(model: nn.Module, *, gradients: bool) -> dict[str, torch.Tensor]:
         full = spec.unshard(value) if isinstance(spec, ShardedParameter) else value.detach()
         out[full_name(name)] = full.cpu().clone()
     return out
-
-
-_GATHER = "autosp.all_gather_shard"
-
-
-def prefetch_gathers(gm: fx.GraphModule) -> int:
-    """Issue each layer's parameter gathers one layer ahead (in place, on a partitioned forward or backward graph).
-
-    Every blocking `autosp::all_gather_shard` becomes an asynchronous functional all-gather (`_c10d_functional`)
-    issued where the *previous* layer starts using its parameters, and a `wait_tensor` where the original gather
-    stood: the gather of layer k+1 is in flight while layer k computes (FSDP's forward/backward prefetch of one
-    layer). Layers are read off Dynamo's module stack; a run of gathers outside the layers (embedding, final norm,
-    LM head) counts as one layer. Returns how many gathers were issued early."""
-    graph = gm.graph
-    groups: list[list[fx.Node]] = []
-    for node in graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith(_GATHER):
-            layer = _gather_layer(node)
-            if groups and _gather_layer(groups[-1][0]) == layer:
-                groups[-1].append(node)
-            else:
-                groups.append([node])
-    prefetched, waits = 0, {}
-    for k, group in enumerate(groups):
-        issue_before = waits[groups[k - 1][0]] if k else None  # where the previous layer waits for its first
-        for node in group:
-            shard, group_size, group_name, _dp, _regather, dtype = node.args
-            with graph.inserting_before(issue_before or node):
-                if fake_value(shard).dtype != dtype:
-                    shard = graph_call(graph, torch.ops.aten._to_copy.default, shard, dtype=dtype)
-                issued = graph_call(graph, torch.ops._c10d_functional.all_gather_into_tensor.default, shard,
-                                    group_size, group_name)
-            with graph.inserting_before(node):
-                waited = graph_call(graph, torch.ops._c10d_functional.wait_tensor.default, issued)
-            waited.meta.update({key: v for key, v in node.meta.items() if key != "val"})
-            node.replace_all_uses_with(waited)
-            graph.erase_node(node)
-            waits[node] = waited
-            prefetched += k > 0
-    graph.lint()
-    gm.recompile()
-    return prefetched
-
-
-def _gather_layer(node: fx.Node) -> str | None:
-    path = module_path(node)  # the gather runs in the parametrization of the module that uses the parameter
-    return layer_of_path(path.split(".parametrizations.")[0] if path else path)
 
 
 def graph_call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
