@@ -45,6 +45,9 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations")
+DEVICE_WINDOW = 2
+"""Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
+(the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
 OFFLOAD_OP_NAME = "autosp_offload::offload"
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 
@@ -94,6 +97,10 @@ def offload(tensor: torch.Tensor) -> torch.Tensor:
 @offload.register_fake
 def _(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+OFFLOAD_OP = torch.ops.autosp_offload.offload.default
+"""What the simulator's storage tracker books as host memory."""
 
 
 @torch.library.custom_op("autosp_offload::reload", mutates_args=())
