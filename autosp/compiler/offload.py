@@ -234,6 +234,7 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             ready = graph.call_function(torch.ops.autosp_offload.wait.default, (loaded,))
         loaded.meta.update(placeholder.meta)
         ready.meta.update(placeholder.meta)
+        placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
         for user in list(placeholder.users):
             if user is not loaded:
                 user.replace_input_with(placeholder, ready)
