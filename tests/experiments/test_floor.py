@@ -107,7 +107,7 @@ def test_floor_command_prints_stage_precision_and_the_paper_ratios(capsys) -> No
 def test_a_tiled_loss_removes_the_logits_term() -> None:
     preset = get_preset("llama-3.1-8b")
     whole = memory_floor("autosp", preset, world_size=8, dtype="bfloat16")
-    tiled = memory_floor("autosp", preset, world_size=8, dtype="bfloat16", tiled_loss=True, zero=3)
+    tiled = memory_floor("autosp", preset, world_size=8, dtype="bfloat16", tiled_loss=True)
     assert whole.activation_bytes_per_token - tiled.activation_bytes_per_token == preset.vocab_size * 4
     assert tiled.activation_bytes_per_token == preset.num_layers * preset.hidden_size * 2
     assert tiled.static_bytes == whole.static_bytes
