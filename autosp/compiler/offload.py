@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from autosp.compiler.sac import _is_view, assign_layers, node_nbytes
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations")
@@ -157,15 +158,11 @@ class OffloadReport:
 
 
 def _layers(graph: fx.Graph) -> dict[fx.Node, str | None]:
-    from autosp.compiler.sac import assign_layers
-
     return assign_layers(graph, {n for n in graph.nodes if n.op != "output"})
 
 
 def _offloadable(node: fx.Node, model_outputs: set[fx.Node]) -> bool:
     """torch's rules (activation_offloading.can_offload): no views, getitems, model outputs, non-contiguous."""
-    from autosp.compiler.sac import _is_view
-
     val = node.meta.get("val")
     return (node.op == "call_function" and node.target is not operator.getitem and not _is_view(node)
             and node not in model_outputs and isinstance(val, torch.Tensor) and val.is_floating_point()
@@ -191,8 +188,6 @@ def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.
 
 def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> OffloadReport:
     """Rewrite both graphs in place (module docstring); returns what is offloaded."""
-    from autosp.compiler.sac import node_nbytes
-
     chosen = boundary_values(fw_module, num_fwd_outputs)
     report = OffloadReport()
     if not chosen:
@@ -202,6 +197,7 @@ def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num
     placeholders = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
     host_of: dict[fx.Node, fx.Node] = {}
     for node in chosen:
+        check_device(node.meta["val"].device)  # at compile time, not from inside the compiled graph
         if node.name not in placeholders:
             raise SequenceParallelError(f"offload: saved value {node.name} has no backward input of that name")
         with fw_graph.inserting_after(node):
