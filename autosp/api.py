@@ -69,6 +69,12 @@ class SequenceParallelModule(torch.nn.Module):
         return list(getattr(self._backend, "partition_fn").records)
 
     @property
+    def offload_reports(self) -> list:
+        """One `autosp.compiler.offload.OffloadReport` per compiled graph: the layer-boundary values kept in host
+        memory between forward and backward, and their bytes (empty without offload)."""
+        return [p.reports[-1] for p in getattr(self._backend, "offload_partitioners", []) if p.reports]
+
+    @property
     def gradient_buckets(self) -> list:
         """The `autosp.comm.grad_sync.Bucket`s of the last compiled graph: one gradient collective each."""
         partitioners = getattr(self._backend, "gradient_partitioners", [])
@@ -126,6 +132,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     tiling: str = "off",
     outputs: str = "all",
     ulysses_size: int | None = None,
+    offload: str = "off",
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
@@ -144,7 +151,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     — `loss` returns None for every output but the loss; a model that returns its logits can have its loss tiled
     only then. ulysses_size: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention
     across the groups (default: the largest size the heads and the node allow; the SP degree whenever the heads
-    divide it)."""
+    divide it). offload: off | activations — the values backward keeps at decoder-layer boundaries wait in host
+    memory between forward and backward (pinned buffers and a side stream on CUDA; `autosp.compiler.offload`)."""
     check_stage(zero)
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
@@ -152,7 +160,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     elif compute_dtype is not None:
         cast_parameters(model, compute_dtype)
     sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero,
-                              tiling=tiling, outputs=outputs, ulysses_size=ulysses_size)
+                              tiling=tiling, outputs=outputs, ulysses_size=ulysses_size, offload=offload)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
@@ -160,7 +168,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
 def backend(
     *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
     inner: str = "inductor", model: torch.nn.Module | None = None, tiling: str = "off", outputs: str = "all",
-    ulysses_size: int | None = None,
+    ulysses_size: int | None = None, offload: str = "off",
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
@@ -170,4 +178,4 @@ def backend(
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
-                        tiling=tiling, outputs=outputs, ulysses_size=ulysses_size)
+                        tiling=tiling, outputs=outputs, ulysses_size=ulysses_size, offload=offload)

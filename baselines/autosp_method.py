@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.compiler.offload import parse_offload
 from autosp.compiler.sac import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.activations import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
@@ -35,10 +36,12 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=sac_policy(cfg, zero),
                                        backend=cfg.compile_backend,
                                        zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
-                                       ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg))
+                                       ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg),
+                                       offload=cfg.offload)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
-                               + (f"-tiling:{cfg.tiling}" if tiled else ""))
+                               + (f"-tiling:{cfg.tiling}" if tiled else "")
+                               + (f"-offload:{cfg.offload}" if parse_offload(cfg.offload) else ""))
         self.seq_len = cfg.seq_len
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -67,11 +70,14 @@ class AutoSPTrainStep(ReplicatedTrainStep):
         if not records:
             return {}
         plans = [r.plan for r in records if r.plan is not None]
+        offloads = self.compiled.offload_reports
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
                 "saved_quadratic": quadratic_saved_values(records, self.seq_len),
                 "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
-                **({"sac_auto": plans} if plans else {})}
+                **({"sac_auto": plans} if plans else {}),
+                **({"offloaded_bytes": sum(r.nbytes for r in offloads),
+                    "offloaded_values": sum(len(r.values) for r in offloads)} if offloads else {})}
 
 
 def sac_policy(cfg: RunConfig, zero: int) -> Policy:
@@ -104,6 +110,9 @@ class AutoSP(Strategy):
             raise ConfigError(f"--ulysses-size {u} must divide the SP degree {sp} and the {num_heads} query heads; "
                               f"valid: {valid}")
         parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
+        if parse_offload(cfg.offload) and cfg.compile_backend == "eager":
+            raise ConfigError("--offload activations rewrites the partitioned forward/backward graphs: use "
+                              "--compile-backend aot_eager or inductor")
         if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
 

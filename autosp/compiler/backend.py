@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from autosp.comm.grad_sync import GradientReduction, ReducingPartitioner, sync_gradients
 from autosp.compiler.hybrid import subgroups
+from autosp.compiler.offload import OffloadingPartitioner, parse_offload
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.specialize import is_symbolic, per_length
@@ -27,7 +28,7 @@ INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 def make_backend(
     sp_group: dist.ProcessGroup, *, reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1,
     sac: str = "sac", inner: str = "inductor", zero: int = 0, tiling: str = "off", outputs: str = "all",
-    ulysses_size: int | None = None,
+    ulysses_size: int | None = None, offload: str = "off",
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`.
 
@@ -35,7 +36,9 @@ def make_backend(
     are summed over it and divided by `dp_size` inside the backward graph, one collective per bucket of gradients
     (`autosp.comm.grad_sync`): all-reduced at ZeRO stages 0/1, reduce-scattered at stages 2/3 (the parameters are
     shards, `autosp.comm.sharding`).
-    `ulysses_size`: see `hybrid` (default: chosen from the heads)."""
+    `ulysses_size`: see `hybrid` (default: chosen from the heads).
+    `offload`: off | activations — the layer-boundary values backward keeps wait in host memory
+    (`autosp.compiler.offload`)."""
     if inner not in INNER_BACKENDS:
         raise SequenceParallelError(f"unknown inner backend {inner!r}; choose one of {', '.join(INNER_BACKENDS)}")
     # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the records of
@@ -43,6 +46,11 @@ def make_backend(
     partition_fn = make_partition_fn(sac, cacheable=False)  # also validates the policy before any compilation
     tiling_options, outputs = parse_tiling(tiling), check_outputs(outputs)
     tiling_reports: list = []
+    offloads = parse_offload(offload)
+    if offloads and inner == "eager":
+        raise SequenceParallelError("offload=activations rewrites the partitioned forward/backward graphs; "
+                                    "use backend aot_eager or inductor, not eager")
+    offloading: list[OffloadingPartitioner] = []
     sp_rank, sp_size = dist.get_rank(sp_group), dist.get_world_size(sp_group)
     group = reduce_group or sp_group
     reduction = GradientReduction(group.group_name, dist.get_world_size(group), dp_size, sharded=zero >= 2) \
@@ -63,17 +71,22 @@ def make_backend(
         tiling_reports.append(apply_tiling(gm, tiling_options, loss_only=outputs == "loss"))
         if inner == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
             return gm.forward
-        if reduction is None:
-            return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
-        params = [i for i, t in enumerate(example_inputs)
-                  if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-        partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
-        return compile_with_partitioner(gm, example_inputs, partition_fn=partitioners[-1], inner=inner)
+        partition = partition_fn
+        if reduction is not None:
+            params = [i for i, t in enumerate(example_inputs)
+                      if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+            partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
+            partition = partitioners[-1]
+        if offloads:
+            offloading.append(OffloadingPartitioner(partition))
+            partition = offloading[-1]
+        return compile_with_partitioner(gm, example_inputs, partition_fn=partition, inner=inner)
 
     def hybrid_group_names(ulysses: int) -> tuple[str, str]:
         return tuple(g.group_name for g in subgroups(sp_group, ulysses))
 
     compile_graph.partition_fn = partition_fn  # its .records tell what each compiled graph saves for backward
     compile_graph.tiling_reports = tiling_reports  # what each compiled graph tiled, and why not the rest
+    compile_graph.offload_partitioners = offloading  # .reports: each graph's offloaded values and bytes
     compile_graph.gradient_partitioners = partitioners  # .buckets: each graph's gradient collectives
     return compile_graph

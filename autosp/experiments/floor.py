@@ -17,7 +17,9 @@ What is counted (all of it a true lower bound for the methods of this project):
 - activations per local token: each decoder layer's input (what a full-recompute schedule still keeps:
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
   ``ForCausalLMLoss``, which materialises them) unless the loss is tiled (``tiled_loss``: AutoSP's
-  ``--tiling loss`` keeps one tile of logits, a constant, so the term disappears).
+  ``--tiling loss`` keeps one tile of logits, a constant, so the term disappears). With ``offload``
+  (``--offload activations``) the layer inputs wait in host memory: the device keeps ``DEVICE_WINDOW`` of them
+  (the one backward uses and the one being brought back), the rest is counted apart as host bytes.
 Transient working buffers (attention scores, MLP intermediates, all-to-all buffers) are not counted: a
 bound must hold for the best possible schedule, and those can be made arbitrarily short-lived.
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
+from autosp.compiler.offload import DEVICE_WINDOW
 from autosp.harness.config import ConfigError
 from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset
@@ -80,6 +83,11 @@ class MemoryFloor:
     tokens_per_rank_per_seq_token: float  # batch_size / sequence split
     zero: int = 0  # the ZeRO stage of the model state
     precision: str = "float32"  # the dtype (pure) or "<dtype>-mixed" (fp32 master, gradients, moments)
+    host_bytes_per_token: int = 0  # offloaded layer inputs per token kept on this rank, in host memory
+
+    def host_bytes_at(self, seq_len: int) -> float:
+        """Host memory of one rank's offloaded activations at `seq_len` (apart from `bytes_at`)."""
+        return self.host_bytes_per_token * self.tokens_per_rank_per_seq_token * seq_len
 
     @property
     def model_state_bytes(self) -> int:
@@ -143,10 +151,12 @@ def memory_floor(
     zero: int | None = None,
     mixed_precision: bool = False,
     tiled_loss: bool = False,
+    offload: bool = False,
 ) -> MemoryFloor:
     """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica) at ZeRO
     stage `zero` (default: the method's own) in `dtype`, pure or mixed (fp32 master state, `dtype` compute);
-    `tiled_loss`: the LM head and loss run over token tiles, so no logits scale with the sequence."""
+    `tiled_loss`: the LM head and loss run over token tiles, so no logits scale with the sequence.
+    `offload`: the layer inputs wait in host memory but for `DEVICE_WINDOW` of them (`host_bytes_per_token`)."""
     sharding = sharding_of(method)
     if world_size < 1 or batch_size < 1:
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
@@ -168,6 +178,8 @@ def memory_floor(
     else:
         gathered = 0
     split = world_size if sharding.splits_sequence else 1
+    layer_input = preset.hidden_size * compute
+    on_device = min(preset.num_layers, DEVICE_WINDOW) if offload else preset.num_layers
     return MemoryFloor(
         method=method,
         model=model_name or getattr(preset, "name", "?"),
@@ -177,16 +189,17 @@ def memory_floor(
         grads_bytes=(sharded if stage >= 2 else n) * master,
         optimizer_bytes=ADAMW_STATES_PER_PARAM * (sharded if stage >= 1 else n) * master,
         gathered_unit_bytes=gathered * compute,
-        activation_bytes_per_token=preset.num_layers * preset.hidden_size * compute
-        + (0 if tiled_loss else preset.vocab_size * FP32_BYTES),
+        activation_bytes_per_token=on_device * layer_input + (0 if tiled_loss else preset.vocab_size * FP32_BYTES),
         tokens_per_rank_per_seq_token=batch_size / split,
         zero=stage,
         precision=f"{dtype}-mixed" if mixed_precision else dtype,
+        host_bytes_per_token=(preset.num_layers - on_device) * layer_input,
     )
 
 
 def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
-              zero: int | None = None, mixed_precision: bool | None = None, tiled_loss: bool = False) -> MemoryFloor:
+              zero: int | None = None, mixed_precision: bool | None = None, tiled_loss: bool = False,
+              offload: bool = False) -> MemoryFloor:
     """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...). `dtype` is a run's
     `--dtype` (`bfloat16` = mixed, `bfloat16-pure`, ...: what a record or RunConfig holds) unless
     `mixed_precision` is given, which makes `dtype` the compute dtype."""
@@ -196,7 +209,8 @@ def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, 
         precision = precision_of(dtype)
         dtype, mixed_precision = str(precision.compute).removeprefix("torch."), precision.mixed
     return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
-                        model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss)
+                        model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss,
+                        offload=offload)
 
 
 # ------------------------------------------------------------------------------------------ `autosp floor`

@@ -10,8 +10,10 @@ counted from the model's shape for what each configuration keeps at the peak of 
 - the working set of the layer being recomputed: its MLP intermediates (4I elements per token) unless tiled;
 - the loss's working set: logits in the model dtype, their fp32 copy and fp32 gradient (V x (e + 8) bytes per
   token) unless tiled;
-- offload keeps two layers' saved activations on the device (the one in backward and the one being fetched);
-  the rest lives in host memory (reported per rank).
+- offload (`--offload activations`, `autosp.compiler.offload`) moves what is kept at the layer boundaries, the
+  residual stream (d elements per token per layer), to host memory but for `DEVICE_WINDOW` layers' (the one in
+  backward and the one being fetched): the floor's model (`floor.memory_floor(offload=True)`). The rest of what
+  SAC saves inside a layer (attention's inputs and output) stays on the device. Host bytes are reported per rank.
 Model state comes from the floor (replicated, or sharded ZeRO-3 style with one gathered unit).
 """
 from __future__ import annotations
@@ -48,19 +50,19 @@ class TokenBytes:
         return self.saved_on_device + self.mlp_working + self.loss_working
 
 
-def token_bytes(preset: ModelPreset, levers: set[str], elem: int) -> TokenBytes:
+def token_bytes(preset: ModelPreset, levers: set[str], elem: int, offloaded: float = 0) -> TokenBytes:
+    """`offloaded`: bytes per token the offload lever keeps in host memory (the floor's `host_bytes_per_token`)."""
     d, inter, vocab, layers = preset.hidden_size, preset.intermediate_size, preset.vocab_size, preset.num_layers
     kv = preset.num_key_value_heads * preset.head_dim
     if "sac" in levers:
         per_layer = (4 * d + 2 * kv) * elem + 4 * preset.num_attention_heads
     else:
         per_layer = (6 * d + 2 * kv + 4 * inter) * elem
-    on_device_layers = min(layers, 2) if "offload" in levers else layers
     return TokenBytes(
-        saved_on_device=per_layer * on_device_layers,
+        saved_on_device=per_layer * layers - offloaded,
         mlp_working=0 if "tiled mlp" in levers else 4 * inter * elem,
         loss_working=0 if "tiled loss" in levers else vocab * (elem + 8),
-        saved_on_host=per_layer * (layers - on_device_layers),
+        saved_on_host=offloaded,
     )
 
 
@@ -73,8 +75,9 @@ def lever_table(model: str, *, world_size: int, device_bytes: int, dtype: str = 
     for n in range(len(LEVERS) + 1):
         levers = set(LEVERS[:n])
         method = "zero3" if "sharded state" in levers else "autosp"
-        state = floor_for(method, model, world_size=world_size, dtype=dtype).static_bytes
-        per_token = token_bytes(preset, levers, elem)
+        floor = floor_for(method, model, world_size=world_size, dtype=dtype, offload="offload" in levers)
+        state = floor.static_bytes
+        per_token = token_bytes(preset, levers, elem, offloaded=floor.host_bytes_per_token)
         local_tokens = max(0.0, (device_bytes - state) / per_token.device)
         seq_len = int(local_tokens * world_size)  # Ulysses: each rank keeps S / world_size tokens
         rows.append({

@@ -234,6 +234,7 @@ def run_search(
     (two probes re-confirm an unchanged answer). `run` is `autosp.harness.runner.run` unless a test passes another
     oracle. Returns the result row.
     """
+    from autosp.compiler.offload import parse_offload
     from autosp.compiler.tiling import parse_tiling
     from autosp.experiments.floor import floor_for
     from autosp.experiments.progress import progress
@@ -264,7 +265,8 @@ def run_search(
     try:
         floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
                           dtype=cfg.dtype, zero=cfg.zero,
-                          tiled_loss=cfg.method == "autosp" and parse_tiling(cfg.tiling).loss)
+                          tiled_loss=cfg.method == "autosp" and parse_tiling(cfg.tiling).loss,
+                          offload=cfg.method == "autosp" and parse_offload(cfg.offload))
     except ConfigError as exc:  # an out-of-tree method can still be searched, just not judged against a floor
         print(f"  note: {exc}; achieved/limit will not be reported", flush=True)
         floor = None

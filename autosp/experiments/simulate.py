@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autosp.compiler.offload import OFFLOAD_OP
 from autosp.errors import AutoSPError
 from autosp.experiments.devices import DeviceModel, get_device_model
 from autosp.harness.config import ConfigError, RunConfig
@@ -80,6 +81,9 @@ class LiveStorageTracker(TorchDispatchMode):
     size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
     are followed. `peak` is the maximum of the device-charged total since `reset_peak()`, with the set of
     storages live at that moment (for the breakdown) and the op that reached it.
+
+    Host memory apart: the outputs of `autosp_offload::offload` (offloaded activations, `autosp.compiler.offload`)
+    live in host memory, so they are kept out of the device total; `host_peak` is their most bytes alive at once.
     """
 
     @classmethod
@@ -100,6 +104,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.ops = 0
         self.watching = False  # peaks are followed only in the measured step (the warm-up's peak is never read)
         self.blocks = _BlockCache(device.block_bytes)  # storage bytes -> bytes charged (every op re-sums them)
+        self.host: set[int] = set()  # serials of host storages (offloaded activations)
+        self.host_peak = 0
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -114,12 +120,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _forget(self, address: int, serial: int) -> None:
         self.live.pop(serial, None)
+        self.host.discard(serial)
         if self.serials.get(address) == serial:
             del self.serials[address]
 
     def sizes(self) -> dict[int, int]:
-        """Bytes of every live storage, by serial number."""
-        return {serial: storage.nbytes() for serial, ref in self.live.items() if (storage := ref()) is not None}
+        """Bytes of every live device storage, by serial number."""
+        return {serial: storage.nbytes() for serial, ref in self.live.items()
+                if serial not in self.host and (storage := ref()) is not None}
+
+    def host_bytes(self) -> int:
+        return sum(storage.nbytes() for serial in self.host if (storage := self.live[serial]()) is not None)
 
     def charged(self, sizes: dict[int, int]) -> int:
         return sum(map(self.blocks.__getitem__, sizes.values()))
@@ -136,9 +147,12 @@ class LiveStorageTracker(TorchDispatchMode):
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 for inner in _inner_tensors(value):
-                    self.track(inner)
+                    serial = self.track(inner)
+                    if func is OFFLOAD_OP:
+                        self.host.add(serial)
         if not self.watching:
             return out
+        self.host_peak = max(self.host_peak, self.host_bytes()) if self.host else self.host_peak
         sizes = self.sizes()
         charged = self.charged(sizes)
         if charged > self.peak:
@@ -173,6 +187,7 @@ class RankPeak:
     peak_phase: str
     num_layers: int
     ops: int
+    host_offloaded_bytes: int = 0  # offloaded activations in host memory, most alive at once (not in peak_bytes)
 
 
 @contextlib.contextmanager
@@ -261,7 +276,8 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
     return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
                     gradient_bytes=grads, saved_activation_bytes=acts,
                     transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
-                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops)
+                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops,
+                    host_offloaded_bytes=tracker.host_peak)
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -319,7 +335,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
         what = "refuses this configuration" if isinstance(exc, AutoSPError) else "cannot run on fake tensors"
         raise SimulationError(f"--method {cfg.method} {what}: {type(exc).__name__}: {first}") from exc
     per_layer = {name: getattr(three, name) - getattr(two, name)
-                 for name in ("peak_bytes", "live_tensor_bytes", *COMPONENTS)}
+                 for name in ("peak_bytes", "live_tensor_bytes", "host_offloaded_bytes", *COMPONENTS)}
     extrapolated = RankPeak(**{**asdict(three), **{name: getattr(three, name) + (depth - 3) * delta
                                                     for name, delta in per_layer.items()}}, )
     extrapolated.num_layers = depth
@@ -355,7 +371,8 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
                    "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
-                   "peak_op": peak.peak_op, "peak_phase": peak.peak_phase},
+                   "peak_op": peak.peak_op, "peak_phase": peak.peak_phase,
+                   "host_offloaded_bytes": peak.host_offloaded_bytes},
         **how)
     return record
 

@@ -51,6 +51,7 @@ class RunConfig:
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
     tiling: str = "off"  # autosp only: off | loss | auto, optionally :<tokens per tile> (autosp.compiler.tiling)
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
+    offload: str = "off"  # autosp only: off | activations (layer-boundary activations in host memory)
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""

@@ -57,6 +57,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
     g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
                    help="where the padding of --pad-fraction goes")
+    g.add_argument("--offload", default=d["offload"],
+                   help="autosp: off | activations: the layer-boundary activations wait in host memory for backward")
 
 
 def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
@@ -69,5 +71,5 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
-                  zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size)
+                  zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size, offload=args.offload)
     return RunConfig(**{**fields, **varied})

@@ -144,6 +144,7 @@ class CudaMemoryMeter(MemoryMeter):
     def measured_step(self) -> Iterator[None]:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_host_memory_stats()  # pinned host buffers (offloaded activations), booked apart
         self.at_start = torch.cuda.memory_allocated(self.device)  # model state + batch: what no length changes
         yield
 
@@ -153,6 +154,8 @@ class CudaMemoryMeter(MemoryMeter):
         reserved = torch.cuda.max_memory_reserved(self.device)
         return MemoryReport(allocated, {"memory_kind": "cuda-max-allocated", "peak_reserved_bytes": reserved,
                                         "resident_at_step_start_bytes": self.at_start,
+                                        "host_offloaded_bytes": torch.cuda.host_memory_stats().get(
+                                            "active_bytes.peak", 0),
                                         "device_total_bytes": torch.cuda.get_device_properties(self.device).total_memory})
 
 
@@ -206,9 +209,25 @@ def settled_collectives() -> Iterator[None]:
         work_type.wait = original
 
 
+def _inside(node: Any, name: str) -> bool:
+    parent = node.parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.parent
+    return False
+
+
 def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport:
-    """Replay the profiled CPU allocation stream; peak of live bytes inside the `mark` region."""
-    allocations: list[tuple[int, int]] = []  # (time ns, +size for an allocation / -size for a free)
+    """Replay the profiled CPU allocation stream; peak of live bytes inside the `mark` region.
+
+    Host memory apart: on CPU the emulated device and the host are the same memory, so what the offload op
+    allocates (`autosp.compiler.offload`: the host copies of offloaded activations), and its later free at the
+    same address, are booked to a separate host pool, not to the device peak; the record gets the host pool's
+    peak in the step as `host_offloaded_bytes`."""
+    from autosp.compiler.offload import OFFLOAD_OP_NAME
+
+    allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
     windows: list[tuple[int, int]] = []
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -216,7 +235,8 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         if node.tag == torch._C._profiler._EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
-                allocations.append((node.start_time_ns, fields.alloc_size))
+                host = fields.alloc_size > 0 and _inside(node, OFFLOAD_OP_NAME)
+                allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, host))
         elif node.name == mark:
             windows.append((node.start_time_ns, node.end_time_ns))
         stack.extend(node.children)
@@ -224,16 +244,24 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         raise RuntimeError(f"expected exactly one measured step in the profile, found {len(windows)}")
     begin, end = windows[0]
     allocations.sort(key=lambda a: a[0])  # stable: same-time events keep their recorded order
-    live = 0
-    overall_peak = 0
+    live = host_live = 0
+    overall_peak = host_peak = 0
+    host_addresses: set[int] = set()
     at_start: int | None = None
     step_peak = 0
-    for when, size in allocations:
+    for when, size, address, host in allocations:
         if when > end:
             break
         if when >= begin and at_start is None:
             at_start = live
             step_peak = live
+            host_peak = host_live
+        if host or (size < 0 and address in host_addresses):
+            (host_addresses.add if size > 0 else host_addresses.discard)(address)
+            host_live += size
+            if at_start is not None:
+                host_peak = max(host_peak, host_live)
+            continue
         live += size
         overall_peak = max(overall_peak, live)
         if at_start is not None:
@@ -246,6 +274,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         "step_increase_bytes": step_peak - at_start,
         "peak_including_setup_bytes": overall_peak,
         "allocation_events": len(allocations),
+        "host_offloaded_bytes": host_peak,
     })
 
 

@@ -25,8 +25,9 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
 
 
 @pytest.mark.parametrize("model, world_size, options", [
-    # GQA, batch > 1, uneven -100 runs; --sac auto with a budget nothing fits: every layer fully recomputed
-    ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3, sac="auto", memory_budget=1)),
+    # GQA, batch > 1, uneven -100 runs; --sac auto with a budget nothing fits: every layer fully recomputed from
+    # its input, which waits in host memory (--offload activations)
+    ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3, sac="auto", memory_budget=1, offload="activations")),
     ("tiny-mha", 4, dict(packed_documents=3)),  # MHA, packed documents through position_ids
     ("tiny", 4, dict(pad_fraction=0.25, ignore_fraction=0.2)),  # 2 KV heads < SP 4: replicated; padding mask
     ("small", 4, dict(sp_size=2, ignore_fraction=0.3)),  # 2-D mesh: 2 SP groups x 2 data-parallel replicas

@@ -111,3 +111,15 @@ def test_a_tiled_loss_removes_the_logits_term() -> None:
     assert whole.activation_bytes_per_token - tiled.activation_bytes_per_token == preset.vocab_size * 4
     assert tiled.activation_bytes_per_token == preset.num_layers * preset.hidden_size * 2
     assert tiled.static_bytes == whole.static_bytes
+
+
+def test_offload_keeps_two_layer_inputs_on_the_device_and_counts_the_rest_as_host() -> None:
+    preset = get_preset("llama-3.1-8b")
+    kept = floor_for("autosp", "llama-3.1-8b", world_size=8, dtype="bfloat16", tiled_loss=True, zero=3)
+    offloaded = floor_for("autosp", "llama-3.1-8b", world_size=8, dtype="bfloat16", tiled_loss=True, zero=3,
+                          offload=True)
+    layer_input = preset.hidden_size * 2
+    assert offloaded.activation_bytes_per_token == 2 * layer_input
+    assert offloaded.host_bytes_per_token == kept.activation_bytes_per_token - 2 * layer_input
+    assert offloaded.host_bytes_at(8192) == offloaded.host_bytes_per_token * 8192 / 8
+    assert offloaded.max_seq_len(80 << 30) > kept.max_seq_len(80 << 30) and kept.host_bytes_per_token == 0

@@ -111,3 +111,18 @@ def test_validation_table_pairs_measured_and_simulated_runs_of_the_same_configur
     table = sim.validation_table(pd.json_normalize([measured, simulated, other], sep="."))
     assert len(table) == 1
     assert table.loc[0, "error"] == pytest.approx(0.15) and not table.loc[0, "within_10pct"]
+
+
+def test_the_tracker_books_offloaded_copies_as_host_memory():
+    import torch
+
+    tracker = sim.LiveStorageTracker(CPU)
+    with tracker:
+        x = torch.ones(1000, dtype=torch.uint8)
+        tracker.reset_peak()
+        host = torch.ops.autosp_offload.offload(x)
+        del x
+        back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))
+        del back
+    assert tracker.host_peak == 1000
+    assert sum(tracker.peak_sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them

@@ -84,3 +84,23 @@ def test_sizes_compared_in_one_message_read_differently() -> None:
     assert format_sizes_apart(4_445_000, 4_444_000) == ["4.2391 MiB", "4.2381 MiB"]
     assert format_sizes_apart(2**30 + 1, 2**30) == ["1073741825 B", "1073741824 B"]
     assert format_sizes_apart(3 * 2**20, 2**20) == ["3.00 MiB", "1.00 MiB"]
+
+
+def test_cpu_meter_books_offloaded_copies_as_host_memory() -> None:
+    """On CPU the device is host memory: what `autosp_offload::offload` allocates (and its free at that address)
+    is booked apart from the emulated device's peak (autosp.compiler.offload)."""
+    from autosp.compiler import offload  # noqa: F401  (registers the ops)
+
+    meter = CpuAllocationMeter()
+    with meter.session(), meter.measured_step():
+        x = torch.empty(3000, dtype=torch.uint8)
+        host = torch.ops.autosp_offload.offload(x)  # host 3000
+        del x
+        y = torch.empty(1000, dtype=torch.uint8)
+        back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))  # device 1000 + 3000
+        del host, back, y
+        z = torch.empty(3500, dtype=torch.uint8)  # may reuse the host copy's address: device memory again
+        del z
+    report = meter.report()
+    assert report.peak_bytes == 4000  # 7000 if the host copy were booked to the device
+    assert report.detail["host_offloaded_bytes"] == 3000

@@ -1,0 +1,255 @@
+"""Activation offload: the tensors kept at decoder-layer boundaries live in host memory between forward and backward.
+
+Under SAC what backward keeps of a layer is its output (the residual stream) plus attention's results; over many
+layers the residual stream is the bulk of what stays on the device from forward to backward. It is needed again
+only when backward reaches its layer, so it can wait in host memory: on GH200 (Grace memory coherent with the
+GPU, ~450 GB/s) or any PCIe GPU with pinned buffers, the copy overlaps the next layer's compute.
+
+The pass runs on the *partitioned* forward and backward graphs (after the SAC partitioner decided what is saved):
+- forward: each saved value produced inside a decoder layer and read by another layer (a layer boundary) gets
+  `autosp_offload::offload` right where it is made; the host copy replaces it among the saved values, so the
+  device tensor dies at its last forward use;
+- backward: the saved host copy is brought back by `autosp_offload::reload` (issued one layer ahead: where the
+  previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_offload::wait` just
+  before its own first use.
+
+The ops, per device:
+- CUDA / ROCm: pinned host buffers; offload and reload copy on one side stream (`non_blocking`), the side stream
+  first waits for the compute stream; the source of an offload is kept alive for the copy by `record_stream`;
+  `wait` makes the compute stream wait for the reload's event. Not run here (no GPU on the machines this was
+  built on); written against torch's stream API as torch's own `ao::` offload ops are.
+- CPU: the device is host memory, so a device run is emulated: offload copies into a fresh buffer that the memory
+  meter books as *host* (allocations made inside `autosp_offload::offload`), reload copies back into device
+  memory. The graph, the schedule and the bytes are those a GPU would run; only the copies are synchronous.
+- any other device: a one-line error.
+
+Why not torch's own partitioner offload (`torch._functorch.config.enable_activation_offloading`, 2.13): it is a
+process-wide flag; it offloads each value after its *last* forward use and then waits for the copy there (or
+sinks every wait to the end of forward, which keeps all sources on the device until forward ends, i.e. saves
+nothing for a whole-model graph); its reload prefetch schedules by benchmarking nodes on the GPU; and on CPU its
+`device_put` to the CPU is a no-op and its `ao::` ops need an accelerator stream, so nothing of it can run, be
+tested or be measured here. Its rules of what may be offloaded (no views, getitems, model outputs or
+non-contiguous values) are kept.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from autosp.compiler.sac import _is_view, assign_layers, node_nbytes
+from autosp.errors import ConfigError, SequenceParallelError
+
+OFFLOAD_CHOICES = ("off", "activations")
+DEVICE_WINDOW = 2
+"""Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
+(the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
+OFFLOAD_OP_NAME = "autosp_offload::offload"
+"""The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
+
+
+def parse_offload(value: str | None) -> bool:
+    """`off | activations` -> whether the layer-boundary activations are offloaded."""
+    text = "off" if value is None else str(value).strip().lower()
+    if text not in OFFLOAD_CHOICES:
+        raise ConfigError(f"unknown --offload {value!r}; choose {' or '.join(OFFLOAD_CHOICES)}")
+    return text == "activations"
+
+
+def check_device(device: torch.device) -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise SequenceParallelError(f"--offload activations runs on CUDA/ROCm (pinned host buffers) or CPU (emulated); "
+                                    f"not on {device.type}: use --offload off")
+
+
+# ------------------------------------------------------------------------------------------------ the ops
+
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_pending_reloads: dict[int, "torch.cuda.Event"] = {}  # device data_ptr -> its reload's completion event
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+@torch.library.custom_op("autosp_offload::offload", mutates_args=())
+def offload(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` (pinned, copied on the side stream on CUDA)."""
+    check_device(tensor.device)
+    if tensor.device.type == "cpu":
+        host = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return host.copy_(tensor)
+    side, compute = _side_stream(tensor.device), torch.cuda.current_stream(tensor.device)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    side.wait_stream(compute)  # the value is complete
+    with torch.cuda.stream(side):
+        host.copy_(tensor, non_blocking=True)
+    tensor.record_stream(side)  # its memory is not reused before the copy has read it
+    return host
+
+
+@offload.register_fake
+def _(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+OFFLOAD_OP = torch.ops.autosp_offload.offload.default
+"""What the simulator's storage tracker books as host memory."""
+
+
+@torch.library.custom_op("autosp_offload::reload", mutates_args=())
+def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` back on `device`; on CUDA the copy is issued on the side stream and `wait` completes it."""
+    check_device(device)
+    if device.type == "cpu":
+        return host.clone()
+    side, compute = _side_stream(device), torch.cuda.current_stream(device)
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)  # allocated on the compute stream
+    side.wait_stream(compute)  # the block may be in use by queued compute until here
+    with torch.cuda.stream(side):
+        out.copy_(host, non_blocking=True)  # after the offload's copy: same stream
+        done = torch.cuda.Event()
+        done.record(side)
+    _pending_reloads[out.data_ptr()] = done
+    return out
+
+
+@reload.register_fake
+def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+
+_library = torch.library.Library("autosp_offload", "FRAGMENT")
+_library.define("wait(Tensor(a) tensor) -> Tensor(a)")
+
+
+@torch.library.impl(_library, "wait", "CompositeExplicitAutograd")
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    """The reloaded value is ready: the compute stream waits for its copy (nothing to wait for on CPU)."""
+    done = _pending_reloads.pop(tensor.data_ptr(), None)
+    if done is not None:
+        torch.cuda.current_stream(tensor.device).wait_event(done)
+    return tensor
+
+
+@torch.library.register_fake("autosp_offload::wait")
+def _(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+fx.node.has_side_effect(torch.ops.autosp_offload.wait.default)
+
+# ------------------------------------------------------------------------------------------------ the pass
+
+
+@dataclass
+class OffloadReport:
+    """What one graph offloads: the boundary values' names and bytes (per step, host memory)."""
+
+    values: list[str] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _layers(graph: fx.Graph) -> dict[fx.Node, str | None]:
+    return assign_layers(graph, {n for n in graph.nodes if n.op != "output"})
+
+
+def _offloadable(node: fx.Node, model_outputs: set[fx.Node]) -> bool:
+    """torch's rules (activation_offloading.can_offload): no views, getitems, model outputs, non-contiguous."""
+    val = node.meta.get("val")
+    return (node.op == "call_function" and node.target is not operator.getitem and not _is_view(node)
+            and node not in model_outputs and isinstance(val, torch.Tensor) and val.is_floating_point()
+            and val.is_contiguous())
+
+
+def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """Saved values made in one decoder layer (or before the first) and read in another (or after the last): the
+    residual stream between layers, which SAC keeps for backward."""
+    (output,) = fw_module.graph.find_nodes(op="output")
+    outputs = list(output.args[0])
+    model_outputs = {o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)}
+    layers = _layers(fw_module.graph)
+    chosen: list[fx.Node] = []
+    for node in outputs[num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node in chosen or not _offloadable(node, model_outputs):
+            continue
+        sides = {layers.get(node)} | {layers.get(u) for u in node.users if u.op != "output"}
+        if len(sides) > 1:  # made on one side of a layer boundary, read on the other
+            chosen.append(node)
+    return chosen
+
+
+def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> OffloadReport:
+    """Rewrite both graphs in place (module docstring); returns what is offloaded."""
+    chosen = boundary_values(fw_module, num_fwd_outputs)
+    report = OffloadReport()
+    if not chosen:
+        return report
+    fw_graph, bw_graph = fw_module.graph, bw_module.graph
+    (fw_output,) = fw_graph.find_nodes(op="output")
+    placeholders = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
+    host_of: dict[fx.Node, fx.Node] = {}
+    for node in chosen:
+        check_device(node.meta["val"].device)  # at compile time, not from inside the compiled graph
+        if node.name not in placeholders:
+            raise SequenceParallelError(f"offload: saved value {node.name} has no backward input of that name")
+        with fw_graph.inserting_after(node):
+            host = fw_graph.call_function(torch.ops.autosp_offload.offload.default, (node,))
+        host.meta["val"] = node.meta["val"].to(torch.device("cpu"))
+        host_of[node] = host
+        report.values.append(node.name)
+        report.nbytes += node_nbytes(node)
+    outputs = list(fw_output.args[0])
+    fw_output.update_arg(0, tuple(outputs[:num_fwd_outputs])
+                         + tuple(host_of.get(o, o) for o in outputs[num_fwd_outputs:]))
+    _reload_before_use(bw_graph, [(placeholders[n.name], n.meta["val"].device) for n in chosen])
+    for module in (fw_module, bw_module):
+        module.graph.lint()
+        module.recompile()
+    return report
+
+
+def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]) -> None:
+    """Each offloaded input: reload issued where the previous one (in backward order) is first used, wait just
+    before its own first use."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    used = [(min(p.users, key=order.__getitem__), p, device) for p, device in offloaded if p.users]
+    used.sort(key=lambda item: order[item[0]])
+    previous_first_use: fx.Node | None = None
+    for first_use, placeholder, device in used:
+        with graph.inserting_before(previous_first_use or first_use):
+            loaded = graph.call_function(torch.ops.autosp_offload.reload.default, (placeholder, device))
+        with graph.inserting_before(first_use):
+            ready = graph.call_function(torch.ops.autosp_offload.wait.default, (loaded,))
+        loaded.meta.update(placeholder.meta)
+        ready.meta.update(placeholder.meta)
+        placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
+        for user in list(placeholder.users):
+            if user is not loaded:
+                user.replace_input_with(placeholder, ready)
+        previous_first_use = first_use
+
+
+class OffloadingPartitioner(CustomPartitionerFn):
+    """Wraps a partition function: partition as it decides, then offload the layer boundaries it saved."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.cacheable = getattr(inner, "cacheable", True)
+        self.reports: list[OffloadReport] = []
+
+    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
+                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.reports.append(offload_boundaries(fw_module, bw_module, num_fwd_outputs))
+        return fw_module, bw_module
+
+    def uuid(self) -> Any:
+        return ("offload", self.inner.uuid(), get_hash_for_files((__file__,)))
