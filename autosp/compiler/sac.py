@@ -44,6 +44,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autosp.compiler.transients import nbytes
 from autosp.errors import ConfigError
 
 aten = torch.ops.aten
@@ -214,12 +215,7 @@ def _is_tensor_or_tuple(node: fx.Node) -> bool:
 def node_nbytes(node: fx.Node) -> int:
     """Bytes of a tensor-valued node from its fake value (symbolic sizes by their hint); 0 otherwise."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = 1
-    for d in val.shape:
-        numel *= d if isinstance(d, int) else int(d.node.hint if d.node.has_hint() else d.node.size_hint())
-    return numel * val.element_size()
+    return nbytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 # --------------------------------------------------------------------------------------------------- layers
