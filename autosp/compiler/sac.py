@@ -487,10 +487,10 @@ def compile_with_partitioner(
             return compile_fx(gm, example_inputs)
     if inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        def boxed_nop(fx_g: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
-            return make_boxed_func(fx_g.forward)
+        # torch's own aot_eager compiler: its boxed calling convention frees each input (a saved activation, in
+        # backward) after its last use, as Inductor's code does; `make_boxed_func(fx_g.forward)` held them all
+        # until backward's end.
+        from torch._dynamo.backends.debugging import boxed_nop
 
         backend = aot_autograd(
             fw_compiler=boxed_nop,
