@@ -21,8 +21,10 @@ Cost model, from the graph alone (no run):
   starts with the saved activations and tangents alive. Graph inputs (parameters, the batch) are resident model
   state that the caller subtracts from the budget. Buffers inside opaque kernels (the all-to-all's send and
   receive buffers, a tiled loss's tile) are added while their node runs, as each op declares them
-  (``autosp.compiler.transients``). It does not see Inductor's fusion and buffer reuse (which lower the real
-  peak), nor anything outside the graph (the optimizer step).
+  (``autosp.compiler.transients``), and so are a multi-output op's outputs. It does not see Inductor's fusion
+  and buffer reuse (which lower the real peak), nor anything outside the graph (the optimizer step). Measured
+  against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
+  of the step's peak increase at 512, 1K and 2K tokens.
 * time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
   one per output element for the others (memory-bound ops), reported for the chosen plan.
 """
