@@ -81,15 +81,20 @@ class AutoSPTrainStep(ReplicatedTrainStep):
 
 
 def sac_policy(cfg: RunConfig, zero: int) -> Policy:
-    """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less the model state
-    resident before the step (parameters, AdamW moments, gathered parameters: the floor's arithmetic); the
-    gradients are made in backward and the planner counts them itself."""
+    """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less what the memory
+    meter finds resident when the step starts: parameters, AdamW moments, gathered parameters (the floor's
+    arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
+    counts them itself."""
+    from autosp.harness.runner import global_batch
+
     policy = parse_policy(cfg.sac)
     if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
         return policy
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
                       zero=zero)
-    resident = state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
+    batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
+    resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
+                + sum(t.numel() * t.element_size() for t in batch))
     return Policy(SacPolicy.AUTO, budget_bytes=max(0, cfg.memory_budget - resident))
 
 

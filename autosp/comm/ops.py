@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp.compiler.transients import declare_transient_bytes, nbytes
+
 
 @torch.library.custom_op("autosp::all_to_all", mutates_args=())
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_size: int, group_name: str) -> torch.Tensor:
@@ -29,6 +31,11 @@ def _all_to_all_fake(x, scatter_dim, gather_dim, group_size, group_name):
     shape[scatter_dim] //= group_size
     shape[gather_dim] *= group_size
     return x.new_empty(shape)
+
+
+@declare_transient_bytes(torch.ops.autosp.all_to_all)
+def _all_to_all_scratch(x, scatter_dim, gather_dim, group_size, group_name):
+    return 2 * nbytes(x)  # the stacked chunks sent and the chunks received, alive while the output is made
 
 
 def _all_to_all_backward(ctx, grad):

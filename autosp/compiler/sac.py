@@ -44,6 +44,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autosp.compiler.transients import nbytes
 from autosp.errors import ConfigError
 
 aten = torch.ops.aten
@@ -214,12 +215,7 @@ def _is_tensor_or_tuple(node: fx.Node) -> bool:
 def node_nbytes(node: fx.Node) -> int:
     """Bytes of a tensor-valued node from its fake value (symbolic sizes by their hint); 0 otherwise."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = 1
-    for d in val.shape:
-        numel *= d if isinstance(d, int) else int(d.node.hint if d.node.has_hint() else d.node.size_hint())
-    return numel * val.element_size()
+    return nbytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 # --------------------------------------------------------------------------------------------------- layers
@@ -491,10 +487,10 @@ def compile_with_partitioner(
             return compile_fx(gm, example_inputs)
     if inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        def boxed_nop(fx_g: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
-            return make_boxed_func(fx_g.forward)
+        # torch's own aot_eager compiler: its boxed calling convention frees each input (a saved activation, in
+        # backward) after its last use, as Inductor's code does; `make_boxed_func(fx_g.forward)` held them all
+        # until backward's end.
+        from torch._dynamo.backends.debugging import boxed_nop
 
         backend = aot_autograd(
             fw_compiler=boxed_nop,

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from autosp.compiler.transients import declare_transient_bytes, nbytes, numel
 from autosp.errors import ConfigError
 
 logger = logging.getLogger("autosp")
@@ -116,6 +117,30 @@ def linear_cross_entropy_backward(
 def _(grad: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype,
       tile_tokens: int) -> tuple[Tensor, Tensor]:
     return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _tile_elements(hidden: Tensor, weight: Tensor, tile_tokens: int) -> int:
+    return min(numel(hidden) // hidden.shape[-1], tile_tokens) * weight.shape[0]
+
+
+@declare_transient_bytes(torch.ops.autosp.linear_cross_entropy)
+def _forward_scratch(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype,
+                     tile_tokens: int) -> int:
+    """One tile's logits (matmul result, its cast) and their log-softmax."""
+    cast = torch.empty((), dtype=dtype).element_size()
+    return _tile_elements(hidden, weight, tile_tokens) * (cast + max(cast, hidden.element_size()))
+
+
+@declare_transient_bytes(torch.ops.autosp.linear_cross_entropy_backward)
+def _backward_scratch(grad: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                      dtype: torch.dtype, tile_tokens: int) -> int:
+    """One tile's fp32 logits and logsumexp's temporary of their size (the largest of the tile's copies), plus
+    the fp32 dW accumulator and the weight in the hidden dtype when those are not the weight itself."""
+    cast = torch.empty((), dtype=dtype).element_size()
+    tile = _tile_elements(hidden, weight, tile_tokens) * (4 + max(4, hidden.element_size(), cast))
+    accumulator = nbytes(weight) // weight.element_size() * 4 if weight.dtype != torch.float32 else 0
+    recast = nbytes(weight) // weight.element_size() * hidden.element_size() if weight.dtype != hidden.dtype else 0
+    return tile + accumulator + recast
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:

@@ -108,7 +108,7 @@ def peak_working_set(records: Iterable[PartitionRecord]) -> dict[str, Any]:
     from autosp.compiler.sac_auto import backward_inputs, live_at_peak
 
     total: dict[str, Any] = {"saved": dict.fromkeys(CATEGORIES, 0), "working": dict.fromkeys(CATEGORIES, 0),
-                             "gradients": 0, "peak_bytes": 0, "at": []}
+                             "gradients": 0, "scratch": 0, "peak_bytes": 0, "at": []}
     for record in records:
         fw, bw = record.fw_module, record.bw_module
         saved = {n.name: n for n in record.saved if n.op != "placeholder"}
@@ -117,7 +117,9 @@ def peak_working_set(records: Iterable[PartitionRecord]) -> dict[str, Any]:
         backward = bw_peak >= fw_peak
         (outputs,) = [n for n in (bw if backward else fw).graph.nodes if n.op == "output"]
         returned = {a for a in outputs.all_input_nodes}
-        for node in bw_alive if backward else fw_alive:
+        alive = bw_alive if backward else fw_alive
+        total["scratch"] += max(bw_peak, fw_peak) - sum(node_nbytes(n) for n in alive)  # inside the running op
+        for node in alive:
             if node.name in saved:
                 total["saved"][category_of_node(saved[node.name])] += node_nbytes(node)
             elif backward and node in returned:
@@ -141,9 +143,11 @@ def tiles_of(reports: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def working_set_table(working: dict[str, Any]) -> pd.DataFrame:
-    """Rows: categories, parameter gradients, total; columns: saved and working-set bytes at the peak."""
+    """Rows: categories, parameter gradients, scratch inside the running op, total; columns: saved and
+    working-set bytes at the peak."""
     rows = {c: [working["saved"].get(c, 0), working["working"].get(c, 0)] for c in CATEGORIES}
     rows["parameter gradients"] = [0, working["gradients"]]
+    rows["op scratch"] = [0, working.get("scratch", 0)]  # records from before the scratch was declared lack it
     df = pd.DataFrame.from_dict(rows, orient="index", columns=["saved at peak", "working set at peak"])
     df.loc["total"] = df.sum()
     df.index.name = "category"
