@@ -62,6 +62,8 @@ EXACT_LAYERS = 4
 UNSUPPORTED: dict[str, str] = {}
 #: compiled methods run their real graphs through this backend on fake tensors
 SIMULATED_BACKEND = "aot_eager"
+#: what a method's own `torch._inductor.compile` call (DeepSpeed's AutoSP) runs on fake tensors
+DIRECT_INDUCTOR_BACKEND = "aot_eager_decomp_partition"
 COMPONENTS = ("model_state_bytes", "gradient_bytes", "saved_activation_bytes", "transient_bytes")
 
 
@@ -191,6 +193,7 @@ class RankPeak:
     peak_phase: str
     num_layers: int
     ops: int
+    assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
 
 
 @contextlib.contextmanager
@@ -301,7 +304,8 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
     return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
                     gradient_bytes=grads, saved_activation_bytes=acts,
                     transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
-                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops)
+                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops,
+                    assumed_healthy_reads=tracker.assumed_reads)
 
 
 @contextlib.contextmanager
@@ -312,10 +316,10 @@ def _inductor_compile_unfused() -> Iterator[None]:
     the same upper bound as the compiled methods run through aot_eager. Inductor's kernels need real data."""
     from unittest import mock
 
-    from torch._dynamo.backends.debugging import aot_eager_decomp_partition
+    from torch._dynamo.backends.registry import lookup_backend
 
     def compile_unfused(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
-        return aot_eager_decomp_partition(gm, example_inputs)
+        return lookup_backend(DIRECT_INDUCTOR_BACKEND)(gm, example_inputs)
 
     with mock.patch("torch._inductor.compile", compile_unfused):
         yield
@@ -461,7 +465,7 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
     record["extra"].update(
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
-        executed_backend=SIMULATED_BACKEND,
+        executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
         fusion="none: every intermediate of the partitioned graphs is materialised (upper bound for inductor)",
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
