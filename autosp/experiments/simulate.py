@@ -20,7 +20,18 @@ Compiled methods (autosp, ulysses-compile) are simulated with the aot_eager back
 the ones the method really builds (Dynamo graph -> SP pass -> aot_autograd with the SAC partition function),
 so the saved-for-backward set is exact; inductor's fusion is NOT modelled — every intermediate of those
 graphs is materialised, which over-counts inductor's transient working set (an upper bound) and is stated
-in the record (`extra.fusion`). Inductor's kernels themselves cannot run on fake tensors.
+in the record (`extra.fusion`). Inductor's kernels themselves cannot run on fake tensors (its C++/Triton
+kernels take data pointers). DeepSpeed's AutoSP calls `torch._inductor.compile` itself: there the graph goes
+through `aot_eager_decomp_partition` (inductor's decompositions and min-cut partitioner, into which DeepSpeed
+splices its long-context checkpointing), equally unfused.
+
+DeepSpeed's engines (zero3, ds-autosp) run as they are, with three adapters, each exact or stated:
+`Module.to(<the device it is on>)` is the identity (torch's `_apply` cannot swap fake parameters);
+DeepSpeed's cross-rank consistency checks (a broadcast of rank 0's host ints, read back with `.item()`) get rank
+0's own list, which is what the broadcast delivers to the simulated rank 0; boolean reads in an optimizer step
+("is the gradient norm invalid?") answer no (`LiveStorageTracker.assume_healthy_step`, counted in the record).
+FSDP2 (`fsdp`, `ulysses/ring --zero 3`) runs unchanged; its world mesh is built with the context, outside
+FakeTensorMode (a DeviceMesh reads its rank table, which would be a fake tensor there).
 
 Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and every term is extrapolated
 linearly to the real depth. Layers are identical, so model state and saved activations grow by the same bytes
@@ -28,8 +39,8 @@ per layer, and the peak sits at the same op relative to the last layer; the extr
 when both runs peak at the same op in the same phase (else the whole depth is simulated), and
 tests/experiments/test_simulate.py checks it against the full-depth simulation.
 
-What it cannot run it says, in one line (status `error`): DeepSpeed's engines (zero3, ds-autosp) move the
-module with `Module.to` and compile with inductor, which fake tensors cannot take.
+What it cannot run it says, in one line (status `error`): the method's own error (e.g. DeepSpeed's AutoSP
+compile fails on the project Llama, as it does when measured) or the fake-tensor failure, never a number.
 """
 from __future__ import annotations
 
