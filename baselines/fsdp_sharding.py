@@ -34,13 +34,13 @@ def shard_llama(model: nn.Module, mesh: DeviceMesh, method: str, compute_dtype: 
             module.set_force_sum_reduction_for_comms(True)
 
 
-def shard_over_world(model: nn.Module, device_type: str, method: str,
+def shard_over_world(model: nn.Module, world_mesh: DeviceMesh | None, method: str,
                      compute_dtype: torch.dtype | None = None) -> None:
     """ZeRO stage 3 of a hand-written SP baseline: `shard_llama` over every rank (all SP x DP ranks share the
-    parameters), mixed precision by FSDP2's policy when `compute_dtype` is given."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shard_llama(model, init_device_mesh(device_type, (torch.distributed.get_world_size(),)), method, compute_dtype)
+    parameters; `ParallelContext.world_mesh`), mixed precision by FSDP2's policy when `compute_dtype` is given."""
+    if world_mesh is None:
+        raise ConfigError(f"--method {method} --zero 3 needs an initialised process group")
+    shard_llama(model, world_mesh, method, compute_dtype)
 
 
 def full(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

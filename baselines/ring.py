@@ -94,7 +94,7 @@ class Ring(Strategy):
         if sharded:
             from baselines.fsdp_sharding import shard_over_world
 
-            shard_over_world(model, ctx.device.type, self.name, compute_dtype(cfg))
+            shard_over_world(model, ctx.world_mesh, self.name, compute_dtype(cfg))
         step = SequenceParallelStep(model, ctx, cfg, positions, no_mask,
                                     implementation + ("+fsdp2-zero3" if sharded else ""), sharded=sharded)
         step.extra = {"ring_fallback_reason": fallback_reason} if fallback_reason else {}

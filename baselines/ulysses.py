@@ -98,7 +98,7 @@ class Ulysses(Strategy):
         if sharded:
             from baselines.fsdp_sharding import shard_over_world
 
-            shard_over_world(model, ctx.device.type, self.name, compute_dtype(cfg))
+            shard_over_world(model, ctx.world_mesh, self.name, compute_dtype(cfg))
         forward = torch.compile(model, backend=cfg.compile_backend) if self.compiled else model
 
         def positions(seq_len: int) -> Tensor:

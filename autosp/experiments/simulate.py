@@ -20,7 +20,18 @@ Compiled methods (autosp, ulysses-compile) are simulated with the aot_eager back
 the ones the method really builds (Dynamo graph -> SP pass -> aot_autograd with the SAC partition function),
 so the saved-for-backward set is exact; inductor's fusion is NOT modelled — every intermediate of those
 graphs is materialised, which over-counts inductor's transient working set (an upper bound) and is stated
-in the record (`extra.fusion`). Inductor's kernels themselves cannot run on fake tensors.
+in the record (`extra.fusion`). Inductor's kernels themselves cannot run on fake tensors (its C++/Triton
+kernels take data pointers). DeepSpeed's AutoSP calls `torch._inductor.compile` itself: there the graph goes
+through `aot_eager_decomp_partition` (inductor's decompositions and min-cut partitioner, into which DeepSpeed
+splices its long-context checkpointing), equally unfused.
+
+DeepSpeed's engines (zero3, ds-autosp) run as they are, with three adapters, each exact or stated:
+`Module.to(<the device it is on>)` is the identity (torch's `_apply` cannot swap fake parameters);
+DeepSpeed's cross-rank consistency checks (a broadcast of rank 0's host ints, read back with `.item()`) get rank
+0's own list, which is what the broadcast delivers to the simulated rank 0; boolean reads in an optimizer step
+("is the gradient norm invalid?") answer no (`LiveStorageTracker.assume_healthy_step`, counted in the record).
+FSDP2 (`fsdp`, `ulysses/ring --zero 3`) runs unchanged; its world mesh is built with the context, outside
+FakeTensorMode (a DeviceMesh reads its rank table, which would be a fake tensor there).
 
 Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and every term is extrapolated
 linearly to the real depth. Layers are identical, so model state and saved activations grow by the same bytes
@@ -28,8 +39,8 @@ per layer, and the peak sits at the same op relative to the last layer; the extr
 when both runs peak at the same op in the same phase (else the whole depth is simulated), and
 tests/experiments/test_simulate.py checks it against the full-depth simulation.
 
-What it cannot run it says, in one line (status `error`): DeepSpeed's engines (zero3, ds-autosp) move the
-module with `Module.to` and compile with inductor, which fake tensors cannot take.
+What it cannot run it says, in one line (status `error`): the method's own error (e.g. DeepSpeed's AutoSP
+compile fails on the project Llama, as it does when measured) or the fake-tensor failure, never a number.
 """
 from __future__ import annotations
 
@@ -60,11 +71,11 @@ if TYPE_CHECKING:
 #: models up to this depth are simulated whole; deeper ones at 2 and 3 layers, extrapolated
 EXACT_LAYERS = 4
 #: methods whose engines cannot run on fake tensors, with the reason (checked before anything is built)
-UNSUPPORTED = {
-    "ds-autosp": "DeepSpeed's AutoSP always compiles with inductor, whose kernels cannot run on fake tensors",
-}
+UNSUPPORTED: dict[str, str] = {}
 #: compiled methods run their real graphs through this backend on fake tensors
 SIMULATED_BACKEND = "aot_eager"
+#: what a method's own `torch._inductor.compile` call (DeepSpeed's AutoSP) runs on fake tensors
+DIRECT_INDUCTOR_BACKEND = "aot_eager_decomp_partition"
 COMPONENTS = ("model_state_bytes", "gradient_bytes", "saved_activation_bytes", "transient_bytes")
 
 
@@ -106,6 +117,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.blocks = _BlockCache(device.block_bytes)  # storage bytes -> bytes charged (every op re-sums them)
         self.host: set[int] = set()  # serials of host storages (offloaded activations)
         self.host_peak = 0
+        self.healthy = False  # inside `assume_healthy_step`
+        self.assumed_reads = 0
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -141,7 +154,25 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak = self.charged(self.peak_sizes)
         self.peak_op, self.peak_phase = "(step start)", self.phase
 
+    @contextlib.contextmanager
+    def assume_healthy_step(self) -> Iterator[None]:
+        """Boolean reads of fake data (`bool(t)`) answer False here: "is any gradient non-finite / negative?".
+
+        A fake tensor has no values, so a data-dependent branch cannot be taken from data. Optimizer steps ask
+        one kind of question — DeepSpeed's ZeRO-3 step `is_invalid_grad_norm(norm)`, `bool((~isfinite(norm) |
+        (norm < 0)).any())` — and a healthy step (the one whose memory is predicted: the update is applied, not
+        skipped) answers False. Only boolean reads, only in optimizer steps; any other read still fails the
+        simulation (e.g. `.item()` of a length), and the count of assumed answers goes to the record."""
+        self.healthy = True
+        try:
+            yield
+        finally:
+            self.healthy = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the dispatch protocol
+        if self.healthy and func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            self.assumed_reads += 1
+            return False
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         for value in tree_flatten(out)[0]:
@@ -188,6 +219,7 @@ class RankPeak:
     num_layers: int
     ops: int
     host_offloaded_bytes: int = 0  # offloaded activations in host memory, most alive at once (not in peak_bytes)
+    assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
 
 
 @contextlib.contextmanager
@@ -203,6 +235,23 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the process groups it derives in module globals; they die with this fake world, so the
+    next simulation in this process (e.g. the 3-layer one after the 2-layer one) must not find them."""
+    import importlib
+    import sys
+
+    if (groups := sys.modules.get("deepspeed.utils.groups")) is not None:
+        importlib.reload(groups)  # its globals back to their import-time values (None, {})
+    if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
+        registry.GROUP_REGISTRY.clear()
+    if (init_sp := sys.modules.get("deepspeed.compile.init_sp")) is not None:
+        # its long-context checkpointing is spliced into torch's min-cut partitioner from the partitioner's source
+        # (process-wide, once: a second splice finds no source); the splice made by the first simulation stays
+        init_sp.register_long_context_checkpointing = lambda: None
 
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker) -> Any:
@@ -237,14 +286,18 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
     tracker = LiveStorageTracker(device)
     with fake_world(cfg.world_size, rank):
         ctx = build_context(sp_size, torch.device("cpu"))
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, tracker:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, tracker, contextlib.ExitStack() as stack:
             torch.manual_seed(cfg.seed)
             model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=layers)
+            model.to = _identity_move(model)
             step = strategy.setup(model, ctx, cfg)
+            stack.enter_context(_deepspeed_rank0_answers(rank))
+            stack.enter_context(_inductor_compile_unfused())
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker)
             for _ in range(max(cfg.warmup, 1)):
                 step.forward_backward(batch)
-                step.optimizer_step()
+                with tracker.assume_healthy_step():
+                    step.optimizer_step()
             resident = set(tracker.sizes())
             gradients: set[int] = set()
             saved: set[int] = set()
@@ -261,7 +314,8 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 step.forward_backward(batch)
             tracker.phase = "optimizer"
-            step.optimizer_step()
+            with tracker.assume_healthy_step():
+                step.optimizer_step()
             for hook in hooks:
                 hook.remove()
     sizes = tracker.peak_sizes
@@ -277,7 +331,64 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
                     gradient_bytes=grads, saved_activation_bytes=acts,
                     transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
                     peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops,
-                    host_offloaded_bytes=tracker.host_peak)
+                    host_offloaded_bytes=tracker.host_peak,
+                    assumed_healthy_reads=tracker.assumed_reads)
+
+
+@contextlib.contextmanager
+def _inductor_compile_unfused() -> Iterator[None]:
+    """A method's own direct call of `torch._inductor.compile(gm, inputs)` (DeepSpeed's AutoSP backend) runs the
+    graph through `aot_eager_decomp_partition`: inductor's decompositions and min-cut partitioner (so DeepSpeed's
+    long-context checkpointing, spliced into that partitioner, decides what is saved), every op unfused —
+    the same upper bound as the compiled methods run through aot_eager. Inductor's kernels need real data."""
+    from unittest import mock
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def compile_unfused(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
+        return lookup_backend(DIRECT_INDUCTOR_BACKEND)(gm, example_inputs)
+
+    with mock.patch("torch._inductor.compile", compile_unfused):
+        yield
+
+
+@contextlib.contextmanager
+def _deepspeed_rank0_answers(rank: int) -> Iterator[None]:
+    """DeepSpeed ZeRO-3's cross-rank consistency checks, answered exactly for the simulated rank 0.
+
+    `assert_ints_same_as_other_ranks` broadcasts host ints (parameter ids, the module order) from rank 0 in a tensor
+    and reads them back with `.item()`; under FakeTensorMode that tensor has no values. The simulated rank is rank
+    0, whose own list is what the broadcast delivers, so the answer is that list (lengths alike). Only while a
+    DeepSpeed engine was set up (its module is imported), else nothing is touched."""
+    import sys
+    from unittest import mock
+
+    utils = sys.modules.get("deepspeed.runtime.zero.utils")
+    if utils is None:
+        yield
+        return
+    if rank != 0:
+        raise SimulationError("DeepSpeed's engines are simulated as rank 0 only (their checks broadcast rank 0's lists)")
+    with mock.patch.object(utils, "get_lst_from_rank0", list), \
+            mock.patch.object(utils, "assert_lst_len_same_as_other_ranks", lambda lst: None):
+        yield
+
+
+def _identity_move(model: torch.nn.Module):  # noqa: ANN202
+    """`model.to(device)` onto the device the fake model already lives on: the identity, as it is for real tensors.
+
+    torch's `Module._apply` always swaps a FakeTensor parameter for a new one (`torch.utils.swap_tensors`), which
+    fails because FakeTensorMode's converter holds a weak reference to every fake parameter; DeepSpeed's engines
+    call `module.to(engine.device)` on the model they are given. Any other conversion is left to torch."""
+    move = type(model).to.__get__(model)
+
+    def to(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and device is not None and torch.device(device).type == "cpu":
+            return model
+        return move(*args, **kwargs)
+
+    return to
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -321,7 +432,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     run_cfg = simulate_config(cfg)
     depth = get_preset(cfg.model).num_layers
     try:
-        if depth <= EXACT_LAYERS:
+        if depth <= EXACT_LAYERS or _configured_by_depth(cfg):
             return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
         two, three = simulate_rank(run_cfg, device, num_layers=2), simulate_rank(run_cfg, device, num_layers=3)
         if (two.peak_op, two.peak_phase) != (three.peak_op, three.peak_phase):
@@ -342,6 +453,21 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     extrapolated.ops = two.ops + (depth - 2) * (three.ops - two.ops)
     return extrapolated, {"layers_simulated": [2, 3], "extrapolated": True,
                           "per_layer_peak_bytes": per_layer["peak_bytes"]}
+
+
+def _configured_by_depth(cfg: RunConfig) -> bool:
+    """Whether the method's configuration at 2 layers differs from the real model's, so that extrapolating from
+    2 and 3 layers would be wrong: zero3 caps DeepSpeed's reduce bucket (allocated whole) at the model's parameter
+    count, which binds at 2 layers when the 2-layer model is smaller than the default bucket."""
+    import dataclasses
+
+    from autosp.experiments.floor import parameter_count
+    from autosp.models import get_preset
+    from baselines.zero3 import DEFAULT_REDUCE_BUCKET
+
+    if cfg.method != "zero3":
+        return False
+    return parameter_count(dataclasses.replace(get_preset(cfg.model), num_layers=2)) < DEFAULT_REDUCE_BUCKET
 
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
@@ -366,7 +492,7 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
     record["extra"].update(
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
-        executed_backend=SIMULATED_BACKEND,
+        executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
         fusion="none: every intermediate of the partitioned graphs is materialised (upper bound for inductor)",
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,

@@ -18,6 +18,10 @@ class ParallelContext:
     device: torch.device
     sp_size: int
     mesh: DeviceMesh | None  # None when world_size == 1 and no process group is initialised
+    # every rank in one dim (ZeRO-3 of the SP baselines shards over it); built with the (dp, sp) mesh because a
+    # mesh is host bookkeeping that must not be built under FakeTensorMode (`autosp simulate`: its rank table
+    # would be a fake tensor, and DeviceMesh reads it)
+    world_mesh: DeviceMesh | None = None
 
     @property
     def dp_size(self) -> int:
@@ -50,5 +54,6 @@ def build_context(sp_size: int, device: torch.device) -> ParallelContext:
     if world % sp_size:
         raise ConfigError(f"SP degree {sp_size} must divide the world size {world}")
     mesh = init_device_mesh(device.type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))  # the default group, no new one
     local_rank = device.index if device.index is not None else 0
-    return ParallelContext(dist.get_rank(), world, local_rank, device, sp_size, mesh)
+    return ParallelContext(dist.get_rank(), world, local_rank, device, sp_size, mesh, world_mesh)
