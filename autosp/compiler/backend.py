@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import GradientReduction, ReducingPartitioner, sync_gradients
+from autosp.comm.prefetch import gathers_ahead
 from autosp.compiler.hybrid import subgroups
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
@@ -67,7 +68,7 @@ def make_backend(
             return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
         params = [i for i, t in enumerate(example_inputs)
                   if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-        partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
+        partitioners.append(ReducingPartitioner(partition_fn, reduction, params, gathers_ahead=gathers_ahead(group)))
         return compile_with_partitioner(gm, example_inputs, partition_fn=partitioners[-1], inner=inner)
 
     def hybrid_group_names(ulysses: int) -> tuple[str, str]:
