@@ -59,7 +59,14 @@ def _stage_rank(zero: int) -> dict:
     saved = model.state_dict()
     model.load_state_dict(plain)
     loaded = compiled.full_parameters()
+    refused = zero < 2  # stages 2/3: a wrong shape is refused in one line naming it (below: torch's own message)
+    if zero >= 2:
+        try:
+            model.load_state_dict({**plain, "model.norm.weight": torch.zeros(3)})
+        except SequenceParallelError as e:
+            refused = "model.norm.weight has shape (3,)" in str(e)
     return {
+        "refuses_wrong_shape": refused,
         "state_dict_full": sorted(saved) == sorted(plain) and all(saved[k].shape == plain[k].shape for k in plain),
         "state_dict_loads": all(torch.equal(loaded[k], plain[k]) for k in plain),
         "full_bytes": full_bytes,
@@ -117,7 +124,7 @@ def test_each_stage_shards_what_it_promises_and_reruns_only_the_stage3_gather():
 
 def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
     full, world = r["full_bytes"], 2
-    assert r["names"] and r["state_dict_full"] and r["state_dict_loads"]
+    assert r["names"] and r["state_dict_full"] and r["state_dict_loads"] and r["refuses_wrong_shape"]
     # parameters and gradients: replicated below stage 2, one flat shard (padded to a multiple of P) from stage 2
     assert r["param_bytes"] == full if zero < 2 else full / world <= r["param_bytes"] < full / world + 4 * 64
     assert r["grad_bytes"] == r["param_bytes"]
