@@ -4,18 +4,22 @@ After partitioning, the forward graph (and at stage 3 the backward graph, where 
 gathers) holds one blocking `autosp::all_gather_shard` per parameter, where the parameter is used. This pass
 turns each layer's run of gathers into a *bucket*:
 
-  issue   the layer's shards concatenated (cast to the compute dtype once) and all-gathered as one asynchronous
-          functional collective (`_c10d_functional.all_gather_into_tensor`), issued where the *previous* layer
+  issue   the layer's shards (cast to the compute dtype) all-gathered as one asynchronous coalesced functional
+          collective (`_c10d_functional.all_gather_into_tensor_coalesced`), issued where the *previous* layer
           waits for its own bucket, so layer k+1's gather is in flight while layer k computes (FSDP2's default
           prefetch of one layer) -- `ahead=False`: issued where the layer starts, i.e. not overlapped;
-  wait    `wait_tensor` where the layer's first gather stood; the gathered [P, sum of shard sizes] buffer is split
-          back into each parameter's flat [P * shard] value (one copy each, as FSDP2's copy-out).
+  wait    `wait_tensor` where the layer's first gather stood; each output is one parameter's flat [P * shard]
+          value, as the per-parameter gather returned it (gloo flattens and unflattens on its worker thread; NCCL
+          groups the gathers into one launch).
 
 Layers are read off Dynamo's module stack (the gather runs in the parametrization of the module that uses the
 parameter); a run of gathers outside the layers (embedding, final norm, LM head) is one bucket.
 
 Buffers: every tensor a gather reads or writes is an input or output of the functional collective, held by its
-Work until `wait_tensor`; at stage 3 at most two layers' gathered parameters are alive at once.
+Work until `wait_tensor`; at stage 3 at most two layers' gathered parameters are alive at once. No buffer is made
+in the graph only to be handed to the collective (no concatenated copy of the shards): the Work may drop its last
+reference on gloo's worker thread, where the CPU memory meter does not see the free (autosp/harness/measure.py), so
+such a buffer made the measured peaks vary from run to run (93.8-99.4 MiB over 11 runs of small at S=4096).
 
 Where the gathers are issued ahead: on NCCL (and any backend but gloo). On gloo they are bucketed but issued
 where the layer starts (`gathers_ahead`): a per-parameter version of this prefetch corrupted the heap at stage 3
@@ -26,6 +30,7 @@ gather overlaps only the gradient buckets in flight, never the layer before it.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -88,33 +93,24 @@ def _bucket_key(node: fx.Node) -> tuple:
 
 
 def _issue(graph: fx.Graph, bucket: list[fx.Node], before: fx.Node) -> fx.Node:
-    """The bucket's shards, concatenated and cast, all-gathered asynchronously before `before`."""
-    shards = [node.args[0] for node in bucket]
+    """The bucket's shards (cast to the compute dtype) all-gathered as one coalesced collective before `before`."""
     _layer, group_size, group_name, dtype, master_dtype = _bucket_key(bucket[0])
     with graph.inserting_before(before):
-        flat = shards[0] if len(shards) == 1 else graph_call(graph, aten.cat.default, shards)
+        shards = [node.args[0] for node in bucket]
         if master_dtype != dtype:  # mixed precision: communicate in the compute dtype
-            flat = graph_call(graph, aten._to_copy.default, flat, dtype=dtype)
-        return graph_call(graph, c10d.all_gather_into_tensor.default, flat, group_size, group_name)
+            shards = [graph_call(graph, aten._to_copy.default, shard, dtype=dtype) for shard in shards]
+        return graph_call(graph, c10d.all_gather_into_tensor_coalesced.default, shards, group_size, group_name)
 
 
 def _wait(graph: fx.Graph, bucket: list[fx.Node], issued: fx.Node) -> fx.Node:
-    """Wait where the bucket's first gather stood and hand each gather's users its parameter's flat value."""
-    group_size = bucket[0].args[1]
-    sizes = [fake_value(node.args[0]).numel() for node in bucket]
+    """Wait where the bucket's first gather stood; each output is that parameter's flat [P * shard] value."""
     with graph.inserting_before(bucket[0]):
-        waited = graph_call(graph, c10d.wait_tensor.default, issued)
-        rows = waited if len(bucket) == 1 else graph_call(graph, aten.view.default, waited, [group_size, -1])
-        offset = 0
-        for node, size in zip(bucket, sizes):
-            full = waited
-            if len(bucket) > 1:  # rank r's piece of this parameter is row r's columns [offset, offset + size)
-                piece = graph_call(graph, aten.slice.Tensor, rows, 1, offset, offset + size)
-                full = graph_call(graph, aten.view.default, graph_call(
-                    graph, aten.clone.default, piece, memory_format=torch.contiguous_format), [-1])
+        waits = []
+        for i, node in enumerate(bucket):
+            full = graph_call(graph, c10d.wait_tensor.default, graph_call(graph, operator.getitem, issued, i))
             full.meta.update({key: v for key, v in node.meta.items() if key != "val"})
             node.replace_all_uses_with(full)
-            offset += size
+            waits.append(full)
     for node in bucket:
         graph.erase_node(node)
-    return waited
+    return waits[0].args[0]

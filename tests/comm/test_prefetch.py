@@ -50,9 +50,12 @@ def test_each_layer_is_one_gather_issued_during_the_layer_before():
     waits = [i for i, t in enumerate(ops) if "wait_tensor" in t]
     sums = [i for i, t in enumerate(ops) if t == "aten.sum.default"]
     assert not any("autosp.all_gather_shard" in t for t in ops)
-    assert len(issued) == len(waits) == 2
+    assert len(issued) == 2 and len(waits) == 4  # one collective per layer, one wait per parameter
     # layer 1's gather is in flight before layer 0 waits for its own, and waited only after layer 0's compute
-    assert issued[1] < waits[0] < sums[1] < waits[1] < sums[2]
+    assert issued[1] < waits[0] < sums[1] < waits[2] < sums[2]
+    # each parameter's users now read the coalesced gather's output of the right size, [P * shard]
+    full = [n for n in gm.graph.nodes if "wait_tensor" in str(n.target)]
+    assert [n.meta["val"].numel() for n in full] == [6, 10, 4, 8]
 
 
 def test_without_ahead_a_layer_gathers_where_it_starts():
