@@ -80,6 +80,13 @@ class SequenceParallelModule(torch.nn.Module):
         partitioners = getattr(self._backend, "gradient_partitioners", [])
         return list(partitioners[-1].buckets) if partitioners else []
 
+    @property
+    def gather_buckets(self) -> tuple[list, list]:
+        """ZeRO 2/3: the `autosp.comm.prefetch.GatherBucket`s (forward, backward) of the last compiled graph: one
+        parameter all-gather each."""
+        partitioners = getattr(self._backend, "gradient_partitioners", [])
+        return partitioners[-1].gather_buckets if partitioners else ([], [])
+
     def forward(self, *args, **kwargs):
         try:
             with tracing_config():  # logging calls do not break the graph

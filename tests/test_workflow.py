@@ -68,6 +68,9 @@ def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
     assert len(searches) == len(cells) == 2 * 5 + 2 * 2  # tiny, small x 5 methods; the peer and autosp on hf:
     assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny"), ("ds-autosp", "hf:small")} <= cells
     assert {backend for _, _, backend, _ in searches} == {"inductor"}  # autosp as users run it
+    for method in ("autosp", "ulysses", "ring"):  # like with like: the SP methods at ZeRO 3, as zero3 and fsdp
+        assert re.search(rf"autosp search --method {method} --model tiny [^\n]*--zero 3 ", plan), method
+    assert not re.search(r"autosp search --method ds-autosp [^\n]*--zero", plan)  # its own stage (0/1)
     assert {(model, budget) for _, model, _, budget in searches} == {
         ("tiny", "48MiB"), ("small", "96MiB"), ("hf:tiny", "48MiB"), ("hf:small", "96MiB")}
     assert "cell autosp tiny P=2 cpu: searching [2 cores, 0 GPUs x 1 nodes]" in plan  # a core per rank

@@ -19,6 +19,12 @@ def backend_flag(method):
     return f"--compile-backend {per_key(config['compile_backend'], method)}"
 
 
+def zero_flag(method):
+    """`--zero Z` for `method` (setting `zero`), or nothing: the method's own stage (`autosp methods`)."""
+    stage = per_key(config.get("zero", {"default": "method"}), method)
+    return "" if stage == "method" else f"--zero {stage}"
+
+
 def auto_flag(flag, key):
     return "" if config[key] == "auto" else f"{flag} {config[key]}"
 
@@ -28,9 +34,9 @@ def import_flags():
 
 
 def common_flags(method):
-    """Flags every run of `method` takes: ranks, device, precision, backend, out-of-tree imports."""
+    """Flags every run of `method` takes: ranks, device, precision, backend, ZeRO stage, out-of-tree imports."""
     return (f"--world-size {config['world_size']} --device {config['device']} --dtype {config['dtype']} "
-            f"{backend_flag(method)} {import_flags()}")
+            f"{backend_flag(method)} {zero_flag(method)} {import_flags()}")
 
 
 # One cell = one (method, model, world size, device type): its own job, its own file. The device type and

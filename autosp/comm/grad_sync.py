@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from autosp.comm import prefetch
+from autosp.comm.prefetch import GatherBucket, prefetch_gathers
 from autosp.comm.sharding import fake_value, graph_call
 from autosp.compiler.sac import SacPartitioner, layer_of_path, module_path
 from autosp.errors import SequenceParallelError
@@ -213,21 +215,30 @@ def _nbytes(node: fx.Node) -> int:
 
 
 class ReducingPartitioner(CustomPartitionerFn):
-    """The SAC partition function with the gradient buckets put into the joint graph first (one per graph)."""
+    """The SAC partition function with the gradient buckets put into the joint graph first (one per graph), and at
+    stages 2/3 the parameter gathers of the partitioned graphs bucketed per layer (`autosp.comm.prefetch`)."""
 
-    def __init__(self, inner: SacPartitioner, reduction: GradientReduction, param_positions: Sequence[int]) -> None:
+    def __init__(self, inner: SacPartitioner, reduction: GradientReduction, param_positions: Sequence[int], *,
+                 gathers_ahead: bool = True) -> None:
         self.inner, self.reduction, self.param_positions = inner, reduction, tuple(param_positions)
+        self.gathers_ahead = gathers_ahead  # stages 2/3: a layer's parameter gather issued during the layer before
         self.cacheable = inner.cacheable
         self.buckets: list[Bucket] = []
+        self.gather_buckets: tuple[list[GatherBucket], list[GatherBucket]] = ([], [])  # (forward, backward)
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         self.buckets = bucket_gradient_reduction(joint_gm, num_fwd_outputs=num_fwd_outputs,
                                                  param_positions=self.param_positions, reduction=self.reduction)
-        return self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if self.reduction.sharded:  # after partitioning: the stage-3 re-gathers are in the backward graph by now
+            self.gather_buckets = (prefetch_gathers(fw_module, ahead=self.gathers_ahead),
+                                   prefetch_gathers(bw_module, ahead=self.gathers_ahead))
+        return fw_module, bw_module
 
     def uuid(self) -> Any:
-        return (self.inner.uuid(), repr(self.reduction), self.param_positions, get_hash_for_files((__file__,)))
+        return (self.inner.uuid(), repr(self.reduction), self.param_positions, self.gathers_ahead,
+                get_hash_for_files((__file__, prefetch.__file__)))
 
 
 def sync_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, dp_size: int = 1) -> int:

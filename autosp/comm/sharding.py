@@ -14,6 +14,10 @@
 Mechanism (see DESIGN.md for why): a `torch.nn.utils.parametrize` parametrization replaces `module.weight` by
 `all_gather_shard(shard)[:numel].view(shape)`. Dynamo traces the parametrization like model code, so the gathers
 land in the same full graph the SP pass rewrites and SAC partitions; the model's code is untouched.
+
+Names: `named_parameters()` yields the shards (`...parametrizations.weight.original`), but `state_dict()` and
+`load_state_dict()` speak the model's own names and full tensors (hooks; both collective, as FSDP's full state
+dict): a checkpoint of a sharded model loads into the unsharded model, or at any other world size, and back.
 """
 from __future__ import annotations
 
@@ -94,7 +98,34 @@ def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, dp_size: int
         if owner:  # a tied weight: one shard, gathered at each use, the gradients of the uses summed
             owner_module, owner_name = owner
             module.parametrizations[name].original = owner_module.parametrizations[owner_name].original
+    for module in {id(m): m for m, *_ in targets + ties}.values():
+        module.register_state_dict_post_hook(_full_state_dict)
+        module.register_load_state_dict_pre_hook(_shard_state_dict)
     return len(targets)
+
+
+def _sharded(module: nn.Module) -> dict[str, ShardedParameter]:
+    return {name: plist[0] for name, plist in module.parametrizations.items()
+            if isinstance(plist[0], ShardedParameter)}
+
+
+def _full_state_dict(module: nn.Module, state_dict: dict, prefix: str, _metadata: object) -> None:
+    """state_dict() post-hook (collective): each shard -> the full tensor under the parameter's own name."""
+    for name, spec in _sharded(module).items():
+        shard = state_dict.pop(f"{prefix}parametrizations.{name}.original")
+        state_dict[prefix + name] = spec.unshard(shard)
+
+
+def _shard_state_dict(module: nn.Module, state_dict: dict, prefix: str, *_args: object) -> None:
+    """load_state_dict() pre-hook: a full tensor under the parameter's own name -> this rank's shard."""
+    for name, spec in _sharded(module).items():
+        full = state_dict.pop(prefix + name, None)
+        if full is None:
+            continue  # absent (load_state_dict reports it) or already a shard under the sharded name
+        if tuple(full.shape) != spec.shape:
+            raise SequenceParallelError(f"load_state_dict: {prefix + name} has shape {tuple(full.shape)}, the "
+                                        f"model's parameter {spec.shape}; load a checkpoint of this model")
+        state_dict[f"{prefix}parametrizations.{name}.original"] = spec.right_inverse(full)
 
 
 def full_name(name: str) -> str:

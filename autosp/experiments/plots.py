@@ -113,14 +113,17 @@ def _bar_label(row: pd.Series) -> str:
 
 
 def _method_legend_label(method: str, sub: pd.DataFrame) -> str:
-    """The method, and for compiled methods the backend its numbers were measured with."""
+    """The method with the ZeRO stage(s) it ran, and for compiled methods the backend its numbers were measured
+    with."""
+    stages = sorted({int(z) for z in sub.get("zero", pd.Series(dtype=object)).dropna()})
+    name = f"{method} ZeRO-{'/'.join(map(str, stages))}" if stages else method
     if method in COMPILED_METHODS:
         backends = ", ".join(sorted({str(b) for b in sub.get("compile_backend", pd.Series(dtype=object)).dropna()}))
         if method == "ds-autosp":
             backends = "inductor (DeepSpeed's own)"
         if backends:
-            return f"{method} [{backends}]"
-    return method
+            return f"{name} [{backends}]"
+    return name
 
 
 def _device_panels(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:

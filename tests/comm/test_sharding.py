@@ -1,6 +1,6 @@
 """ZeRO stages of autosp.compile on 2 gloo ranks: the sharding ops' values and gradients, what each stage keeps
 resident, and which collectives the graphs run (gradients reduced per layer bucket inside backward, parameters
-gathered where they are used; stage 3 re-gathers, stage 2 does not; nothing else is ever re-run)."""
+gathered in one collective per layer; stage 3 re-gathers, stage 2 does not; nothing else is ever re-run)."""
 from __future__ import annotations
 
 import pytest
@@ -54,7 +54,21 @@ def _stage_rank(zero: int) -> dict:
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     if hasattr(optimizer, "optim"):  # ZeroRedundancyOptimizer: the local optimizer holds this rank's state
         state = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    # state_dict: the model's own names and full values at every stage, and an unsharded checkpoint loads back
+    plain = build_model("tiny", seed=1).state_dict()
+    saved = model.state_dict()
+    model.load_state_dict(plain)
+    loaded = compiled.full_parameters()
+    refused = zero < 2  # stages 2/3: a wrong shape is refused in one line naming it (below: torch's own message)
+    if zero >= 2:
+        try:
+            model.load_state_dict({**plain, "model.norm.weight": torch.zeros(3)})
+        except SequenceParallelError as e:
+            refused = "model.norm.weight has shape (3,)" in str(e)
     return {
+        "refuses_wrong_shape": refused,
+        "state_dict_full": sorted(saved) == sorted(plain) and all(saved[k].shape == plain[k].shape for k in plain),
+        "state_dict_loads": all(torch.equal(loaded[k], plain[k]) for k in plain),
         "full_bytes": full_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
         "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
@@ -64,13 +78,15 @@ def _stage_rank(zero: int) -> dict:
         "backward": record.collectives_in_backward,
         "forward_all_to_all": sum("all_to_all" in str(n.target) for n in record.fw_module.graph.nodes),
         "buckets": [(b.layer, b.num_params) for b in compiled.gradient_buckets],
+        "gather_buckets": [[(b.layer and b.layer.rsplit(".", 2)[-2:], b.num_params, b.prefetched) for b in graph]
+                           for graph in compiled.gather_buckets],
         # what the process group ran during backward, whoever issued it (graph, hooks)
         "gradient_collectives_run": sum(e.name.startswith("c10d::") and gradient_collective in e.name.replace(
             "allreduce", "all_reduce") for e in prof.events()),
         # the first bucket's reduction starts before backward's last all-to-all, i.e. overlaps the rest of backward
         "issued_inside_backward": bool(issued)
         and issued[0] < max(i for i, t in enumerate(backward) if "all_to_all" in t),
-        # parameter gathers issued before layer 0's attention (each where forward first uses its parameter)
+        # parameter all-gathers issued before layer 0's attention
         "gathers_before_attention": sum("all_gather" in t for t in forward[:next(
             i for i, t in enumerate(forward) if "all_to_all" in t)]),
     }
@@ -108,7 +124,7 @@ def test_each_stage_shards_what_it_promises_and_reruns_only_the_stage3_gather():
 
 def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
     full, world = r["full_bytes"], 2
-    assert r["names"]
+    assert r["names"] and r["state_dict_full"] and r["state_dict_loads"] and r["refuses_wrong_shape"]
     # parameters and gradients: replicated below stage 2, one flat shard (padded to a multiple of P) from stage 2
     assert r["param_bytes"] == full if zero < 2 else full / world <= r["param_bytes"] < full / world + 4 * 64
     assert r["grad_bytes"] == r["param_bytes"]
@@ -125,12 +141,17 @@ def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
     assert sum(n for _, n in r["buckets"]) == r["num_params"]
     assert r["gradient_collectives_run"] == len(r["buckets"]) and r["issued_inside_backward"]
     assert sum("reduce_scatter_sum" in c for c in backward) == 0
-    # stage 3: every parameter backward needs is gathered again (all but the embedding table, whose backward needs
-    # only the token ids)
-    assert sum("all_gather" in c for c in backward) == (r["num_params"] - 1 if zero == 3 else 0)
-    # stages 2/3 gather each parameter where forward first uses it: before layer 0's attention only the embedding,
-    # layer 0's input norm and its q/k/v projections (nothing of layer 1, nothing hoisted to the start)
-    assert r["gathers_before_attention"] == (1 + 4 if zero >= 2 else 0)
+    # stages 2/3 gather one bucket per layer (9 parameters each; on gloo not issued ahead, see autosp.comm.prefetch);
+    # stage 3 gathers again in backward every parameter backward needs (all but the embedding table, whose
+    # backward needs only the token ids), in backward's order
+    forward, regathered = r["gather_buckets"]
+    layer = [["layers", "0"], ["layers", "1"]]
+    assert forward == ([(None, 1, False), (layer[0], 9, False), (layer[1], 9, False), (None, 2, False)]
+                       if zero >= 2 else [])
+    assert regathered == ([(None, 2, False), (layer[1], 9, False), (layer[0], 9, False)] if zero == 3 else [])
+    assert sum("all_gather" in c for c in backward) == len(regathered)
+    # before layer 0's attention: the embedding's gather and layer 0's one (nothing of layer 1 on gloo)
+    assert r["gathers_before_attention"] == (2 if zero >= 2 else 0)
     # the SP all-to-alls: the backward runs each forward exchange's inverse once, never a recomputed forward one
     assert sum("all_to_all" in c for c in backward) == r["forward_all_to_all"]
 

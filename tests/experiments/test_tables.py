@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from autosp.harness.config import ConfigError
-from autosp.experiments.plots import _trainability_claim_rows, throughput_figure, trainability_figure
+from autosp.experiments.plots import (_method_legend_label, _trainability_claim_rows, throughput_figure,
+                                     trainability_figure)
 from autosp.experiments.tables import paper_claims, throughput_table, trainability_table, write_csv_atomic
 
 MiB = 2**20
@@ -159,3 +160,10 @@ def test_each_zero_stage_is_its_own_row_and_ratios_compare_like_stages() -> None
     assert t.loc[("autosp", 0), "vs_ulysses"] == pytest.approx(2.0)  # vs ulysses at stage 0
     assert t.loc[("autosp", 3), "vs_ulysses"] == pytest.approx(2.0)  # vs ulysses at stage 3, not 4x
     assert t.loc[("autosp", 0), "vs_zero3"] == pytest.approx(4.0)  # zero3 runs only stage 3
+
+
+def test_figure_legends_name_the_stage_each_method_ran() -> None:
+    assert _method_legend_label("autosp", pd.DataFrame({"zero": [3], "compile_backend": ["aot_eager"]})) \
+        == "autosp ZeRO-3 [aot_eager]"
+    assert _method_legend_label("ulysses", pd.DataFrame({"zero": [0, 3]})) == "ulysses ZeRO-0/3"
+    assert _method_legend_label("zero3", pd.DataFrame({"max_seq_len": [1]})) == "zero3"  # records without a stage

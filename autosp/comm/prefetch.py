@@ -1,0 +1,116 @@
+"""ZeRO stages 2/3: each decoder layer's parameters gathered in one collective, issued one layer ahead.
+
+After partitioning, the forward graph (and at stage 3 the backward graph, where the partitioner re-runs the
+gathers) holds one blocking `autosp::all_gather_shard` per parameter, where the parameter is used. This pass
+turns each layer's run of gathers into a *bucket*:
+
+  issue   the layer's shards (cast to the compute dtype) all-gathered as one asynchronous coalesced functional
+          collective (`_c10d_functional.all_gather_into_tensor_coalesced`), issued where the *previous* layer
+          waits for its own bucket, so layer k+1's gather is in flight while layer k computes (FSDP2's default
+          prefetch of one layer) -- `ahead=False`: issued where the layer starts, i.e. not overlapped;
+  wait    `wait_tensor` where the layer's first gather stood; each output is one parameter's flat [P * shard]
+          value, as the per-parameter gather returned it (gloo flattens and unflattens on its worker thread; NCCL
+          groups the gathers into one launch).
+
+Layers are read off Dynamo's module stack (the gather runs in the parametrization of the module that uses the
+parameter); a run of gathers outside the layers (embedding, final norm, LM head) is one bucket.
+
+Buffers: every tensor a gather reads or writes is an input or output of the functional collective, held by its
+Work until `wait_tensor`; at stage 3 at most two layers' gathered parameters are alive at once. No buffer is made
+in the graph only to be handed to the collective (no concatenated copy of the shards): the Work may drop its last
+reference on gloo's worker thread, where the CPU memory meter does not see the free (autosp/harness/measure.py), so
+such a buffer made the measured peaks vary from run to run (93.8-99.4 MiB over 11 runs of small at S=4096).
+
+Where the gathers are issued ahead: on NCCL (and any backend but gloo). On gloo they are bucketed but issued
+where the layer starts (`gathers_ahead`): a per-parameter version of this prefetch corrupted the heap at stage 3
+on gloo (SIGABRT `malloc(): unaligned tcache chunk detected` in 6 of 9 fresh-compile runs of `autosp bench
+--methods autosp --zero 3 --model small --seq-lens 4096 --world-size 2 --compile-backend aot_eager`, none without
+it); the cause was not found (see DESIGN.md), so gloo keeps the concurrency it was measured safe with: a layer's
+gather overlaps only the gradient buckets in flight, never the layer before it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autosp.comm.sharding import fake_value, graph_call
+from autosp.compiler.sac import layer_of_path, module_path
+
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+_GATHER = "autosp.all_gather_shard"
+
+
+@dataclass(frozen=True)
+class GatherBucket:
+    """One all-gather of a partitioned graph: its layer (None: model-level parameters), how many parameters it
+    gathers and whether it was issued ahead of the layer that uses it."""
+
+    layer: str | None
+    num_params: int
+    prefetched: bool
+
+
+def gathers_ahead(group: dist.ProcessGroup) -> bool:
+    """Whether a layer's gather may be issued during the previous layer on `group`'s backend (see above)."""
+    return dist.get_backend(group) != "gloo"
+
+
+def prefetch_gathers(gm: fx.GraphModule, *, ahead: bool) -> list[GatherBucket]:
+    """Rewrite `gm` in place (see the module docstring); returns its gather buckets in graph order."""
+    graph = gm.graph
+    buckets: list[list[fx.Node]] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith(_GATHER):
+            if buckets and _bucket_key(buckets[-1][0]) == _bucket_key(node):
+                buckets[-1].append(node)
+            else:
+                buckets.append([node])
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    layers = [_bucket_key(bucket[0])[0] for bucket in buckets]
+    previous_wait: fx.Node | None = None
+    prefetched = []
+    for k, bucket in enumerate(buckets):
+        # ahead of the previous layer, unless a shard is computed only after that layer starts
+        early = ahead and k > 0 and all(order[node.args[0]] < order[buckets[k - 1][0]] for node in bucket)
+        issued = _issue(graph, bucket, before=previous_wait if early else bucket[0])
+        previous_wait = _wait(graph, bucket, issued)
+        prefetched.append(early)
+    graph.lint()
+    gm.recompile()
+    return [GatherBucket(layer, len(b), early) for layer, b, early in zip(layers, buckets, prefetched)]
+
+
+def _bucket_key(node: fx.Node) -> tuple:
+    """Gathers of one bucket: one layer, one group, one compute dtype and one master dtype."""
+    shard, group_size, group_name, _dp_size, _regather, dtype = node.args
+    path = module_path(node)
+    layer = layer_of_path(path.split(".parametrizations.")[0] if path else path)
+    return layer, group_size, group_name, dtype, fake_value(shard).dtype
+
+
+def _issue(graph: fx.Graph, bucket: list[fx.Node], before: fx.Node) -> fx.Node:
+    """The bucket's shards (cast to the compute dtype) all-gathered as one coalesced collective before `before`."""
+    _layer, group_size, group_name, dtype, master_dtype = _bucket_key(bucket[0])
+    with graph.inserting_before(before):
+        shards = [node.args[0] for node in bucket]
+        if master_dtype != dtype:  # mixed precision: communicate in the compute dtype
+            shards = [graph_call(graph, aten._to_copy.default, shard, dtype=dtype) for shard in shards]
+        return graph_call(graph, c10d.all_gather_into_tensor_coalesced.default, shards, group_size, group_name)
+
+
+def _wait(graph: fx.Graph, bucket: list[fx.Node], issued: fx.Node) -> fx.Node:
+    """Wait where the bucket's first gather stood; each output is that parameter's flat [P * shard] value."""
+    with graph.inserting_before(bucket[0]):
+        waits = []
+        for i, node in enumerate(bucket):
+            full = graph_call(graph, c10d.wait_tensor.default, graph_call(graph, operator.getitem, issued, i))
+            full.meta.update({key: v for key, v in node.meta.items() if key != "val"})
+            node.replace_all_uses_with(full)
+            waits.append(full)
+    for node in bucket:
+        graph.erase_node(node)
+    return waits[0].args[0]

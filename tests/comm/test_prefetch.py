@@ -1,0 +1,68 @@
+"""The per-layer gather buckets of ZeRO stages 2/3 on a hand-built partitioned graph (no process group): one
+all-gather per layer, issued during the previous layer when `ahead`, where the layer starts otherwise."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autosp.comm.ops  # noqa: F401  (registers autosp::all_gather_shard)
+from autosp.comm.prefetch import GatherBucket, prefetch_gathers
+
+
+def _two_layer_graph() -> fx.GraphModule:
+    """layers.0 uses shards s0, s1 and layers.1 uses s2, s3; each layer gathers its parameters where it uses them."""
+    graph, fake = fx.Graph(), FakeTensorMode()
+    shards = []
+    for i, numel in enumerate((3, 5, 2, 4)):
+        shard = graph.placeholder(f"s{i}")
+        shard.meta["val"] = fake.from_tensor(torch.zeros(numel))
+        shards.append(shard)
+    outputs = []
+    for layer in (0, 1):
+        h = None
+        for i in (2 * layer, 2 * layer + 1):
+            stack = {"m": (f"L['self'].layers.{layer}.proj{i}.parametrizations.weight", torch.nn.Linear)}
+            gather = graph.call_function(torch.ops.autosp.all_gather_shard.default,
+                                         (shards[i], 2, "0", 1, True, torch.float32))
+            gather.meta.update(nn_module_stack=stack, val=torch.ops.autosp.all_gather_shard.default(
+                shards[i].meta["val"], 2, "0", 1, True, torch.float32))
+            use = graph.call_function(torch.ops.aten.sum.default, (gather,))
+            use.meta["val"] = torch.ops.aten.sum.default(gather.meta["val"])
+            h = use if h is None else graph.call_function(torch.ops.aten.add.Tensor, (h, use))
+        outputs.append(h)
+    graph.output(tuple(outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _targets(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_each_layer_is_one_gather_issued_during_the_layer_before():
+    gm = _two_layer_graph()
+    buckets = prefetch_gathers(gm, ahead=True)
+    assert [(b.layer.rsplit(".", 1)[-1], b.num_params, b.prefetched) for b in buckets] == [("0", 2, False),
+                                                                                          ("1", 2, True)]
+    assert all(isinstance(b, GatherBucket) for b in buckets)
+    ops = _targets(gm)
+    issued = [i for i, t in enumerate(ops) if "all_gather_into_tensor" in t]
+    waits = [i for i, t in enumerate(ops) if "wait_tensor" in t]
+    sums = [i for i, t in enumerate(ops) if t == "aten.sum.default"]
+    assert not any("autosp.all_gather_shard" in t for t in ops)
+    assert len(issued) == 2 and len(waits) == 4  # one collective per layer, one wait per parameter
+    # layer 1's gather is in flight before layer 0 waits for its own, and waited only after layer 0's compute
+    assert issued[1] < waits[0] < sums[1] < waits[2] < sums[2]
+    # each parameter's users now read the coalesced gather's output of the right size, [P * shard]
+    full = [n for n in gm.graph.nodes if "wait_tensor" in str(n.target)]
+    assert [n.meta["val"].numel() for n in full] == [6, 10, 4, 8]
+
+
+def test_without_ahead_a_layer_gathers_where_it_starts():
+    gm = _two_layer_graph()
+    buckets = prefetch_gathers(gm, ahead=False)
+    assert [b.prefetched for b in buckets] == [False, False]
+    ops = _targets(gm)
+    issued = [i for i, t in enumerate(ops) if "all_gather_into_tensor" in t]
+    sums = [i for i, t in enumerate(ops) if t == "aten.sum.default"]
+    assert sums[1] < issued[1] < sums[2]  # after all of layer 0's compute
