@@ -5,7 +5,7 @@ of one "layer" issued while the previous layer computes, waited with `wait_tenso
 asynchronous reduce-scatter per layer, optionally under the memory profiler the harness measures with, called
 directly or through torch.compile(backend="aot_eager"). Checks every step's result against the first.
 
-    python notes/issue9/gloo_async_gather.py {eager,compiled} ITERS [--profile] [--rs] [--a2a]
+    python tests/comm/repro_gloo_async_gather.py {eager,compiled} ITERS [--profile] [--rs] [--a2a]
 
 Result (torch 2.13.0+cpu, loaded 2-core machine): `eager 200`, `eager 200 --profile --rs --a2a` and
 `compiled 100 --profile --rs --a2a` all exit 0 with identical results: it does NOT reproduce the crash, so the
