@@ -19,6 +19,12 @@ def backend_flag(method):
     return f"--compile-backend {per_key(config['compile_backend'], method)}"
 
 
+def tiling_flag(method):
+    """`--tiling T` where `tiling` sets one for `method` (autosp: auto, as users train), else nothing."""
+    value = per_key(config.get("tiling", {"default": "off"}), method)
+    return "" if value == "off" else f"--tiling {value}"
+
+
 def auto_flag(flag, key):
     return "" if config[key] == "auto" else f"{flag} {config[key]}"
 
@@ -30,7 +36,7 @@ def import_flags():
 def common_flags(method):
     """Flags every run of `method` takes: ranks, device, precision, backend, out-of-tree imports."""
     return (f"--world-size {config['world_size']} --device {config['device']} --dtype {config['dtype']} "
-            f"{backend_flag(method)} {import_flags()}")
+            f"{backend_flag(method)} {tiling_flag(method)} {import_flags()}")
 
 
 # One cell = one (method, model, world size, device type): its own job, its own file. The device type and
