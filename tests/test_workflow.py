@@ -46,6 +46,7 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
             assert f"figures/{figure}.pdf" in plan and f"results/tables/{figure}.tex" in plan, (profile, figure)
         if profile == ["--profile", "profiles/local"]:  # `all` adds the presets too slow for the quick start
             assert "figures/trainability-all.pdf" in plan and "cpu/P2/llama3-mini/autosp.jsonl" in plan
+            assert "cpu/P2/small/zero3.jsonl" in plan and "checks/cpu/P2/hf:small/ds-autosp.json" in plan
     plan = dry_run(tmp_path, "all", "--profile", "profiles/a100", "--cores", "64")  # as on a GPU node
     searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 8 --device cuda --dtype bfloat16",
                           plan)
@@ -65,17 +66,21 @@ def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
     searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 2 --device cpu --dtype float32 "
                           r"--compile-backend (\S+) .*?--memory-budget (\S+)", plan)
     cells = {(m, model) for m, model, _, _ in searches}
-    assert len(searches) == len(cells) == 2 * 5 + 2 * 2  # tiny, small x 5 methods; the peer and autosp on hf:
-    assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny"), ("ds-autosp", "hf:small")} <= cells
+    assert len(searches) == len(cells) == 5 + 2  # tiny x 5 methods; the peer and autosp on hf:tiny
+    assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny")} <= cells
     assert {backend for _, _, backend, _ in searches} == {"inductor"}  # autosp as users run it
     for method in ("autosp", "ulysses", "ring"):  # like with like: the SP methods at ZeRO 3, as zero3 and fsdp
         assert re.search(rf"autosp search --method {method} --model tiny [^\n]*--zero 3 ", plan), method
     assert not re.search(r"autosp search --method ds-autosp [^\n]*--zero", plan)  # its own stage (0/1)
-    assert {(model, budget) for _, model, _, budget in searches} == {
-        ("tiny", "48MiB"), ("small", "96MiB"), ("hf:tiny", "48MiB"), ("hf:small", "96MiB")}
+    assert {(model, budget) for _, model, _, budget in searches} == {("tiny", "48MiB"), ("hf:tiny", "48MiB")}
     assert "cell autosp tiny P=2 cpu: searching [2 cores, 0 GPUs x 1 nodes]" in plan  # a core per rank
     assert "autosp check --method ds-autosp --model hf:tiny" in plan  # gradient correctness beside its number
-    assert "llama3-mini" not in plan  # only `all` measures it (the quick start's time)
+    # autosp tiles its loss and MLPs as users train it (searched and checked so); no other method is given --tiling
+    commands = re.findall(r"Shell command: autosp (search|check) --method (\S+) (.*)", plan)
+    tiled = {method for _, method, flags in commands if "--tiling auto" in flags}
+    assert tiled == {"autosp"} and all("--tiling" not in flags for _, m, flags in commands if m != "autosp")
+    assert {kind for kind, method, _ in commands if method == "autosp"} == {"search", "check"}
+    assert "llama3-mini" not in plan and "small" not in plan  # only `all` measures them (the quick start's time)
 
 
 def test_models_override_uses_the_default_budget(tmp_path: Path) -> None:

@@ -57,23 +57,27 @@ rule check:
 
 PEER = config["peer"]
 PEER_METHODS = [PEER["method"], *PEER["compare"]]
-PEER_MODELS = [f"hf:{preset}" for preset in PEER["models"]]
-PEER_CHECKS = [
-    setting(f"results/checks/{{device_type}}/P{{world_size}}/{model}/{method}.json")
-    for model in PEER_MODELS
-    for method in PEER["check"]
-]
-# Scope "" is the quick start's table and figure (`models`); scope "-all" (the `all` target) adds `all_models`,
-# presets too slow for the quick start.
-TRAINABILITY_SCOPES = [""] + (["-all"] if config["all_models"] else [])
+# Scope "" is the quick start's table and figure (`models`, the peer on `peer.models`); scope "-all" (the `all`
+# target) adds `all_models` and `peer.all_models`, cells too slow for the quick start.
+TRAINABILITY_SCOPES = [""] + (["-all"] if config["all_models"] or PEER.get("all_models") else [])
 wildcard_constraints:
     scope="(-all)?",
+
+
+def peer_models(scope):
+    """hf:<preset> for each preset the peer runs on in this scope."""
+    return [f"hf:{preset}" for preset in PEER["models"] + (PEER.get("all_models", []) if scope else [])]
+
+
+def peer_checks(scope):
+    return [setting(f"results/checks/{{device_type}}/P{{world_size}}/{model}/{method}.json")
+            for model in peer_models(scope) for method in PEER["check"]]
 
 
 def trainability_results(scope):
     models = config["models"] + (config["all_models"] if scope else [])
     cells = [(model, method) for model in models for method in config["methods"]]
-    cells += [(model, method) for model in PEER_MODELS for method in PEER_METHODS]
+    cells += [(model, method) for model in peer_models(scope) for method in PEER_METHODS]
     return [setting(f"results/trainability/{{device_type}}/P{{world_size}}/{model}/{method}.jsonl")
             for model, method in cells]
 
@@ -86,7 +90,7 @@ def trainability_outputs(pattern):
 rule trainability_table:
     input:
         records=lambda w: trainability_results(w.scope),
-        checks=PEER_CHECKS,
+        checks=lambda w: peer_checks(w.scope),
     output:
         csv="results/tables/trainability{scope}.csv",
         md="results/tables/trainability{scope}.md",
@@ -98,7 +102,7 @@ rule trainability_table:
 rule figure_trainability_scope:
     input:
         records=lambda w: trainability_results(w.scope),
-        checks=PEER_CHECKS,
+        checks=lambda w: peer_checks(w.scope),
         table="results/tables/trainability{scope}.csv",
     output:
         png="figures/trainability{scope}.png",
