@@ -369,15 +369,40 @@ def saved_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Nod
     return [o for o in outputs.args[0][num_fwd_outputs:] if isinstance(o, fx.Node)]
 
 
-@dataclass
 class PartitionRecord:
-    """What one partition call decided, read from the partitioned graphs."""
+    """What one partition call decided, read from the partitioned graphs.
 
-    policy: str
-    fw_module: fx.GraphModule
-    bw_module: fx.GraphModule
-    num_fwd_outputs: int
-    plan: dict[str, Any] | None = None  # policy auto: what the budgeted planner chose (autosp.compiler.sac_auto)
+    It keeps the graphs' node metadata (fake values, module stacks) as the partitioner left it: a compile cache
+    that stores the compiled result (inductor with AOTAutogradCache, as the workflow runs) empties every node's
+    `meta` in place once compiled (torch's `serialize_graph_module`), and everything a record reports is read
+    from that metadata."""
+
+    def __init__(self, policy: str, fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
+                 plan: dict[str, Any] | None = None) -> None:
+        self.policy = policy
+        self.num_fwd_outputs = num_fwd_outputs
+        self.plan = plan  # policy auto: what the budgeted planner chose (autosp.compiler.sac_auto)
+        self._graphs = (fw_module, bw_module)
+        self._metas = {node: node.meta for gm in self._graphs for node in gm.graph.nodes}
+
+    def __deepcopy__(self, memo: dict) -> PartitionRecord:
+        """Shared, not copied: a record is read-only, and inductor deep-copies its config, partitioner included,
+        for every graph it compiles (its repro string); the fake values held here cannot be copied."""
+        return self
+
+    def _with_meta(self, gm: fx.GraphModule) -> fx.GraphModule:
+        for node in gm.graph.nodes:
+            if not node.meta and node in self._metas:
+                node.meta = self._metas[node]
+        return gm
+
+    @property
+    def fw_module(self) -> fx.GraphModule:
+        return self._with_meta(self._graphs[0])
+
+    @property
+    def bw_module(self) -> fx.GraphModule:
+        return self._with_meta(self._graphs[1])
 
     @functools.cached_property
     def saved(self) -> list[fx.Node]:

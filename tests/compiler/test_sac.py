@@ -273,3 +273,24 @@ def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
     assert record.attention_forwards_in_forward > 0 and record.attention_forwards_in_backward == 0
     for p, ref in zip(model.parameters(), reference, strict=True):
         torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_inductors_config_copy() -> None:
+    """AOTAutogradCache empties every node's meta once it stores a compiled graph (the workflow runs with it), and
+    inductor deep-copies its config, partitioner records included, per graph; a record must survive both."""
+    import copy
+
+    from torch._functorch._aot_autograd.aot_autograd_result import serialize_graph_module
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.ones(4, 8))
+        fw = make_fx(lambda t: (t.sin(), t.cos()))(x)
+        bw = make_fx(lambda t: t * 2)(x)
+    record = PartitionRecord("sac", fw, bw, num_fwd_outputs=1)
+    serialize_graph_module(fw)
+    serialize_graph_module(bw)
+    assert copy.deepcopy(record) is record
+    assert record.saved_activation_bytes == 4 * 8 * 4  # the cosine, read from its fake value
+    assert all("val" in n.meta for n in record.bw_module.graph.nodes if n.op != "output")
