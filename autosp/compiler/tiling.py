@@ -459,12 +459,28 @@ class _Block:
     nodes: list[fx.Node]
     source: fx.Node  # the one activation entering the block, [..., tokens, features]
     result: fx.Node  # the one value leaving it
+    weights: list[fx.Node]  # ops inside the module that make its weights from parameters only (run once)
+
+
+def _weight_ops(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Ops of a module call that read parameters only (graph inputs) or each other: the ZeRO-2/3 gather of a
+    sharded weight, a mixed-precision cast. They do not touch the tokens, so they run once, before the tiles."""
+    weights: list[fx.Node] = []
+    for node in nodes:
+        if all(arg.op == "placeholder" or arg in weights for arg in node.all_input_nodes):
+            weights.append(node)
+    return weights
 
 
 def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
-    """The module call as a tileable block: only token-wise ops, one activation in (weights aside), one value
-    out, and an intermediate larger than its input (else tiling saves nothing)."""
-    inside = set(nodes)
+    """The module call as a tileable block: only token-wise ops on the tokens (weights made from parameters
+    aside), one activation in, one value out, and an intermediate larger than its input (else tiling saves
+    nothing)."""
+    weights = _weight_ops(nodes)
+    nodes = [n for n in nodes if n not in weights]
+    if not nodes:
+        return None
+    inside = set(nodes) | set(weights)
     if not all(_is_token_wise(n) for n in nodes):
         return None
     sources = set()
@@ -476,6 +492,8 @@ def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
             ):
                 sources.add(arg)
     leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+    if any(u not in inside for w in weights for u in w.users):
+        return None  # a weight also used outside the module (tied): left where it is
     if len(sources) != 1 or len(leaving) != 1:
         return None
     (source,), (result,) = sources, leaving
@@ -485,7 +503,7 @@ def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
     if out.shape[:-1] != value.shape[:-1] or out.numel() > value.numel() or any(u.op == "output" for u in result.users):
         return None  # a block whose output outgrows its input (an LM head) is whole after the tiles anyway
     biggest = max(_value(n).numel() for n in nodes if isinstance(_value(n), Tensor))
-    return _Block(path, nodes, source, result) if biggest > value.numel() else None
+    return _Block(path, nodes, source, result, weights) if biggest > value.numel() else None
 
 
 def auto_mlp_tile_tokens(num_tokens: int, features: int, intermediate: int) -> int:
@@ -527,6 +545,8 @@ def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
         node.meta["nn_module_stack"] = meta.get("nn_module_stack")
         return node
 
+    for weight in block.weights:  # made once, ahead of every tile
+        block.nodes[0].prepend(weight)
     with graph.inserting_before(block.nodes[0]):
         pieces = emit(torch.split, (block.source, size, -2))
         outputs = []

@@ -170,3 +170,28 @@ def test_tiled_mlp_never_holds_a_whole_intermediate():
         _assert_same_gradients(model, reference)
     assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]  # both layers' MLPs, 4 tiles each
     assert 0 < peaks["auto:16"] * 4 <= peaks["loss"]
+
+
+class _Scaled(torch.nn.Module):
+    """A weight made inside its module from the parameter (as a ZeRO-3 gather or a mixed-precision cast is)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 1.0
+
+
+def test_mlp_whose_weights_are_made_inside_the_module_is_tiled():
+    """The ops that make a weight from parameters run once ahead of the tiles; the MLP is still tiled, exactly."""
+    from torch.nn.utils import parametrize
+
+    ids, labels = _batch()
+    reference = _eager("tiny", ids, labels)
+    model = build_model("tiny")
+    for layer in model.model.layers:
+        for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            parametrize.register_parametrization(linear, "weight", _Scaled())
+    torch._dynamo.reset()
+    compiled, reports, _ = _tiled(model, "auto:16")
+    compiled(input_ids=ids, labels=labels).loss.backward()
+    assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
