@@ -97,7 +97,10 @@ def _constant_value(gm: fx.GraphModule, node: fx.Node, budget: int) -> torch.Ten
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda i: env[i])
         env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:],
                                                                                                         **kwargs)
-    return env[node]
+    value = env[node]
+    # on the host: the classifier compares it with index vectors it builds there (a CUDA graph's constant
+    # otherwise meets a CPU arange: "Expected all tensors to be on the same device", seen on an H200)
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _classify(value: Any, seq_len: int) -> Any:

@@ -2,7 +2,9 @@
 
 Two ways to get ranks:
 - local: spawn P fresh processes (gloo on 127.0.0.1 with a free port on CPU; nccl on CUDA, which is RCCL on
-  ROCm builds of torch), one GPU per rank;
+  ROCm builds of torch), one GPU per rank - or, with `AUTOSP_SHARE_GPUS=1`, P ranks round-robin on fewer GPUs
+  over gloo (NCCL refuses two ranks on one GPU): the multi-rank CUDA code paths and each rank's own memory peak on
+  a one-GPU machine; step times mean nothing there (the ranks share one GPU and talk through host memory);
 - join: the current process already is one rank of a torchrun or SLURM job (env:// variables, or
   SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID with MASTER_ADDR / MASTER_PORT); the function runs here and the
   results are gathered over the process group.
@@ -40,6 +42,8 @@ _GRACE_S = 1.0
 _POLL_S = 0.05
 #: how long ranks that all reported success get to exit normally before their process groups are killed
 _EXIT_GRACE_S = 30.0
+#: set to 1 to run several local ranks on one GPU over gloo (see the module docstring)
+SHARE_GPUS_ENV = "AUTOSP_SHARE_GPUS"
 #: resident memory of one idle CPU rank before any model (Python, torch, gloo, the harness): 343 MiB measured on
 #: the 2-core development machine, in line with 64 ranks taking ~22 GB there
 CPU_RANK_BYTES = 350 * 2**20
@@ -108,10 +112,11 @@ def check_device(device: str, world_size: int) -> None:
         )
     job = existing_job()
     per_node = torch.cuda.device_count()
-    if job is None and world_size > per_node:
+    if job is None and world_size > per_node and not ranks_share_gpus():
         raise ConfigError(f"--world-size {world_size} needs {world_size} GPUs but only {per_node} are visible; "
-                          f"use --world-size <= {per_node} or launch with torchrun/SLURM across nodes")
-    if job is not None and job.local_rank >= per_node:
+                          f"use --world-size <= {per_node}, launch with torchrun/SLURM across nodes, or set "
+                          f"{SHARE_GPUS_ENV}=1 to test on shared GPUs (gloo; memory per rank is real, times are not)")
+    if job is not None and job.local_rank >= per_node and not ranks_share_gpus():
         raise ConfigError(f"local rank {job.local_rank} has no GPU: only {per_node} are visible on this node")
 
 
@@ -137,9 +142,15 @@ def _available_host_memory() -> int | None:
     return None
 
 
+def ranks_share_gpus() -> bool:
+    """Whether local ranks may share GPUs (AUTOSP_SHARE_GPUS=1): then they talk over gloo, which stages CUDA
+    tensors through host memory, because NCCL refuses a communicator with two ranks on one GPU."""
+    return os.environ.get(SHARE_GPUS_ENV, "") == "1"
+
+
 def backend_for(device: str) -> str:
-    """gloo on CPU; nccl on CUDA, which ROCm builds of torch route to RCCL."""
-    return "gloo" if device == "cpu" else "nccl"
+    """gloo on CPU and on shared GPUs; nccl on CUDA, which ROCm builds of torch route to RCCL."""
+    return "gloo" if device == "cpu" or ranks_share_gpus() else "nccl"
 
 
 def current_device(device: str) -> torch.device:
@@ -182,14 +193,14 @@ def _bind_rank(device: str, rank: int, world_size: int, local_rank: int) -> None
     if device == "cpu":
         torch.set_num_threads(1)  # P ranks share the machine's cores
     else:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank unless they share
 
 
 def _init_group(device: str, rank: int, world_size: int, timeout_s: float) -> None:
     dist.init_process_group(
         backend_for(device), init_method="env://", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
-        device_id=torch.device("cuda", torch.cuda.current_device()) if device != "cpu" else None,
+        device_id=torch.device("cuda", torch.cuda.current_device()) if backend_for(device) == "nccl" else None,
     )
 
 

@@ -40,9 +40,9 @@ class MaskedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask_fn(pos[:, None], pos[None, :], keep))
 
 
-def _rewrite(mask_fn, keep=None):
-    model = MaskedAttention(mask_fn)
-    x = torch.randn(2, S, 16)
+def _rewrite(mask_fn, keep=None, device="cpu"):
+    model = MaskedAttention(mask_fn).to(device)
+    x = torch.randn(2, S, 16, device=device)
     gm, inputs = capture(model, x=x, keep=keep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -78,6 +78,14 @@ def test_causal_mask_becomes_is_causal_with_the_same_output(name):
     assert attention_args(attention)["attn_mask"] is None and attention_args(attention)["is_causal"]
     assert not _square_nodes(gm, S)  # the mask subgraph is dropped
     torch.testing.assert_close(gm(*inputs)[0], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_causal_mask_built_on_the_gpu_is_recognised():
+    """The mask's constant is evaluated where the graph runs (an H200 once failed here: cuda vs cpu tensors)."""
+    count, gm, expected, inputs = _rewrite(CAUSAL["kv<=q"], device="cuda")
+    assert count == 1
+    torch.testing.assert_close(gm(*inputs)[0], expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", NEAR_MISSES)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from autosp.harness import launch as launch_mod
 from autosp.harness.config import ConfigError
-from autosp.harness.launch import check_device, existing_job, launch
+from autosp.harness.launch import backend_for, check_device, existing_job, launch
 
 
 def sum_ranks(tag: str) -> tuple:
@@ -135,6 +135,11 @@ def test_more_ranks_than_gpus_is_a_config_error(monkeypatch) -> None:
     with pytest.raises(ConfigError, match="needs 4 GPUs but only 2"):
         check_device("cuda", 4)
     check_device("cuda", 2)
+    monkeypatch.setenv("AUTOSP_SHARE_GPUS", "1")  # several ranks per GPU, over gloo
+    check_device("cuda", 4)
+    assert backend_for("cuda") == "gloo"
+    monkeypatch.delenv("AUTOSP_SHARE_GPUS")
+    assert backend_for("cuda") == "nccl" and backend_for("cpu") == "gloo"
 
 
 def test_unknown_device_is_a_config_error() -> None:
