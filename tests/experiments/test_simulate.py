@@ -47,6 +47,28 @@ def test_layer_extrapolation_equals_simulating_every_layer(monkeypatch):
     assert extrapolated.saved_activation_bytes == whole.saved_activation_bytes
 
 
+@pytest.mark.parametrize("device, multi_tensor", [("h200-141gb", True), ("cpu", False)])
+def test_a_simulated_rank_steps_adamw_the_way_its_device_does(device, multi_tensor):
+    """On a GPU torch's AdamW is the multi-tensor step (a temporary the size of all parameters: an H200 peaked
+    there); the fake ranks live on CPU, where torch would pick the per-parameter loop."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(8)
+    seen: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with sim._optimizer_implementation_of(get_device_model(device, 1 << 30)), Ops():
+        torch.optim.AdamW(params).step()
+    assert any(name.startswith("_foreach_sqrt") for name in seen) == multi_tensor
+
+
 def test_gpu_devices_charge_allocator_blocks_context_and_workspace():
     a100 = get_device_model("a100-80gb")
     assert a100.block_bytes(1) == 512 and a100.block_bytes(LARGE_REQUEST_BYTES + 1) == 2 * MIB
