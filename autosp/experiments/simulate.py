@@ -36,8 +36,10 @@ FakeTensorMode (a DeviceMesh reads its rank table, which would be a fake tensor 
 Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and every term is extrapolated
 linearly to the real depth. Layers are identical, so model state and saved activations grow by the same bytes
 per layer, and the peak sits at the same op relative to the last layer; the extrapolation is accepted only
-when both runs peak at the same op in the same phase (else the whole depth is simulated), and
-tests/experiments/test_simulate.py checks it against the full-depth simulation.
+when both runs peak at the same op in the same phase and no other phase's peak (each extrapolated alike)
+overtakes it at the real depth (else the whole depth is simulated: an H200 run of llama-3.2-1b peaked in the
+AdamW step, which 2- and 3-layer models do not), and tests/experiments/test_simulate.py checks it against the
+full-depth simulation.
 
 What it cannot run it says, in one line (status `error`): the method's own error (e.g. DeepSpeed's AutoSP
 compile fails on the project Llama, as it does when measured) or the fake-tensor failure, never a number.
@@ -51,7 +53,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,6 +113,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak_sizes: dict[int, int] = {}
         self.peak_op = ""
         self.peak_phase = ""
+        self.phase_peaks: dict[str, int] = {}  # the most charged bytes in each phase of the measured step
         self.phase = "setup"
         self.ops = 0
         self.watching = False  # peaks are followed only in the measured step (the warm-up's peak is never read)
@@ -153,6 +156,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak_sizes = self.sizes()
         self.peak = self.charged(self.peak_sizes)
         self.peak_op, self.peak_phase = "(step start)", self.phase
+        self.phase_peaks = {self.phase: self.peak}
 
     @contextlib.contextmanager
     def assume_healthy_step(self) -> Iterator[None]:
@@ -186,8 +190,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.host_peak = max(self.host_peak, self.host_bytes()) if self.host else self.host_peak
         sizes = self.sizes()
         charged = self.charged(sizes)
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), charged)
         if charged > self.peak:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
             self.peak, self.peak_sizes, self.peak_op, self.peak_phase = charged, sizes, str(func), phase
         return out
 
@@ -220,6 +225,7 @@ class RankPeak:
     ops: int
     host_offloaded_bytes: int = 0  # offloaded activations in host memory, most alive at once (not in peak_bytes)
     assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
 
 
 @contextlib.contextmanager
@@ -333,7 +339,7 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
                     transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
                     peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops,
                     host_offloaded_bytes=tracker.host_peak,
-                    assumed_healthy_reads=tracker.assumed_reads)
+                    assumed_healthy_reads=tracker.assumed_reads, phase_peaks=dict(tracker.phase_peaks))
 
 
 @contextlib.contextmanager
@@ -455,8 +461,12 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
         if depth <= EXACT_LAYERS or _configured_by_depth(cfg):
             return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
         two, three = simulate_rank(run_cfg, device, num_layers=2), simulate_rank(run_cfg, device, num_layers=3)
+        note = None
         if (two.peak_op, two.peak_phase) != (three.peak_op, three.peak_phase):
             note = f"peak op differs at 2 and 3 layers ({two.peak_op} / {three.peak_op}): simulated whole"
+        elif overtaking := _phase_overtaking_at_depth(two, three, depth):
+            note = f"at {depth} layers the {overtaking} peak overtakes the {three.peak_phase} one: simulated whole"
+        if note:
             return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False, "note": note}
     except SimulationError:
         raise
@@ -473,6 +483,19 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     extrapolated.ops = two.ops + (depth - 2) * (three.ops - two.ops)
     return extrapolated, {"layers_simulated": [2, 3], "extrapolated": True,
                           "per_layer_peak_bytes": per_layer["peak_bytes"]}
+
+
+def _phase_overtaking_at_depth(two: RankPeak, three: RankPeak, depth: int) -> str | None:
+    """The phase whose own peak, extrapolated to `depth` layers, would exceed the extrapolated peak of the phase
+    where 2 and 3 layers peak - e.g. the optimizer step (state + gradients + AdamW's multi-tensor temporary, all
+    growing with depth) overtaking a backward peak that short models reach in the embedding's gradient - or None.
+    The extrapolation follows one phase's peak, so such a model is simulated whole."""
+    def at_depth(phase: str) -> int:
+        return three.phase_peaks.get(phase, 0) + (depth - 3) * (three.phase_peaks.get(phase, 0)
+                                                                 - two.phase_peaks.get(phase, 0))
+
+    mine = at_depth(three.peak_phase)
+    return next((phase for phase in three.phase_peaks if phase != three.peak_phase and at_depth(phase) > mine), None)
 
 
 def _configured_by_depth(cfg: RunConfig) -> bool:
