@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
-from autosp.comm.sharding import full_name
+from autosp.comm.sharding import full_name, resolve_stage
 from autosp.errors import SequenceParallelError
 from autosp.harness.launch import launch
 from autosp.models import build_model
@@ -159,3 +159,21 @@ def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
 def test_a_bad_stage_names_the_choices():
     with pytest.raises(SequenceParallelError, match=r"choose a ZeRO stage in \[0, 1, 2, 3\]"):
         autosp.compile(torch.nn.Linear(2, 2), zero=4)
+
+
+@pytest.mark.parametrize("zero, group_size, backend, stage", [
+    (None, 4, "gloo", 3),  # the default: the longest trainable length
+    (None, 2, "cpu:gloo,cuda:nccl", 3),
+    (None, 1, "gloo", 0),  # one rank shares nothing: every stage is stage 0
+    (3, 1, "nccl", 0),
+    (None, 2, "mpi", 1),  # no coalesced gather: the default falls back to sharding AdamW state only
+    (1, 2, "ucc", 1),
+    (0, 8, "nccl", 0),
+])
+def test_the_stage_that_runs(zero, group_size, backend, stage):
+    assert resolve_stage(zero, group_size, backend) == stage
+
+
+def test_a_stage_the_backend_cannot_run_is_refused_in_one_line():
+    with pytest.raises(SequenceParallelError, match="zero=3 .* mpi backend lacks: use gloo or nccl, or zero=0/1"):
+        resolve_stage(3, 2, "mpi")
