@@ -285,7 +285,7 @@ def add_floor_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("floor", help="analytic per-rank memory floor: longest trainable length per method "
                                             "and ZeRO stage at paper scale")
     p.add_argument("--models", default="llama-3.1-8b,llama-2-13b", help="comma-separated presets")
-    p.add_argument("--methods", default="autosp:0,autosp:3,zero3,fsdp,ulysses",
+    p.add_argument("--methods", default="autosp:0,autosp:3,zero3,fsdp,ulysses:0,ulysses:3",
                    help="comma-separated METHOD or METHOD:ZERO_STAGE")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--device-memory", default="80GiB", help="bytes per device, e.g. 80GiB")

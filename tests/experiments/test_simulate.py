@@ -88,7 +88,7 @@ def test_deepspeed_zero3_runs_on_fake_tensors_and_predicts_the_measured_peak():
 
 
 def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainability_table():
-    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2)
+    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2, zero=0)
     budget = sim.simulate(cfg.replace(seq_len=1024), CPU)["peak_mem_bytes"]
     curve: dict[int, int] = {}
     row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096, curve=curve)
