@@ -51,7 +51,7 @@ def test_unmodified_hf_gemma2_eager_attention_is_exact(runs):
 def test_hybrid_ulysses_ring_forced_groups_of_two_is_exact():
     # tiny: 4 query / 2 KV heads on 4 ranks, Ulysses inside pairs of ranks, ring across the 2 pairs
     assert_check_passes("autosp", 4, model="tiny", seq_len=64, compile_backend="aot_eager", sac="off",
-                        ulysses_size=2, ignore_fraction=0.2, zero=0)
+                        ulysses_size=2, ignore_fraction=0.3, zero=0)  # the reference other tiny checks trace
 
 
 @pytest.mark.parametrize("case", ["hybrid-4", "hybrid-2-ring"])
