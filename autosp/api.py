@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autosp.comm.precision import cast_parameters
-from autosp.comm.sharding import check_stage, full_state, shard_parameters
+from autosp.comm.sharding import check_stage, full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
@@ -134,7 +134,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     process_group: dist.ProcessGroup | None = None,
     sac: str = "sac",
     backend: str = "inductor",
-    zero: int = 0,
+    zero: int | None = None,
     compute_dtype: torch.dtype | None = None,
     tiling: str = "off",
     outputs: str = "all",
@@ -148,7 +148,9 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
     zero: ZeRO stage 0-3 of the model state over all ranks sharing it (SP x DP; `autosp.comm.sharding`); at
     stages 2/3 the model's parameters become this rank's flat shards (build the optimizer with `make_optimizer`,
-    read full values with `full_parameters`/`full_gradients`). compute_dtype: mixed precision, the dtype the
+    read full values with `full_parameters`/`full_gradients`). Default: 3, the longest trainable length at the
+    same correctness (0 where one rank holds the model, 1 on a backend without stages 2/3's collectives:
+    `sharding.resolve_stage`); the stage that runs is the module's `zero`. compute_dtype: mixed precision, the dtype the
     model computes in over the parameters' own (fp32 master) dtype, e.g. bfloat16: parameters cast before they
     are gathered (stages 2/3) or where they are used (stages 0/1, `autosp.comm.precision`), activations and
     all-to-alls in that dtype, gradients (and their reduction) and optimizer state in the master dtype;
@@ -160,8 +162,10 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     across the groups (default: the largest size the heads and the node allow; the SP degree whenever the heads
     divide it). offload: off | activations — the values backward keeps at decoder-layer boundaries wait in host
     memory between forward and backward (pinned buffers and a side stream on CUDA; `autosp.compiler.offload`)."""
-    check_stage(zero)
+    if zero is not None:
+        check_stage(zero)  # before anything else: a bad stage is refused even without a process group
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
+    zero = resolve_stage(zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group))
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
     elif compute_dtype is not None:

@@ -95,7 +95,10 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     names = method_names()
     width = max(map(len, names)) + 2
     for name in names:
-        print(f"{name:<{width}}{get_strategy(name).description}")
+        strategy = get_strategy(name)
+        stages = f"ZeRO {strategy.zero_stages[0]} by default" + (
+            f", --zero {'/'.join(map(str, sorted(strategy.zero_stages)))}" if len(strategy.zero_stages) > 1 else "")
+        print(f"{name:<{width}}{strategy.description} [{stages}]")
     return 0
 
 

@@ -103,7 +103,7 @@ class AutoSP(Strategy):
     name = "autosp"
     description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
     sequence_parallel = True
-    zero_stages = (0, 1, 2, 3)
+    zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:

@@ -94,7 +94,8 @@ class Strategy(ABC):
     sequence_parallel: ClassVar[bool] = False
     #: True for methods that need a process group, i.e. at least 2 ranks
     distributed: ClassVar[bool] = True
-    #: ZeRO stages `--zero` may ask of this method; the first is its default (what runs without `--zero`)
+    #: ZeRO stages `--zero` may ask of this method; the first is its default (what runs without `--zero`): the
+    #: stage of its longest trainable length, the highest it runs, for every method alike
     zero_stages: ClassVar[tuple[int, ...]] = (0,)
     #: True for methods that train any sequence length by padding the shards internally
     pads_sequence: ClassVar[bool] = False
@@ -112,7 +113,7 @@ class Strategy(ABC):
             raise ConfigError(f"--method {cfg.method} needs a process group; use --world-size >= 2 "
                               "(or --method single)")
         if cfg.zero is not None and cfg.zero not in self.zero_stages:
-            raise ConfigError(f"--method {cfg.method} runs ZeRO stage(s) {list(self.zero_stages)}, not --zero "
+            raise ConfigError(f"--method {cfg.method} runs ZeRO stage(s) {sorted(self.zero_stages)}, not --zero "
                               f"{cfg.zero}; drop --zero or pick one of those")
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
         if cfg.world_size % sp:

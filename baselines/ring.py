@@ -60,7 +60,7 @@ class Ring(Strategy):
     name = "ring"
     description = "RingAttention, zigzag causal (ring-flash-attn on CUDA bf16/fp16, exact PyTorch ring elsewhere)"
     sequence_parallel = True
-    zero_stages = (0, 3)  # 3: FSDP2 fully_shard per decoder layer over all ranks, as `ulysses --zero 3`
+    zero_stages = (3, 0)  # 3 by default: FSDP2 fully_shard per decoder layer over all ranks, as `ulysses`
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)

@@ -73,7 +73,7 @@ class Ulysses(Strategy):
     sequence_parallel = True
     activation_checkpointing: ClassVar[bool] = False
     compiled: ClassVar[bool] = False
-    zero_stages = (0, 3)
+    zero_stages = (3, 0)  # 3 (FSDP2) by default, as autosp: like for like, and its longest trainable length
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         require_deepspeed(self.name)

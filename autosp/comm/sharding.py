@@ -35,6 +35,12 @@ from autosp.comm.ops import all_gather_shard
 from autosp.errors import SequenceParallelError
 
 ZERO_STAGES = (0, 1, 2, 3)
+#: The stage `autosp.compile` runs unless told: 3 gives the longest trainable length at the same correctness (every
+#: stage passes `autosp check` alike; README "Model state at scale" has the measured searches and peaks).
+DEFAULT_STAGE = 3
+#: Backends without the collectives stages 2/3 put into the graph: torch's ProcessGroupMPI and ProcessGroupUCC
+#: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.comm.prefetch`).
+NO_COALESCED_GATHER = ("mpi", "ucc")
 _PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
 
 
@@ -42,6 +48,26 @@ def check_stage(zero: int) -> int:
     if zero not in ZERO_STAGES:
         raise SequenceParallelError(f"zero={zero!r}: choose a ZeRO stage in {list(ZERO_STAGES)}")
     return zero
+
+
+def resolve_stage(zero: int | None, group_size: int, backend: str) -> int:
+    """The stage to run over a group of `group_size` ranks sharing the model state on `backend` (a
+    `dist.get_backend` string such as "gloo" or "cpu:gloo,cuda:nccl"): `zero`, or `DEFAULT_STAGE` when None.
+
+    One rank shares nothing, so every stage is stage 0 there. The default falls back to stage 1 (AdamW state
+    sharded by `ZeroRedundancyOptimizer`, plain broadcasts) on a backend that cannot run stages 2/3; asking for
+    2 or 3 there is refused in one line."""
+    if zero is not None:
+        check_stage(zero)
+    if group_size <= 1:
+        return 0
+    lacking = sorted({b.rpartition(":")[2] for b in backend.split(",")} & set(NO_COALESCED_GATHER))
+    if lacking and zero is None:
+        return 1
+    if lacking and zero >= 2:
+        raise SequenceParallelError(f"zero={zero} gathers parameters with all_gather_into_tensor_coalesced, which the "
+                                    f"{lacking[0]} backend lacks: use gloo or nccl, or zero=0/1")
+    return DEFAULT_STAGE if zero is None else zero
 
 
 class ShardedParameter(nn.Module):

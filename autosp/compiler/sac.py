@@ -65,7 +65,20 @@ ATTENTION_FORWARD_OPS: frozenset[Any] = frozenset(
 )
 """OpOverloadPackets of every attention-forward kernel an SDPA call can lower to (varies by device/dtype)."""
 
-COLLECTIVE_NAMESPACES = frozenset({"autosp", "_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+#: torch's namespaces whose every op communicates
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+#: autosp's own custom ops (``torch.ops.autosp.<name>``) by what the policies may do with them. Every op of the
+#: namespace is in at least one list (tests/compiler/test_sac.py), and a forward op in any of them is never re-run
+#: in backward by `sac`/`budget` (``full`` recomputes attention that does not communicate):
+#: collectives communicate (re-running one re-runs its communication; ZeRO-3's regather is the one exception, by
+#: design); the ring's attention is both a collective and attention.
+AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_shard", "reduce_scatter_sum",
+                                   "ring_attention", "ring_attention_backward"})
+#: attention kernels, treated as SDPA's (the op SAC exists to keep)
+AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
+#: other opaque kernels: each has its own backward op that recomputes what it needs tile by tile, so re-running the
+#: forward op in backward would run the whole tiled computation twice; pinned like the collectives
+AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "linear_cross_entropy_backward", "masked_attention_backward"})
 
 _LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
 _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]
@@ -147,16 +160,29 @@ def _packet(node: fx.Node) -> Any:
     return getattr(target, "overloadpacket", None)
 
 
+def autosp_op_name(node: fx.Node) -> str | None:
+    """`name` of a call to ``torch.ops.autosp.<name>`` (through the RNG wrappers), else None."""
+    namespace, _, name = getattr(_packet(node) if node.op == "call_function" else None, "_qualified_op_name",
+                                 "").partition("::")
+    return name if namespace == "autosp" else None
+
+
 def is_attention_forward(node: fx.Node) -> bool:
-    return node.op == "call_function" and _packet(node) in ATTENTION_FORWARD_OPS
+    return node.op == "call_function" and (_packet(node) in ATTENTION_FORWARD_OPS
+                                           or autosp_op_name(node) in AUTOSP_ATTENTION_OPS)
 
 
 def is_collective(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES:
+    if getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES or autosp_op_name(node) in AUTOSP_COLLECTIVE_OPS:
         return True
     return "all_to_all" in str(node.target) or "alltoall" in str(node.target)
+
+
+def is_opaque(node: fx.Node) -> bool:
+    """One of autosp's opaque kernels (`AUTOSP_OPAQUE_OPS`): neither attention nor a collective."""
+    return autosp_op_name(node) in AUTOSP_OPAQUE_OPS
 
 
 def _getitem_parent(node: fx.Node) -> fx.Node | None:
@@ -174,6 +200,12 @@ def is_attention_value(node: fx.Node) -> bool:
 def is_collective_value(node: fx.Node) -> bool:
     parent = _getitem_parent(node)
     return is_collective(node) or (parent is not None and is_collective(parent))
+
+
+def is_pinned_value(node: fx.Node) -> bool:
+    """A collective or opaque kernel, or one of its outputs: saved under every policy, never re-run."""
+    parent = _getitem_parent(node)
+    return is_collective_value(node) or is_opaque(node) or (parent is not None and is_opaque(parent))
 
 
 def _dropout_p(node: fx.Node) -> float:
@@ -289,8 +321,9 @@ def _storage_base(node: fx.Node) -> fx.Node:
 
 
 def _pin_attention_and_collectives(graph: fx.Graph, forward: set[fx.Node], *, attention: bool) -> None:
+    """Collectives and opaque kernels MUST_SAVE under every policy, attention too when `attention`."""
     for node in graph.nodes:
-        if node in forward and (is_collective_value(node) or (attention and is_attention_value(node))):
+        if node in forward and (is_pinned_value(node) or (attention and is_attention_value(node))):
             _tag(node, CheckpointPolicy.MUST_SAVE)
 
 
@@ -353,7 +386,7 @@ def tag_joint_graph(joint_gm: fx.GraphModule, policy: Policy) -> None:
     forward = forward_nodes(graph)
     full = policy.kind == SacPolicy.FULL
     # Under `off` this only matters if someone lowers torch's activation_memory_budget globally: the stock
-    # partitioner pins only _c10d_functional collectives, not the autosp:: ones.
+    # partitioner pins only _c10d_functional collectives, not autosp's custom ops.
     _pin_attention_and_collectives(graph, forward, attention=policy.kind in (SacPolicy.SAC, SacPolicy.BUDGET))
     _regather_parameters(graph, forward)
     if policy.kind in (SacPolicy.SAC, SacPolicy.FULL):

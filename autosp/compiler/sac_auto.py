@@ -50,7 +50,7 @@ from autosp.compiler.sac import (
     forward_nodes,
     is_attention_forward,
     is_attention_value,
-    is_collective_value,
+    is_pinned_value,
     node_nbytes,
     saved_values,
 )
@@ -117,7 +117,7 @@ def layer_order(joint_gm: fx.GraphModule) -> list[str]:
 
 
 def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequence[str]) -> None:
-    """Tag one rung: collectives always pinned, attention pinned outside `attention`, the token-wise ops of the
+    """Tag one rung: collectives and opaque kernels always pinned, attention pinned outside `attention`, the token-wise ops of the
     layers in `tokenwise` (attention too in `attention`) recomputed, layer outputs pinned when any layer is."""
     graph = joint_gm.graph
     forward = forward_nodes(graph)
@@ -125,7 +125,7 @@ def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequ
     for node in graph.nodes:
         if node not in forward:
             continue
-        if is_collective_value(node) or (is_attention_value(node) and layers.get(node) not in attention):
+        if is_pinned_value(node) or (is_attention_value(node) and layers.get(node) not in attention):
             _tag(node, CheckpointPolicy.MUST_SAVE)
     _regather_parameters(graph, forward)
     if tokenwise:

@@ -55,11 +55,11 @@ class MethodSharding:
 #: Per-method sharding facts, keyed by `--method` name.
 METHOD_SHARDING: dict[str, MethodSharding] = {
     "single": MethodSharding(zero_stages=(0,), splits_sequence=False),
-    "autosp": MethodSharding(zero_stages=(0, 1, 2, 3), splits_sequence=True),
-    "ulysses": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
+    "autosp": MethodSharding(zero_stages=(3, 0, 1, 2), splits_sequence=True),
+    "ulysses": MethodSharding(zero_stages=(3, 0), splits_sequence=True),
     "ulysses-ac": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ulysses-compile": MethodSharding(zero_stages=(0,), splits_sequence=True),
-    "ring": MethodSharding(zero_stages=(0, 3), splits_sequence=True),
+    "ring": MethodSharding(zero_stages=(3, 0), splits_sequence=True),
     # DeepSpeed's AutoSP runs with ZeRO stage 0/1 only; with sp == world size ZeRO-1 has no DP group to shard over.
     "ds-autosp": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "zero3": MethodSharding(zero_stages=(3,), splits_sequence=False),
@@ -162,7 +162,7 @@ def memory_floor(
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
     stage = sharding.zero_stages[0] if zero is None else zero
     if stage not in sharding.zero_stages:
-        raise ConfigError(f"--method {method} runs ZeRO stage(s) {list(sharding.zero_stages)}, not {stage}")
+        raise ConfigError(f"--method {method} runs ZeRO stage(s) {sorted(sharding.zero_stages)}, not {stage}")
     compute = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     if mixed_precision and compute >= FP32_BYTES:
         raise ConfigError(f"mixed precision computes in a 16-bit dtype (bfloat16 or float16), not {dtype}")
@@ -285,7 +285,7 @@ def add_floor_parser(subparsers: "argparse._SubParsersAction") -> None:
     p = subparsers.add_parser("floor", help="analytic per-rank memory floor: longest trainable length per method "
                                             "and ZeRO stage at paper scale")
     p.add_argument("--models", default="llama-3.1-8b,llama-2-13b", help="comma-separated presets")
-    p.add_argument("--methods", default="autosp:0,autosp:3,zero3,fsdp,ulysses",
+    p.add_argument("--methods", default="autosp:0,autosp:3,zero3,fsdp,ulysses:0,ulysses:3",
                    help="comma-separated METHOD or METHOD:ZERO_STAGE")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--device-memory", default="80GiB", help="bytes per device, e.g. 80GiB")

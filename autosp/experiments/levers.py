@@ -74,8 +74,8 @@ def lever_table(model: str, *, world_size: int, device_bytes: int, dtype: str = 
     rows = []
     for n in range(len(LEVERS) + 1):
         levers = set(LEVERS[:n])
-        method = "zero3" if "sharded state" in levers else "autosp"
-        floor = floor_for(method, model, world_size=world_size, dtype=dtype, offload="offload" in levers)
+        method, zero = ("zero3", 3) if "sharded state" in levers else ("autosp", 0)  # replicated until that lever
+        floor = floor_for(method, model, world_size=world_size, dtype=dtype, zero=zero, offload="offload" in levers)
         state = floor.static_bytes
         per_token = token_bytes(preset, levers, elem, offloaded=floor.host_bytes_per_token)
         local_tokens = max(0.0, (device_bytes - state) / per_token.device)

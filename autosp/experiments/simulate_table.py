@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
 #: method[:ZeRO stage]; the stage a method runs without one is its own default
-PAPER_METHODS = ("autosp", "autosp:3", "ulysses", "ulysses:3", "ring", "fsdp", "zero3", "ds-autosp")
+PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "fsdp", "zero3", "ds-autosp")
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
@@ -211,7 +211,7 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
     p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
     p.add_argument("--methods", default=",".join(PAPER_METHODS),
-                   help="comma-separated method[:ZeRO stage], e.g. autosp,autosp:3,ulysses,ring,fsdp")
+                   help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. autosp:0,autosp:3,ring,fsdp")
     p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")

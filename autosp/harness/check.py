@@ -35,7 +35,9 @@ invisible in bf16 and is what the fp32 check is for; a dropped or doubled reduct
 """
 from __future__ import annotations
 
+import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +54,13 @@ SPREAD_FACTOR = 4.0
 GROUPS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 DEFAULT_STEPS = 2
 KINDS = ("loss", "grads", "params")
+#: RunConfig fields single-process training does not read: checks that differ only in them train the same reference
+METHOD_ONLY_FIELDS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "memory_budget",
+                      "timeout_s", "steps", "warmup")
+#: the last few reference traces of this process (single-process training is deterministic for a configuration), so
+#: a process running many checks (the test suite) starts one reference process per distinct reference, not per check
+_REFERENCES: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_REFERENCES_KEPT = 16
 
 
 def calibrated(dtype: str) -> bool:
@@ -172,6 +181,12 @@ def trace_references(cfg_dicts: list[dict[str, Any]], extra_imports: tuple[str, 
     return [trace_rank(cfg_dict, extra_imports, steps) for cfg_dict in cfg_dicts]
 
 
+def reference_key(reference: RunConfig, extra_imports: tuple[str, ...], steps: int) -> str:
+    """What a reference trace depends on: its configuration but for METHOD_ONLY_FIELDS, the imports, the steps."""
+    fields = {k: v for k, v in reference.to_dict().items() if k not in METHOD_ONLY_FIELDS}
+    return json.dumps([fields, sorted(extra_imports), steps], sort_keys=True, default=str)
+
+
 def reference_config(cfg: RunConfig, sp_size: int) -> RunConfig:
     """Single-process training of the same global batch: dp_size * batch_size rows on one rank."""
     return cfg.replace(method="single", world_size=1, sp_size=None,
@@ -234,16 +249,25 @@ def check(cfg: RunConfig, *, tolerance: float | None = None, steps: int = DEFAUL
     reference = reference_config(cfg, sp_size)
     # the references share one process: fp32, then (low precision) the same precision as the method
     references = [reference.replace(dtype="float32")] + ([reference] if calibrated(cfg.dtype) else [])
-    traces = []
-    for who, body, args, world in (
-            ("the method", trace_rank, (cfg.to_dict(), extra_imports, steps), cfg.world_size),
-            ("the single-process reference", trace_references,
-             ([r.to_dict() for r in references], extra_imports, steps), 1)):
-        outcome = launch(body, args, world_size=world, device=cfg.device, timeout_s=cfg.timeout_s)
+    keys = [reference_key(r, extra_imports, steps) for r in references]
+    method = launch(trace_rank, (cfg.to_dict(), extra_imports, steps), world_size=cfg.world_size, device=cfg.device,
+                    timeout_s=cfg.timeout_s)
+    if method.status != "ok":
+        report.status, report.error = method.status, f"the method: {method.error}"
+        return report
+    missing = [r for r, key in zip(references, keys) if key not in _REFERENCES]
+    if missing:  # one process for the references not traced yet in this one
+        outcome = launch(trace_references, ([r.to_dict() for r in missing], extra_imports, steps), world_size=1,
+                         device=cfg.device, timeout_s=cfg.timeout_s)
         if outcome.status != "ok":
-            report.status, report.error = outcome.status, f"{who}: {outcome.error}"
+            report.status, report.error = outcome.status, f"the single-process reference: {outcome.error}"
             return report
-        traces += outcome.results[0] if body is trace_references else [outcome.results[0]]
+        _REFERENCES.update((reference_key(r, extra_imports, steps), t) for r, t in zip(missing, outcome.results[0]))
+    traces = [method.results[0]] + [_REFERENCES[key] for key in keys]
+    for key in keys:
+        _REFERENCES.move_to_end(key)
+    while len(_REFERENCES) > _REFERENCES_KEPT:
+        _REFERENCES.popitem(last=False)
     if calibrated(cfg.dtype):
         spread = compare(traces[2], traces[1], CheckReport("single", 1, 1, steps, report.tolerance, passed=False))
         report.reference_spread = {"loss": {"loss": max(spread.loss_errors)}, "grads": spread.grad_errors,

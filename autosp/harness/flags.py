@@ -48,7 +48,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--pad-fraction", type=float, default=_DATA_DEFAULTS.pad_fraction,
                    help="fraction of each row that is right padding (attention_mask 0)")
     g.add_argument("--zero", type=int, default=d["zero"], choices=(0, 1, 2, 3),
-                   help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's")
+                   help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's "
+                   "longest-length stage (3 for autosp, ulysses, ring, zero3, fsdp; `autosp methods` lists each)")
     g.add_argument("--tiling", default=d["tiling"],
                    help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
     g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],

@@ -14,11 +14,12 @@ from autosp.harness.launch import launch
 from autosp.harness.runner import build_train_step, global_batch, validate
 
 
-def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", **kw):
+def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", zero: int = 0, **kw):
+    """Stage 0 unless a test is about a stage: the coverage here is the SP pass's (the ZeRO matrix runs 1-3)."""
     data = DataConfig(**{k: kw.pop(k) for k in ("ignore_fraction", "packed_documents", "pad_fraction", "pad_side")
                          if k in kw})
     cfg = RunConfig(method="autosp", model=model, seq_len=seq_len, world_size=world_size, compile_backend=backend,
-                    data=data, timeout_s=400, **kw)
+                    data=data, timeout_s=400, zero=zero, **kw)
     report = check(cfg)
     assert report.passed, report.format()
     return report
@@ -80,7 +81,7 @@ def test_zero_stages_match_single_process(model, world_size, zero, options):
 def _mixed_precision_dtypes(method: str) -> dict:
     """One step under --dtype bfloat16: the dtypes of what autosp's compiled forward communicates and of the state."""
     cfg = RunConfig(method=method, model="tiny", seq_len=128, world_size=2, dtype="bfloat16",
-                    compile_backend="aot_eager", timeout_s=300)
+                    compile_backend="aot_eager", timeout_s=300, zero=0)  # the cast parametrization (stage 3: matrix)
     strategy, sp_size = validate(cfg)
     step, device = build_train_step(cfg, strategy, sp_size)
     step.forward_backward(global_batch(cfg, sp_size).to(device))
@@ -112,6 +113,19 @@ def test_a_dropped_gradient_shard_fails_the_check():
     report = check(cfg, steps=1, extra_imports=["tests.dropped_shard_method"])
     assert not report.passed and report.worst_grad.parameter == "model.layers.1.mlp.up_proj.weight"
     assert 0.1 < report.worst_grad.error < 1.0  # the last rank's half of that gradient is missing
+
+
+def test_each_method_runs_its_longest_length_stage_by_default_and_the_floor_agrees():
+    """autosp, ulysses and ring default to stage 3 (like with like, and each one's longest trainable length)."""
+    from autosp.experiments.floor import floor_for
+    from autosp.harness.records import new_record
+    from baselines.base import get_strategy
+
+    expected = {"autosp": 3, "ulysses": 3, "ring": 3, "zero3": 3, "fsdp": 3, "ulysses-ac": 0, "ulysses-compile": 0}
+    for method, stage in expected.items():
+        cfg = RunConfig(method=method, model="tiny", seq_len=64, world_size=2)
+        assert get_strategy(method).zero_stage(cfg) == floor_for(method, "tiny", world_size=2).zero == stage, method
+        assert new_record(cfg, sp_size=2)["zero"] == stage
 
 
 def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts():

@@ -11,13 +11,13 @@ from tests.baselines.gloo import run_ranks
 
 
 @pytest.mark.parametrize("method, world_size, options", [
-    ("ulysses", 4, dict(ignore_fraction=0.3)),  # 2 KV heads < 4 ranks: repeated to 4 before the all-to-all
+    ("ulysses", 4, dict(ignore_fraction=0.3, zero=0)),  # 2 KV heads < 4 ranks: repeated to 4 before the all-to-all
     # 2 SP groups x 2 data-parallel replicas; packed documents + padding: the full-sequence mask in local attention
     ("ulysses-ac", 4, dict(sp_size=2, packed_documents=3, pad_fraction=0.2, ignore_fraction=0.1)),
     # GQA: 2 KV heads split over 2 ranks, 2 rows
     ("ulysses-compile", 2, dict(ignore_fraction=0.3, batch_size=2, compile_backend="aot_eager")),
     # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
-    ("ulysses", 2, dict(dtype="bfloat16", seq_len=128)),
+    ("ulysses", 2, dict(dtype="bfloat16", seq_len=128, zero=0)),
 ])
 def test_ulysses_matches_single_process(method: str, world_size: int, options: dict) -> None:
     report = assert_check_passes(method, world_size, **options)
@@ -56,7 +56,7 @@ class _Shapes(TorchDispatchMode):
 
 def _steps_build_no_square_mask(rank: int, world_size: int, seq_len: int) -> None:
     for method, data in (("ulysses", DataConfig(packed_documents=3, pad_fraction=0.2)), ("ring", DataConfig())):
-        cfg = RunConfig(method, "tiny", seq_len, world_size=world_size, data=data)
+        cfg = RunConfig(method, "tiny", seq_len, world_size=world_size, data=data, zero=0)
         step, _ = build_train_step(cfg, get_strategy(method), world_size)
         with _Shapes() as seen:
             step.forward_backward(global_batch(cfg, world_size))

@@ -34,11 +34,12 @@ def _all_reduce_rank() -> None:
     assert x.grad.item() == 1.0  # identity: each rank back-propagates its own share only
 
 
-def test_all_to_all_values_and_gradient_on_two_ranks():
-    outcome = launch(_all_to_all_rank, world_size=2, timeout_s=120)
-    assert outcome.status == "ok", outcome.traceback
+def _ops_rank() -> None:
+    _all_to_all_rank()
+    _all_reduce_rank()
 
 
-def test_all_reduce_sum_has_identity_gradient():
-    outcome = launch(_all_reduce_rank, world_size=2, timeout_s=120)
+def test_all_to_all_values_and_gradient_and_all_reduce_sums_identity_gradient_on_two_ranks():
+    """One launch for both ops (starting 2 ranks costs more than either check)."""
+    outcome = launch(_ops_rank, world_size=2, timeout_s=120)
     assert outcome.status == "ok", outcome.traceback

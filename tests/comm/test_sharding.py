@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autosp
-from autosp.comm.sharding import full_name
+from autosp.comm.sharding import full_name, resolve_stage
 from autosp.errors import SequenceParallelError
 from autosp.harness.launch import launch
 from autosp.models import build_model
@@ -28,9 +28,27 @@ def _ops_rank() -> None:
     assert shard.grad.dtype == torch.float32 and torch.equal(shard.grad, expected)
 
 
-def test_gather_casts_then_gathers_and_its_gradient_is_a_scaled_fp32_reduce_scatter():
-    outcome = launch(_ops_rank, world_size=2, timeout_s=120)
+def _module_rank() -> dict:
+    """The module's one launch (starting 2 ranks costs more than a check): the ops, then every stage."""
+    try:
+        _ops_rank()
+        ops = "ok"
+    except AssertionError:
+        import traceback
+
+        ops = traceback.format_exc()
+    return {"ops": ops, "stages": _stages_rank()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    outcome = launch(_module_rank, world_size=2, timeout_s=600)
     assert outcome.status == "ok", outcome.traceback
+    return outcome.results
+
+
+def test_gather_casts_then_gathers_and_its_gradient_is_a_scaled_fp32_reduce_scatter(two_ranks):
+    assert [r["ops"] for r in two_ranks] == ["ok", "ok"], two_ranks[0]["ops"]
 
 
 def _stage_rank(zero: int) -> dict:
@@ -111,14 +129,13 @@ def _stages_rank() -> list[dict]:
     return [_stage_rank(zero) for zero in (0, 1, 2, 3)] + [_mixed_precision_rank()]
 
 
-def test_each_stage_shards_what_it_promises_and_reruns_only_the_stage3_gather():
-    outcome = launch(_stages_rank, world_size=2, timeout_s=600)
-    assert outcome.status == "ok", outcome.traceback
+def test_each_stage_shards_what_it_promises_and_reruns_only_the_stage3_gather(two_ranks):
+    results = [r["stages"] for r in two_ranks]
     for zero in (0, 1, 2, 3):
-        _check_stage(zero, outcome.results[0][zero], [result[zero] for result in outcome.results])
+        _check_stage(zero, results[0][zero], [result[zero] for result in results])
     # bf16 compute: gradients within bf16 rounding (8 mantissa bits, 2^-8 = 3.9e-3 per operation, grown through
     # the layers) of the fp32 computation, and not identical to it (the parameters really were cast)
-    mixed = outcome.results[0][4]
+    mixed = results[0][4]
     assert 1e-4 < max(mixed.values()) < 3e-2, mixed
 
 
@@ -159,3 +176,21 @@ def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
 def test_a_bad_stage_names_the_choices():
     with pytest.raises(SequenceParallelError, match=r"choose a ZeRO stage in \[0, 1, 2, 3\]"):
         autosp.compile(torch.nn.Linear(2, 2), zero=4)
+
+
+@pytest.mark.parametrize("zero, group_size, backend, stage", [
+    (None, 4, "gloo", 3),  # the default: the longest trainable length
+    (None, 2, "cpu:gloo,cuda:nccl", 3),
+    (None, 1, "gloo", 0),  # one rank shares nothing: every stage is stage 0
+    (3, 1, "nccl", 0),
+    (None, 2, "mpi", 1),  # no coalesced gather: the default falls back to sharding AdamW state only
+    (1, 2, "ucc", 1),
+    (0, 8, "nccl", 0),
+])
+def test_the_stage_that_runs(zero, group_size, backend, stage):
+    assert resolve_stage(zero, group_size, backend) == stage
+
+
+def test_a_stage_the_backend_cannot_run_is_refused_in_one_line():
+    with pytest.raises(SequenceParallelError, match="zero=3 .* mpi backend lacks: use gloo or nccl, or zero=0/1"):
+        resolve_stage(3, 2, "mpi")

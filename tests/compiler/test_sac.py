@@ -9,14 +9,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autosp.compiler.sac import (
+    AUTOSP_ATTENTION_OPS,
+    AUTOSP_COLLECTIVE_OPS,
+    AUTOSP_OPAQUE_OPS,
     PartitionRecord,
     Policy,
     is_attention_forward,
     is_attention_value,
     is_collective,
+    is_opaque,
     layer_of_path,
     parse_policy,
     sac_backend,
+    tag_joint_graph,
 )
 from autosp.compiler.sac_auto import estimated_peak
 from autosp.harness.config import ConfigError
@@ -294,3 +299,40 @@ def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_induct
     assert copy.deepcopy(record) is record
     assert record.saved_activation_bytes == 4 * 8 * 4  # the cosine, read from its fake value
     assert all("val" in n.meta for n in record.bw_module.graph.nodes if n.op != "output")
+
+
+def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> None:
+    import autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.masked_attention, autosp.compiler.tiling  # noqa: F401,E401
+
+    ops = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("autosp::")}
+    assert ops == AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS, "classify every new autosp:: op"
+
+
+def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
+    """A joint graph by hand: in layer 0 masked attention and an activation, then the tiled loss outside the layers."""
+    g = torch.fx.Graph()
+    q, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    in_layer = {"layer": ("L['self'].layers.0.attn", nn.Module)}
+    nodes = {"attention": g.call_function(torch.ops.autosp.masked_attention.default, (q, q, q, [q], "p", None, False))}
+    nodes["activation"] = g.call_function(aten.relu.default, (nodes["attention"],))
+    nodes["loss"] = g.call_function(torch.ops.autosp.linear_cross_entropy.default,
+                                    (nodes["activation"], q, q, -100, torch.float32, 16))
+    nodes["all_to_all"] = g.call_function(torch.ops.autosp.all_to_all.default, (q, 1, 2, 2, "0"))
+    for name, node in nodes.items():
+        node.meta["val"] = torch.empty(1, 2, 4, 8)
+        node.meta["nn_module_stack"] = in_layer if name != "loss" else {"head": ("L['self'].lm_head", nn.Linear)}
+    g.output((nodes["loss"], nodes["all_to_all"], g.call_function(aten.mul.Tensor, (tangent, nodes["activation"]))))
+    return torch.fx.GraphModule(nn.Module(), g), nodes
+
+
+@pytest.mark.parametrize("policy, attention", [("sac", "must_save"), ("full", "prefer_recompute")])
+def test_autosp_attention_is_attention_and_the_tiled_loss_is_pinned_but_no_collective(policy, attention) -> None:
+    """`sac` keeps autosp's masked attention as it keeps SDPA, `full` recomputes it as it does SDPA; the tiled loss
+    and the all-to-all are never re-run, and only the all-to-all counts as a collective."""
+    gm, nodes = _joint_graph()
+    assert is_attention_forward(nodes["attention"]) and not is_collective(nodes["attention"])
+    assert is_opaque(nodes["loss"]) and not is_collective(nodes["loss"]) and not is_attention_forward(nodes["loss"])
+    assert is_collective(nodes["all_to_all"]) and not is_opaque(nodes["all_to_all"])
+    tag_joint_graph(gm, parse_policy(policy))
+    tags = {name: str(node.meta.get("recompute")).rsplit(".", 1)[-1].lower() for name, node in nodes.items()}
+    assert tags == {"attention": attention, "activation": "must_save", "loss": "must_save", "all_to_all": "must_save"}

@@ -23,7 +23,8 @@ def fresh_predictions():
 
 def test_simulated_peak_matches_the_measured_one_for_a_compiled_method():
     """autosp (Dynamo -> SP pass -> SAC partition, aot_eager) on 2 ranks: prediction within 10% of the meter."""
-    cfg = RunConfig(method="autosp", model="tiny", seq_len=256, world_size=2, compile_backend="aot_eager", steps=1)
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=256, world_size=2, compile_backend="aot_eager", steps=1,
+                    zero=0)
     measured = run(cfg)
     simulated = sim.simulate(cfg, CPU)
     assert measured["status"] == simulated["status"] == "ok"
@@ -38,7 +39,7 @@ def test_simulated_peak_matches_the_measured_one_for_a_compiled_method():
 
 def test_layer_extrapolation_equals_simulating_every_layer(monkeypatch):
     """A 4-layer model predicted from its 2- and 3-layer programs gives the full-depth bytes exactly."""
-    cfg = sim.simulate_config(RunConfig(method="ring", model="small", seq_len=256, world_size=2))
+    cfg = sim.simulate_config(RunConfig(method="ring", model="small", seq_len=256, world_size=2, zero=0))
     whole = sim.simulate_rank(cfg, CPU)
     monkeypatch.setattr(sim, "EXACT_LAYERS", 1)
     extrapolated, how = sim.predict_peak(cfg, CPU)
@@ -85,7 +86,7 @@ def test_gpu_devices_charge_allocator_blocks_context_and_workspace():
     a100 = get_device_model("a100-80gb")
     assert a100.block_bytes(1) == 512 and a100.block_bytes(LARGE_REQUEST_BYTES + 1) == 2 * MIB
     assert get_device_model("mi250").name == "mi250-gcd"
-    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2)
+    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2, zero=0)
     on_cpu, on_gpu = sim.simulate(cfg, CPU), sim.simulate(cfg, a100)
     charged = on_gpu["extra"]["breakdown"]["allocator_blocks_bytes"]
     assert charged > on_cpu["peak_mem_bytes"]  # every storage rounded up to its block
@@ -104,7 +105,7 @@ def test_a_method_that_cannot_run_on_fake_tensors_says_so_in_one_line(monkeypatc
         raise RuntimeError("no kernel for fake tensors\n  deep traceback line")
 
     monkeypatch.setattr(Ring, "setup", fails)
-    record = sim.simulate(RunConfig(method="ring", model="tiny", seq_len=256, world_size=2), CPU)
+    record = sim.simulate(RunConfig(method="ring", model="tiny", seq_len=256, world_size=2, zero=0), CPU)
     assert record["status"] == "error" and record["peak_mem_bytes"] is None
     assert record["error"] == "--method ring cannot run on fake tensors: RuntimeError: no kernel for fake tensors"
 
@@ -121,7 +122,7 @@ def test_deepspeed_zero3_runs_on_fake_tensors_and_predicts_the_measured_peak():
 
 
 def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainability_table():
-    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2)
+    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2, zero=0)
     budget = sim.simulate(cfg.replace(seq_len=1024), CPU)["peak_mem_bytes"]
     curve: dict[int, int] = {}
     row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096, curve=curve)
@@ -153,7 +154,7 @@ def test_cli_needs_a_length_or_search(capsys):
 def test_validation_table_pairs_measured_and_simulated_runs_of_the_same_configuration():
     from autosp.harness.records import new_record
 
-    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2)
+    cfg = RunConfig(method="ring", model="tiny", seq_len=256, world_size=2, zero=0)
     measured = {**new_record(cfg, sp_size=2), "status": "ok", "peak_mem_bytes": 1000}
     simulated = {**new_record(cfg, sp_size=2, mode="simulated"), "status": "ok", "peak_mem_bytes": 1150,
                  "extra": {"breakdown": {"peak_op": "aten.mm.default"}}}

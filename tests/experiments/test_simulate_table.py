@@ -34,12 +34,12 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
 def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
     sim._PREDICTIONS.clear()
     out, table = tmp_path / "rows.jsonl", tmp_path / "table.md"
-    args = ["simulate-table", "--models", "tiny", "--methods", "ring,ulysses:3", "--devices", "a100-80gb,mi250-gcd",
+    args = ["simulate-table", "--models", "tiny", "--methods", "ring:0,ulysses", "--devices", "a100-80gb,mi250-gcd",
             "--world-size", "2", "--dtype", "float32", "--granularity", "512", "--max-len", "1024", "--jobs", "1",
             "--out", str(out), "--table-out", str(table)]
     assert main(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["method"], r["zero"], r["device"]) for r in rows] == [  # ulysses z3: FSDP2 on fake tensors
+    assert [(r["method"], r["zero"], r["device"]) for r in rows] == [  # ulysses (default z3): FSDP2 on fake tensors
         ("ring", 0, "a100-80gb"), ("ring", 0, "mi250-gcd"), ("ulysses", 3, "a100-80gb"), ("ulysses", 3, "mi250-gcd")]
     assert rows[0]["status"] == "no_oom_up_to_max_len" and rows[0]["mode"] == "simulated"
     assert rows[1]["extra"]["cell_simulated_lengths"] == 1  # the second device type reused the first's probe

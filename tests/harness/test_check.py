@@ -91,3 +91,28 @@ def test_precision_names() -> None:
         precision_of("float16")
     with pytest.raises(ConfigError, match="unknown --dtype 'int8'"):
         precision_of("int8")
+
+
+def test_checks_of_the_same_training_share_one_reference_process(monkeypatch) -> None:
+    """The suite runs ~40 checks; those whose single-process training is the same (they differ only in the method,
+    its stage, backend or policy) reuse the reference traced by the first instead of starting a process each."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import autosp.harness.check as checking
+
+    started = []
+
+    def fake_launch(body, args, world_size, **_):
+        started.append(body.__name__)
+        trace = {"losses": [1.0], "grads": [{"w": torch.ones(2)}], "params": [{"w": torch.ones(2)}]}
+        results = [[trace] * len(args[0])] if body is checking.trace_references else [trace]
+        return SimpleNamespace(status="ok", results=results, error=None)
+
+    monkeypatch.setattr(checking, "launch", fake_launch)
+    monkeypatch.setattr(checking, "_REFERENCES", OrderedDict())
+    cfg = _cfg("autosp", world_size=2, zero=0)
+    assert check(cfg, steps=1).passed
+    assert check(cfg.replace(zero=3, sac="off", compile_backend="aot_eager"), steps=1).passed
+    assert check(cfg.replace(data=DataConfig(ignore_fraction=0.3)), steps=1).passed  # other data: other training
+    assert started == ["trace_rank", "trace_references", "trace_rank", "trace_rank", "trace_references"]

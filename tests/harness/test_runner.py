@@ -81,7 +81,7 @@ def test_float16_nan_is_an_error_not_a_measurement(tmp_path) -> None:
     """pure float16 on CPU diverges at once on this model: the run must say so, never report the NaN as ok."""
     out = tmp_path / "runs.jsonl"
     cfg = RunConfig(method="ulysses", model="tiny", seq_len=128, world_size=2, dtype="float16-pure", steps=2, warmup=1,
-                    timeout_s=120)
+                    timeout_s=120, zero=0)
     record = run(cfg, out=out)
     assert record["status"] == "error" and "training diverged" in record["error"], record["error"]
     assert "loss is nan at step" in record["error"]
