@@ -13,11 +13,11 @@ python3 tests/gpu/context_probe.py $OUT/context.json
 t0=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; timeout ${TMO:-150} "$@" 2>&1 | grep -v Warning | tail -4; }
 step python3 -m autosp check --method autosp --model tiny --seq-len 256 --world-size 2 --device cuda --compile-backend aot_eager --pad-fraction 0.25
-R="python3 -m autosp run --device cuda --world-size 2 --model llama-3.2-1b --dtype bfloat16 --steps 2 --warmup 1 --out $OUT/runs.jsonl"
+R="python3 -m autosp run --device cuda --world-size 2 --model llama-3.2-1b --dtype bfloat16 --steps 2 --warmup 1 --zero 0 --out $OUT/runs.jsonl"
 step $R --method autosp --seq-len 16384 --compile-backend aot_eager
 step $R --method ulysses --seq-len 16384
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --offload activations
-step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --zero 3
+step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --zero 3  # the last --zero wins
 TMO=200 step $R --method autosp --seq-len 32768 --compile-backend inductor --tiling auto
 echo "=== [$(( $(date +%s) - t0 ))s] done"
