@@ -98,6 +98,8 @@ def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -
     runs = runs[runs["status"] == "ok"]
     if runs.empty:
         raise ConfigError("no successful runs in the given records; run `autosp bench ... --out FILE` first")
+    if "method_spec" in runs:  # a method run with its own options (`autosp[tiling=off]`) is a row of its own
+        runs = runs.assign(method=runs["method_spec"].fillna(runs["method"]))
     keys = THROUGHPUT_GROUP + ["method"]
     table = (
         runs.groupby(keys, dropna=False)

@@ -152,6 +152,7 @@ def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterabl
     """
     extra_imports = tuple(extra_imports)
     strategy, sp_size = validate(cfg, extra_imports)
+    cfg = strategy.own_config(cfg)  # the ranks get (and the record names) only the options the method honours
     if out is not None:
         check_writable(out)
     record = new_record(cfg, sp_size=sp_size, zero=strategy.zero_stage(cfg))
