@@ -95,9 +95,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return INTERRUPTED_EXIT_CODE
         raise
     shown = table.assign(iter_ms=table["iter_time_s"] * 1e3, min_ms=table["iter_time_min_s"] * 1e3,
-                         max_ms=table["iter_time_max_s"] * 1e3, peak_mib=table["peak_mem_bytes"] / 2**20)
+                         max_ms=table["iter_time_max_s"] * 1e3, peak_mib=table["peak_mem_bytes"] / 2**20,
+                         cpu_ms=table["cpu_time_s"] * 1e3, cpu_min_ms=table["cpu_time_min_s"] * 1e3,
+                         cpu_max_ms=table["cpu_time_max_s"] * 1e3)
     columns = ["model", "seq_len", "method", "repeats", "peak_mib", "iter_ms", "min_ms", "max_ms", "tokens_per_s",
-               f"speed_vs_{ratio_to}", f"tokens_per_s_vs_{ratio_to}"]
+               f"speed_vs_{ratio_to}", f"tokens_per_s_vs_{ratio_to}", "cpu_ms", "cpu_min_ms", "cpu_max_ms",
+               f"cpu_speed_vs_{ratio_to}"]
     with pd.option_context("display.width", 200, "display.float_format", "{:.3g}".format):
         print(shown[columns].to_string(index=False))
     return INTERRUPTED_EXIT_CODE if stop_requested() else 0

@@ -103,8 +103,10 @@ def test_real_bench_through_the_cli(tmp_path, capsys) -> None:
     assert code == 0
     records = load_records(out)
     assert list(records["status"]) == ["ok", "ok"] and records["bench_id"].nunique() == 1
+    cpu = records["extra.cpu_time_s.median"]  # CPU seconds per step: a step does work, never more than 2 threads' worth
+    assert ((cpu > 0) & (cpu < 2 * records["iter_time_s.median"] + 0.01)).all()
     printed = capsys.readouterr().out
-    assert "speed_vs_single" in printed and "tokens_per_s" in printed
+    assert "speed_vs_single" in printed and "tokens_per_s" in printed and "cpu_speed_vs_single" in printed
 
 
 def test_bad_lengths_are_a_config_error() -> None:
