@@ -10,7 +10,7 @@ dim, and slices of the token dims: the project Llama and HF's ForCausalLMLoss), 
 opaque op, `autosp::linear_cross_entropy(hidden, W, target)`: tile by tile it makes the logits once, adds their
 loss, turns them into their gradient in place and accumulates dhidden/dW for an upstream gradient of 1 (as
 Liger's fused linear cross-entropy); backward only scales those by the loss's gradient. So no logits are made
-twice (recomputing them in backward cost ~6% of a step on `small` at 1K tokens), and the step keeps dhidden
+twice (recomputing them in backward cost ~6% of a step's FLOPs on `small` at 1K tokens), and the step keeps dhidden
 ([tokens, hidden], the size of the hidden states an untiled head would keep) and the fp32 dW (which backward
 makes anyway) from the loss to the start of backward. Being an opaque custom op, it survives aot_autograd, the
 SAC partitioner (which cannot recompute it: its outputs are saved) and inductor unchanged; at no time are more
