@@ -105,6 +105,7 @@ class AutoSP(Strategy):
     sequence_parallel = True
     zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
+    options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)

@@ -17,7 +17,7 @@ import torch
 
 from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_name
-from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.config import METHOD_OPTIONS, ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 
 if TYPE_CHECKING:
@@ -99,6 +99,20 @@ class Strategy(ABC):
     zero_stages: ClassVar[tuple[int, ...]] = (0,)
     #: True for methods that train any sequence length by padding the shards internally
     pads_sequence: ClassVar[bool] = False
+    #: the method-specific RunConfig fields (`METHOD_OPTIONS`) it reads, besides `zero`, which a method honours
+    #: when it runs more than one stage; the others never reach it nor its record (`own_config`)
+    options: ClassVar[frozenset[str]] = frozenset()
+
+    def honoured_options(self) -> frozenset[str]:
+        return self.options | (frozenset({"zero"}) if len(self.zero_stages) > 1 else frozenset())
+
+    def own_config(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with every method-specific option this method does not honour back at its default, so that
+        options meant for another method (`autosp bench --methods autosp,ulysses --tiling auto`) neither reach
+        it nor appear in its record."""
+        honoured = self.honoured_options()
+        defaults = RunConfig(method=cfg.method, model=cfg.model, seq_len=cfg.seq_len)
+        return cfg.replace(**{name: getattr(defaults, name) for name in METHOD_OPTIONS if name not in honoured})
 
     def zero_stage(self, cfg: RunConfig) -> int:
         """The ZeRO stage of the model state this method runs under `cfg` (recorded with every run)."""

@@ -127,3 +127,4 @@ class UlyssesCompiled(Ulysses):
     description = "hand-written DeepSpeed-Ulysses under torch.compile (--compile-backend), all-to-alls in the graph"
     compiled = True
     zero_stages = (0,)
+    options = frozenset({"compile_backend"})

@@ -22,6 +22,7 @@ tensor hook per parameter (a debugging path, unbucketed).
 """
 from __future__ import annotations
 
+import collections
 import operator
 import re
 from collections.abc import Iterable, Sequence
@@ -134,13 +135,17 @@ def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
 
 
 def _layer_of(primal: fx.Node) -> str | None:
-    """The decoder layer whose code first uses this parameter (Dynamo's module stack), None outside the layers."""
-    frontier = list(primal.users)
+    """The decoder layer whose code first uses this parameter (Dynamo's module stack), None outside the layers.
+    Breadth-first, each node once: where users carry no module stack (the tiled MLP's tile ops) the walk goes on
+    downstream, and without `seen` it followed every path of the graph's DAG (minutes per compile on `small`)."""
+    frontier, seen = collections.deque(primal.users), set(primal.users)
     while frontier:
-        node = frontier.pop(0)
+        node = frontier.popleft()
         if node.meta.get("nn_module_stack"):  # a ZeRO 2/3 gather runs in the parametrization of the module
             return layer_of_path(_PARAMETRIZATION.sub("", module_path(node)))
-        frontier.extend(node.users)
+        fresh = [user for user in node.users if user not in seen]
+        seen.update(fresh)
+        frontier.extend(fresh)
     return None
 
 

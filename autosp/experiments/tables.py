@@ -22,6 +22,7 @@ THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
 #: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
 TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
 ITER_TIME_MEDIAN = "iter_time_s.median"  # flattened name of the record's iter_time_s.median
+CPU_TIME_MEDIAN = "extra.cpu_time_s.median"  # CPU seconds per step of the busiest rank (runner)
 
 
 def paper_claims() -> pd.DataFrame:
@@ -98,6 +99,10 @@ def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -
     runs = runs[runs["status"] == "ok"]
     if runs.empty:
         raise ConfigError("no successful runs in the given records; run `autosp bench ... --out FILE` first")
+    if CPU_TIME_MEDIAN not in runs:  # records from before CPU time was recorded
+        runs = runs.assign(**{CPU_TIME_MEDIAN: float("nan")})
+    if "method_spec" in runs:  # a method run with its own options (`autosp[tiling=off]`) is a row of its own
+        runs = runs.assign(method=runs["method_spec"].fillna(runs["method"]))
     keys = THROUGHPUT_GROUP + ["method"]
     table = (
         runs.groupby(keys, dropna=False)
@@ -108,11 +113,16 @@ def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -
             iter_time_max_s=(ITER_TIME_MEDIAN, "max"),
             tokens_per_s=("tokens_per_s", "median"),
             peak_mem_bytes=("peak_mem_bytes", "max"),
+            cpu_time_s=(CPU_TIME_MEDIAN, "median"),
+            cpu_time_min_s=(CPU_TIME_MEDIAN, "min"),
+            cpu_time_max_s=(CPU_TIME_MEDIAN, "max"),
         )
         .reset_index()
     )
     if reference is not None:
         table[f"speed_vs_{reference}"] = 1.0 / _ratio_to(table, THROUGHPUT_GROUP, "iter_time_s", reference)
+        # the same ratio in CPU seconds per step: the one to read on a machine shared with other jobs
+        table[f"cpu_speed_vs_{reference}"] = 1.0 / _ratio_to(table, THROUGHPUT_GROUP, "cpu_time_s", reference)
         # differs from the iteration-speed ratio for data-parallel methods, which train dp_size sequences per step
         table[f"tokens_per_s_vs_{reference}"] = _ratio_to(table, THROUGHPUT_GROUP, "tokens_per_s", reference)
     return table.sort_values(keys).reset_index(drop=True)

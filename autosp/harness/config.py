@@ -14,7 +14,11 @@ from typing import Any
 
 from autosp.errors import ConfigError
 
-__all__ = ["ConfigError", "DataConfig", "RunConfig"]
+__all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
+
+#: RunConfig fields only some methods read; each method declares its own (`baselines.base.Strategy.options`) and
+#: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
+METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload")
 
 
 @dataclass(frozen=True)

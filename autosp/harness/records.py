@@ -86,6 +86,16 @@ def _zero_stage(cfg: RunConfig) -> int | None:
         return cfg.zero
 
 
+def _own_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` as `cfg.method` receives it: the options it does not honour at their defaults (unknown method: as is)."""
+    from baselines.base import get_strategy
+
+    try:
+        return get_strategy(cfg.method).own_config(cfg)
+    except ConfigError:
+        return cfg
+
+
 def _precision(cfg: RunConfig) -> str | None:
     """What `--dtype` ran: float32, bfloat16-mixed (fp32 state), bfloat16-pure, ...; None for an unknown name."""
     from autosp.harness.precision import precision_of
@@ -98,8 +108,10 @@ def _precision(cfg: RunConfig) -> str | None:
 
 def new_record(cfg: RunConfig, *, sp_size: int, mode: str = "measured", zero: int | None = None) -> dict[str, Any]:
     """A record with every field present: identity, configuration and provenance filled, results None.
-    `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None)."""
+    `zero`: the ZeRO stage the method runs (its own default when cfg.zero is None). The configuration recorded is
+    the one the method receives: options it does not honour are left out (at their defaults)."""
     commit, dirty = git_state()
+    cfg = _own_config(cfg)
     record: dict[str, Any] = dict.fromkeys(FIELDS)
     record.update(
         schema_version=SCHEMA_VERSION,

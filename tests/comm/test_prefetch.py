@@ -66,3 +66,23 @@ def test_without_ahead_a_layer_gathers_where_it_starts():
     issued = [i for i, t in enumerate(ops) if "all_gather_into_tensor" in t]
     sums = [i for i, t in enumerate(ops) if t == "aten.sum.default"]
     assert sums[1] < issued[1] < sums[2]  # after all of layer 0's compute
+
+
+def test_a_parameters_layer_is_found_in_a_walk_that_visits_each_node_once():
+    """Gradient bucketing asks each parameter for its layer; where its users carry no module stack (the tiled MLP's
+    tile ops) the walk goes downstream. Through 18 diamonds (2^18 paths) it must visit each node once (following
+    every path took minutes)."""
+    import time
+
+    from autosp.comm.grad_sync import _layer_of
+
+    graph = fx.Graph()
+    weight = node = graph.placeholder("w")
+    for _ in range(18):
+        left = graph.call_function(torch.ops.aten.neg.default, (node,))
+        right = graph.call_function(torch.ops.aten.relu.default, (node,))
+        node = graph.call_function(torch.ops.aten.add.Tensor, (left, right))
+    node.meta["nn_module_stack"] = {"m": ("L['self'].model.layers.3.mlp", torch.nn.Module)}
+    graph.output(node)
+    started = time.monotonic()
+    assert _layer_of(weight) == "L['self'].model.layers.3" and time.monotonic() - started < 5.0

@@ -1,0 +1,67 @@
+"""Method specs: a method with some of its own options set, e.g. ``autosp[tiling=off]`` or
+``autosp[sac=auto,tiling=loss]``, so that one interleaved bench can time two settings of one method side by side
+(`autosp bench --methods autosp,autosp[tiling=off]`): ratios are only honest within one run.
+
+A spec may set only the options its method honours (`baselines.base.Strategy.honoured_options`); the shared flags
+still apply to every spec that honours them, and a spec's own value wins. Its label is the text as written, which
+names its rows in the bench's table and what `--ratio-to` may refer to.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from autosp.harness.config import ConfigError, RunConfig, flag_name
+
+#: options whose values are integers (the others are strings, parsed by the method's own validation)
+_INTEGER_OPTIONS = ("zero", "ulysses_size")
+_SPEC = re.compile(r"^(?P<method>[^\[\]=,]+)(?:\[(?P<options>[^\[\]]*)\])?$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str
+    options: dict[str, object] = field(default_factory=dict)
+
+    def config(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` for this spec: its method, its options over the shared ones, and only what the method honours."""
+        from baselines.base import get_strategy
+
+        strategy = get_strategy(self.method)
+        foreign = sorted(set(self.options) - strategy.honoured_options())
+        if foreign:
+            valid = ", ".join(sorted(strategy.honoured_options())) or "none"
+            raise ConfigError(f"--methods {self.label}: {self.method} does not take {', '.join(foreign)} "
+                              f"(its options: {valid}); drop it from the brackets")
+        return strategy.own_config(cfg.replace(method=self.method, **self.options))
+
+
+def split_methods(text: str) -> list[str]:
+    """`a,b[x=1,y=2],c` -> ['a', 'b[x=1,y=2]', 'c']: commas inside brackets belong to a spec."""
+    return [part.strip() for part in re.split(r",(?![^\[]*\])", text) if part.strip()]
+
+
+def parse_method_spec(text: str) -> MethodSpec:
+    """`method` or `method[option=value,...]` (option names as RunConfig fields or flags: compile-backend)."""
+    match = _SPEC.match(text.strip())
+    if match is None:
+        raise ConfigError(f"--methods: cannot read {text!r}; write a method or method[option=value,...], "
+                          "e.g. autosp[tiling=off]")
+    options: dict[str, object] = {}
+    for item in (match["options"] or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = (part.strip() for part in item.partition("="))
+        name = name.replace("-", "_")
+        if not sep or not name or not value:
+            raise ConfigError(f"--methods {text}: {item.strip()!r} is not option=value, e.g. tiling=off")
+        if name in _INTEGER_OPTIONS:
+            try:
+                options[name] = int(value)
+            except ValueError:
+                raise ConfigError(f"--methods {text}: {flag_name(name)} takes an integer, got {value!r}") from None
+        else:
+            options[name] = value
+    return MethodSpec(label=text.strip(), method=match["method"].strip(), options=options)
+
