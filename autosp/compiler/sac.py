@@ -76,9 +76,9 @@ AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_s
                                    "ring_attention", "ring_attention_backward"})
 #: attention kernels, treated as SDPA's (the op SAC exists to keep)
 AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
-#: other opaque kernels: each has its own backward op that recomputes what it needs tile by tile, so re-running the
-#: forward op in backward would run the whole tiled computation twice; pinned like the collectives
-AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "linear_cross_entropy_backward", "masked_attention_backward"})
+#: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
+#: in backward would redo the whole tiled computation; masked attention's backward is a backward op
+AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward"})
 
 _LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
 _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]

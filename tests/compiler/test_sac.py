@@ -316,7 +316,7 @@ def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
     nodes = {"attention": g.call_function(torch.ops.autosp.masked_attention.default, (q, q, q, [q], "p", None, False))}
     nodes["activation"] = g.call_function(aten.relu.default, (nodes["attention"],))
     nodes["loss"] = g.call_function(torch.ops.autosp.linear_cross_entropy.default,
-                                    (nodes["activation"], q, q, -100, torch.float32, 16))
+                                    (nodes["activation"], q, q, -100, torch.float32, 16, True))
     nodes["all_to_all"] = g.call_function(torch.ops.autosp.all_to_all.default, (q, 1, 2, 2, "0"))
     for name, node in nodes.items():
         node.meta["val"] = torch.empty(1, 2, 4, 8)
