@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
-#: method[:ZeRO stage]; the stage a method runs without one is its own default
-PAPER_METHODS = ("autosp", "autosp:3", "ulysses", "ulysses:3", "ring", "fsdp", "zero3", "ds-autosp")
+#: method[:ZeRO stage]; the stage a method runs without one is its own default. The SP methods run at ZeRO 3
+#: too, so that each is compared with AutoSP at the same sharding stage (like with like)
+PAPER_METHODS = ("autosp", "autosp:3", "ulysses", "ulysses:3", "ring", "ring:3", "fsdp", "zero3", "ds-autosp")
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
