@@ -73,12 +73,13 @@ def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtyp
 def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None, max_len: int) -> list[dict]:
     """One configuration's search rows, one per device type, sharing one peak-vs-length curve."""
     from autosp.experiments.devices import get_device_model
-    from autosp.experiments.simulate import simulated_search
+    from autosp.experiments.simulate import shared_rank_programs, simulated_search
 
     curve: dict[int, int] = {}
     started = time.process_time()
-    rows = [simulated_search(cfg, get_device_model(name), granularity=granularity, max_len=max_len, curve=curve)
-            for name in device_names]
+    with shared_rank_programs():  # one rank program per depth serves every length of every device's search
+        rows = [simulated_search(cfg, get_device_model(name), granularity=granularity, max_len=max_len,
+                                 curve=curve) for name in device_names]
     for row in rows:
         row["extra"]["cell_cpu_s"] = round(time.process_time() - started, 1)  # the whole cell, every device
         row["extra"]["cell_simulated_lengths"] = len(curve)
