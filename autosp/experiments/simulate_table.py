@@ -2,13 +2,16 @@
 
 Every probe of a search is one fake-tensor simulation (`autosp.experiments.simulate`) whose cost does not
 depend on the length (shapes only), so the table's time is its number of probes times ~5-12 s of CPU.
-Three levers keep that number small; none changes a prediction (each probe is the same simulation):
+Four levers keep that number small; none changes a prediction (each probe is the same simulation):
 
 - one search per (model, method, ZeRO stage) serves every device type. Device types differ only in their
   allocator constants and capacity (`devices.py`): a length already simulated is reused (`predict_peak`'s
   cache, keyed by the allocator's block sizes), and the peak-vs-length line of the probes so far starts the
   next device's search at its boundary (`simulate.curve_hint`), so it usually takes two probes — the answer
   and one granularity step above, which `search_max_length` needs before it reports the answer;
+- every probe of a cell after its first reuses the cell's rank programs (`simulate.shared_rank_programs`: the
+  model, AdamW states and a compiled method's one symbolic Dynamo trace, specialised per length), so it runs only
+  its measured step and, compiled, the per-length SP pass and partition (DeepSpeed's engines are rebuilt);
 - the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
 - cells run in `--jobs` worker processes (one simulation is single-threaded Python).
 
