@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def is_symbolic(example_inputs: list[Any]) -> bool:
@@ -50,8 +51,9 @@ def per_length(gm: fx.GraphModule, compile_static: Callable[[fx.GraphModule, lis
 
     def run(*args: Any) -> Any:
         key = tuple(a for a in args if isinstance(a, int) and not isinstance(a, bool))
-        if key not in compiled:
-            compiled[key] = compile_static(bind_sizes(gm, list(args)), list(args))
+        if key not in compiled:  # compiling is no part of the step: unseen by the caller's dispatch modes, as
+            with _disable_current_modes():  # Dynamo's own compile is (e.g. a memory tracker's, autosp simulate)
+                compiled[key] = compile_static(bind_sizes(gm, list(args)), list(args))
         return compiled[key](*args)
 
     return run

@@ -39,7 +39,12 @@ per layer, and the peak sits at the same op relative to the last layer; the extr
 when both runs peak at the same op in the same phase and no other phase's peak (each extrapolated alike)
 overtakes it at the real depth (else the whole depth is simulated: an H200 run of llama-3.2-1b peaked in the
 AdamW step, which 2- and 3-layer models do not), and tests/experiments/test_simulate.py checks it against the
-full-depth simulation.
+full-depth simulation. A search keeps each depth's rank
+program across its probes (`shared_rank_programs`, for the methods in `SHARED_PROGRAM_METHODS`): a later length
+runs only its measured step on the same model and AdamW states, and a compiled method's sequence dimension is traced
+symbolically once by Dynamo, then specialised per length for the SP pass and the partitioner
+(`autosp.compiler.specialize`), so a probe skips building, setup, the warm-up step and Dynamo's trace; the
+peaks are those of a fresh program per length (a test checks every field).
 
 What it cannot run it says, in one line (status `error`): the method's own error (e.g. DeepSpeed's AutoSP
 compile fails on the project Llama, as it does when measured) or the fake-tensor failure, never a number.
@@ -140,6 +145,11 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.serials.get(address) == serial:
             del self.serials[address]
 
+    def untrack(self, serial: int) -> None:
+        """Stop counting a storage that is still alive but no longer the program's (see `RankProgram.measure`)."""
+        self.live.pop(serial, None)
+        self.host.discard(serial)
+
     def sizes(self) -> dict[int, int]:
         """Bytes of every live device storage, by serial number."""
         return {serial: storage.nbytes() for serial, ref in self.live.items()
@@ -153,6 +163,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.watching = True
+        self.host_peak = 0
         self.peak_sizes = self.sizes()
         self.peak = self.charged(self.peak_sizes)
         self.peak_op, self.peak_phase = "(step start)", self.phase
@@ -278,33 +289,70 @@ def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTrack
 
 def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0) -> RankPeak:
     """Run rank `rank` of `cfg` on fake tensors; its peak over one measured step (after cfg.warmup >= 1 steps)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from autosp.harness.parallel import build_context
-    from autosp.harness.runner import DTYPES, global_batch, validate
-    from autosp.models import build_model, get_preset
-
-    strategy, sp_size = validate(cfg)
-    real_batch = global_batch(cfg, sp_size)
-    valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
-    layers = num_layers or get_preset(cfg.model).num_layers
     torch._dynamo.reset()  # every simulation compiles its own graphs (and stays under the recompile limit)
-    tracker = LiveStorageTracker(device)
     with fake_world(cfg.world_size, rank):
-        ctx = build_context(sp_size, torch.device("cpu"))
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, tracker, contextlib.ExitStack() as stack:
+        return RankProgram(cfg, device, num_layers=num_layers, rank=rank).measure(cfg)
+
+
+class RankProgram:
+    """Rank r's program at one depth: model, method and AdamW state built once, then stepped at any length.
+
+    `measure(cfg)` runs cfg.warmup >= 1 steps the first time (they create the optimizer states and compile), then
+    the measured step at cfg's length. Kept across lengths (`shared_rank_programs`), a later length runs only its
+    measured step on the same model and optimizer states: what a fresh program holds at the start of its measured
+    step (the previous length's activations are freed; compiling is outside the tracker, as it is in a fresh
+    program's warm-up). A compiled method's sequence dimension is traced symbolically there, so Dynamo traces
+    the model once and the backend specialises each length (`autosp.compiler.specialize`): the SP pass and the
+    partitioner still see the static graph of each length. Needs the process group of `fake_world` to be up."""
+
+    def __init__(self, cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0,
+                 shared: bool = False) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from autosp.harness.parallel import build_context
+        from autosp.harness.runner import DTYPES, validate
+        from autosp.models import build_model, get_preset
+
+        self.strategy, self.sp_size = validate(cfg)
+        self.rank, self.shared = rank, shared
+        self.layers = num_layers or get_preset(cfg.model).num_layers
+        self.tracker = tracker = LiveStorageTracker(device)
+        self.ctx = build_context(self.sp_size, torch.device("cpu"))
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.warmed = False
+        self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
+        with self.fake_mode, tracker:
             torch.manual_seed(cfg.seed)
-            model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=layers)
-            model.to = _identity_move(model)
-            step = strategy.setup(model, ctx, cfg)
-            stack.enter_context(_deepspeed_rank0_answers(rank))
+            self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
+            self.model.to = _identity_move(self.model)
+            self.step = self.strategy.setup(self.model, self.ctx, cfg)
+
+    def measure(self, cfg: RunConfig) -> RankPeak:
+        """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
+        from autosp.harness.runner import global_batch
+
+        real_batch = global_batch(cfg, self.sp_size)
+        valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
+        tracker, step, model = self.tracker, self.step, self.model
+        ops, assumed_reads = tracker.ops, tracker.assumed_reads  # this call's counts, warm-up included
+        with self.fake_mode as fake_mode, tracker, contextlib.ExitStack() as stack:
+            if self.shared:  # one symbolic trace serves every length; past the recompile limit fail, never run eager
+                stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
+                stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+            stack.enter_context(_deepspeed_rank0_answers(self.rank))
             stack.enter_context(_inductor_compile_unfused())
-            stack.enter_context(_optimizer_implementation_of(device))
+            stack.enter_context(_optimizer_implementation_of(tracker.device))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker)
-            for _ in range(max(cfg.warmup, 1)):
+            # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
+            # it); a fresh program at this length never had it, so it is not counted
+            for serial in self.earlier_inputs:
+                tracker.untrack(serial)
+            self.earlier_inputs = [tracker.track(t) for t in batch.model_kwargs().values()]
+            for _ in range(0 if self.warmed else max(cfg.warmup, 1)):
                 step.forward_backward(batch)
                 with tracker.assume_healthy_step():
                     step.optimizer_step()
+            self.warmed = True
             resident = set(tracker.sizes())
             gradients: set[int] = set()
             saved: set[int] = set()
@@ -313,7 +361,10 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
                 for p in model.parameters() if p.requires_grad]
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                saved.add(tracker.track(_local(t)))
+                # the step's own tensors only: a shared program compiles a new length inside its measured step,
+                # and aot_autograd's tracing there saves tensors of its own fake mode
+                if getattr(_local(t), "fake_mode", None) is fake_mode:
+                    saved.add(tracker.track(_local(t)))
                 return t
 
             tracker.phase = "forward"
@@ -325,21 +376,92 @@ def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None
                 step.optimizer_step()
             for hook in hooks:
                 hook.remove()
-    sizes = tracker.peak_sizes
-    charge = device.block_bytes
+            tracker.watching = False
+        sizes = tracker.peak_sizes
+        charge = tracker.device.block_bytes
 
-    def part(keys: set[int]) -> int:
-        return sum(charge(n) for k, n in sizes.items() if k in keys)
+        def part(keys: set[int]) -> int:
+            return sum(charge(n) for k, n in sizes.items() if k in keys)
 
-    state = part(resident)
-    grads = part(gradients - resident)
-    acts = part(saved - resident - gradients)
-    return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
-                    gradient_bytes=grads, saved_activation_bytes=acts,
-                    transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
-                    peak_phase=tracker.peak_phase, num_layers=layers, ops=tracker.ops,
-                    host_offloaded_bytes=tracker.host_peak,
-                    assumed_healthy_reads=tracker.assumed_reads, phase_peaks=dict(tracker.phase_peaks))
+        state = part(resident)
+        grads = part(gradients - resident)
+        acts = part(saved - resident - gradients)
+        return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
+                        gradient_bytes=grads, saved_activation_bytes=acts,
+                        transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
+                        peak_phase=tracker.peak_phase, num_layers=self.layers, ops=tracker.ops - ops,
+                        host_offloaded_bytes=tracker.host_peak,
+                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads,
+                        phase_peaks=dict(tracker.phase_peaks))
+
+
+#: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
+#: start of a measured step does not depend on the lengths stepped before (tests/experiments/test_simulate.py).
+#: DeepSpeed's engines (zero3, ds-autosp) keep per-step state of their own and are rebuilt for every length.
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp")
+#: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
+DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
+                                                                  "attention_mask"))
+
+
+class _SharedPrograms:
+    """The rank programs of one configuration (any length), by depth and allocator blocks, in one fake world."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.programs: dict[tuple[int, int, int], RankProgram] = {}
+        self.world = contextlib.ExitStack()
+
+    def get(self, cfg: RunConfig, device: DeviceModel, layers: int) -> RankProgram:
+        key = cfg.replace(seq_len=1).config_hash()
+        if key != self.key:  # another configuration: its own world and compiled graphs
+            self.close()
+            torch._dynamo.reset()
+            self.world.enter_context(fake_world(cfg.world_size))
+            self.key = key
+        slot = (layers, device.small_block_bytes, device.large_block_bytes)
+        if slot not in self.programs:
+            self.programs[slot] = RankProgram(cfg, device, num_layers=layers, shared=True)
+        return self.programs[slot]
+
+    def close(self) -> None:
+        self.programs.clear()
+        self.world.close()
+        self.key = None
+
+
+_SHARED: list[_SharedPrograms] = []  # the active scope of `shared_rank_programs`, if any
+
+
+@contextlib.contextmanager
+def shared_rank_programs() -> Iterator[None]:
+    """Inside, a method of `SHARED_PROGRAM_METHODS` keeps its rank programs across lengths: a search's later
+    probes skip building the model, the method's setup, the warm-up step and (compiled) Dynamo's trace.
+    Re-entrant: an inner scope (one device's search) shares the outer one's programs (every device's)."""
+    if _SHARED:
+        yield
+        return
+    _SHARED.append(_SharedPrograms())
+    try:
+        yield
+    finally:
+        _SHARED.pop().close()
+
+
+def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -> RankPeak:
+    """`simulate_rank`, or a shared program's next measured step inside `shared_rank_programs`."""
+    from autosp.models import get_preset
+
+    if _SHARED:
+        if cfg.method not in SHARED_PROGRAM_METHODS:
+            _SHARED[0].close()  # a fresh program needs a process without a (fake) process group
+        else:
+            try:
+                return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
+            except BaseException:
+                _SHARED[0].close()  # a program stopped mid-step is not reused
+                raise
+    return simulate_rank(cfg, device, num_layers=layers)
 
 
 @contextlib.contextmanager
@@ -459,15 +581,15 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     depth = get_preset(cfg.model).num_layers
     try:
         if depth <= EXACT_LAYERS or _configured_by_depth(cfg):
-            return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
-        two, three = simulate_rank(run_cfg, device, num_layers=2), simulate_rank(run_cfg, device, num_layers=3)
+            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
+        two, three = _rank_peak(run_cfg, device, 2), _rank_peak(run_cfg, device, 3)
         note = None
         if (two.peak_op, two.peak_phase) != (three.peak_op, three.peak_phase):
             note = f"peak op differs at 2 and 3 layers ({two.peak_op} / {three.peak_op}): simulated whole"
         elif overtaking := _phase_overtaking_at_depth(two, three, depth):
             note = f"at {depth} layers the {overtaking} peak overtakes the {three.peak_phase} one: simulated whole"
         if note:
-            return simulate_rank(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False, "note": note}
+            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False, "note": note}
     except SimulationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the method on fake tensors is reported, not guessed
@@ -590,8 +712,9 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         return record["status"], record["peak_mem_bytes"]
 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
-    outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity, max_len=max_len,
-                                budget=device.usable_bytes, start_len=start)
+    with shared_rank_programs():
+        outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity,
+                                    max_len=max_len, budget=device.usable_bytes, start_len=start)
     best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
     row = dict(best if best is not None else probes[-1])
     row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
@@ -638,7 +761,6 @@ def _summary(record: dict[str, Any]) -> str:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from autosp.harness.flags import run_config_from_args
-    from autosp.harness.records import append_record
 
     if (args.seq_len is None) == (not args.search):
         raise ConfigError("give exactly one of --seq-len S or --search")
@@ -646,8 +768,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         else [get_device_model(name, _budget(args)) for name in args.sim_device.split(",")]
     args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
     cfg = run_config_from_args(args, seq_len=args.seq_len or 1)
-    status = 0
     curve: dict[int, int] = {}  # one configuration's peaks, shared by the searches for every device type
+    with shared_rank_programs():
+        return _simulate_devices(args, cfg, devices, curve)
+
+
+def _simulate_devices(args: argparse.Namespace, cfg: RunConfig, devices: list[DeviceModel],
+                      curve: dict[int, int]) -> int:
+    from autosp.harness.records import append_record
+
+    status = 0
     for device in devices:
         record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len, curve=curve) \
             if args.search else simulate(cfg, device)

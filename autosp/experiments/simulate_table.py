@@ -2,13 +2,16 @@
 
 Every probe of a search is one fake-tensor simulation (`autosp.experiments.simulate`) whose cost does not
 depend on the length (shapes only), so the table's time is its number of probes times ~5-12 s of CPU.
-Three levers keep that number small; none changes a prediction (each probe is the same simulation):
+Four levers keep that number small; none changes a prediction (each probe is the same simulation):
 
 - one search per (model, method, ZeRO stage) serves every device type. Device types differ only in their
   allocator constants and capacity (`devices.py`): a length already simulated is reused (`predict_peak`'s
   cache, keyed by the allocator's block sizes), and the peak-vs-length line of the probes so far starts the
   next device's search at its boundary (`simulate.curve_hint`), so it usually takes two probes — the answer
   and one granularity step above, which `search_max_length` needs before it reports the answer;
+- every probe of a cell after its first reuses the cell's rank programs (`simulate.shared_rank_programs`: the
+  model, AdamW states and a compiled method's one symbolic Dynamo trace, specialised per length), so it runs only
+  its measured step and, compiled, the per-length SP pass and partition (DeepSpeed's engines are rebuilt);
 - the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
 - cells run in `--jobs` worker processes (one simulation is single-threaded Python).
 
@@ -32,8 +35,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
-#: method[:ZeRO stage]; the stage a method runs without one is its own default
-PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "fsdp", "zero3", "ds-autosp")
+#: method[:ZeRO stage]; the stage a method runs without one is its own default (3 for the SP methods), so every
+#: method names its stage: the SP methods at ZeRO 0 and 3, each compared with AutoSP at the same stage (like with like)
+PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "ring:3", "fsdp", "zero3", "ds-autosp")
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
@@ -72,12 +76,13 @@ def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtyp
 def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None, max_len: int) -> list[dict]:
     """One configuration's search rows, one per device type, sharing one peak-vs-length curve."""
     from autosp.experiments.devices import get_device_model
-    from autosp.experiments.simulate import simulated_search
+    from autosp.experiments.simulate import shared_rank_programs, simulated_search
 
     curve: dict[int, int] = {}
     started = time.process_time()
-    rows = [simulated_search(cfg, get_device_model(name), granularity=granularity, max_len=max_len, curve=curve)
-            for name in device_names]
+    with shared_rank_programs():  # one rank program per depth serves every length of every device's search
+        rows = [simulated_search(cfg, get_device_model(name), granularity=granularity, max_len=max_len,
+                                 curve=curve) for name in device_names]
     for row in rows:
         row["extra"]["cell_cpu_s"] = round(time.process_time() - started, 1)  # the whole cell, every device
         row["extra"]["cell_simulated_lengths"] = len(curve)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 from autosp.cli import main
 from autosp.experiments import simulate as sim
@@ -80,6 +81,21 @@ def test_extrapolation_is_refused_when_another_phase_peak_overtakes_at_full_dept
     two, three = peak(100, 80), peak(110, 95)  # optimizer: +15 per layer against backward's +10
     assert sim._phase_overtaking_at_depth(two, three, depth=4) is None  # 120 vs 110
     assert sim._phase_overtaking_at_depth(two, three, depth=16) == "optimizer"  # 290 vs 240
+
+
+@pytest.mark.parametrize("method, zero", [("autosp", 0), ("ulysses", 3)])
+def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero):
+    """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace) gives the
+    peaks and breakdowns of a fresh program per length, also back at a length it ran before."""
+    cfg = sim.simulate_config(RunConfig(method=method, model="tiny", seq_len=1, world_size=2, zero=zero))
+    lengths = (256, 512, 256)
+    fresh = [sim.simulate_rank(cfg.replace(seq_len=n), CPU) for n in lengths[:2]]
+    with sim.shared_rank_programs():
+        shared = [sim._rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths]
+        assert len(sim._SHARED[0].programs) == 1
+    ignore = dict(ops=0, assumed_healthy_reads=0)  # counts of the calls themselves (no warm-up after the first)
+    assert [{**vars(p), **ignore} for p in shared] == [{**vars(p), **ignore} for p in (*fresh, fresh[0])]
+    assert not sim._SHARED and not torch.distributed.is_initialized()  # the scope closed its fake world
 
 
 def test_gpu_devices_charge_allocator_blocks_context_and_workspace():

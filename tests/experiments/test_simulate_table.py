@@ -7,11 +7,12 @@ import pandas as pd
 
 from autosp.cli import main
 from autosp.experiments import simulate as sim
-from autosp.experiments.simulate_table import markdown_table
+from autosp.experiments.simulate_table import PAPER_METHODS, markdown_table
 
 
 def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the_papers_claim():
-    cells = [("autosp", 0, 64), ("autosp", 3, 96), ("ulysses", 0, 32), ("ring", 0, 32), ("fsdp", 3, 16)]
+    cells = [("autosp", 0, 64), ("autosp", 3, 96), ("ulysses", 0, 32), ("ring", 0, 32), ("ring", 3, 48),
+             ("fsdp", 3, 16)]
     rows = [dict(model="llama-3.1-8b", device=device, method=method, zero=zero, status="found",
                  max_seq_len=k * 1024) for device in ("a100-80gb", "mi250-gcd") for method, zero, k in cells]
     rows.append(dict(model="llama-3.1-8b", device="a100-80gb", method="zero3", zero=3, status="error",
@@ -22,13 +23,18 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
                   max_seq_len=k * 1024) for method, zero, k in cells]
     frame = pd.DataFrame(rows).astype({"max_seq_len": "Int64"})  # as trainability_table gives it: NA where none
     lines = markdown_table(frame).splitlines()
-    assert lines[0].split(" | ")[2:9] == ["autosp z0", "autosp z3", "ulysses z0", "ring z0", "fsdp z3", "zero3 z3",
-                                          "ds-autosp (hf) z1"]
+    assert lines[0].split(" | ")[2:10] == ["autosp z0", "autosp z3", "ulysses z0", "ring z0", "ring z3", "fsdp z3",
+                                           "zero3 z3", "ds-autosp (hf) z1"]
     a100, mi250 = lines[2].split(" | "), lines[3].split(" | ")
-    assert a100[2:4] == ["64K", "96K"] and a100[7:9] == ["error", "80K"] and mi250[8] == ""
-    assert a100[-4:] == ["3.00x (2.7x)", "3.00x (3x)", "-", "6.00x (5.6x) |"]  # zero3: error, no ratio
+    assert a100[2:4] == ["64K", "96K"] and a100[8:10] == ["error", "80K"] and mi250[9] == ""
+    # vs ring: its best stage (z3, like with like); zero3: error, no ratio
+    assert a100[-4:] == ["3.00x (2.7x)", "2.00x (3x)", "-", "6.00x (5.6x) |"]
     assert mi250[-4] == "3.00x (2.5x)"  # AMD: the paper's 2.5x
     assert lines[4].endswith("| 6.00x |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
+
+
+def test_the_paper_methods_compare_every_sp_method_at_autosps_zero_3_stage_too():
+    assert {"autosp:3", "ulysses:3", "ring:3"} <= set(PAPER_METHODS)
 
 
 def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
