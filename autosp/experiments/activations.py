@@ -172,7 +172,7 @@ class SavedActivationRecorder:
 
     def __enter__(self) -> "SavedActivationRecorder":
         if self.model is not None:
-            self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self._params = {_storage_ptr(p) for p in self.model.parameters()}
         if self.by_module:
             for path, module in self.model.named_modules():
                 category = category_of_module(path, type(module))
@@ -198,8 +198,11 @@ class SavedActivationRecorder:
         self._stack.pop()
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "meta" and not isinstance(tensor, torch._subclasses.FakeTensor):
-            storage = tensor.untyped_storage()
+        local = _local(tensor)
+        if _is_parameter(local):  # FSDP2's unsharded parameters (and views of them) saved by the layers using them
+            return tensor
+        if local.device.type != "meta" and not isinstance(local, torch._subclasses.FakeTensor):
+            storage = local.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in self._params and ptr not in self._seen:
                 self._seen.add(ptr)
@@ -214,6 +217,19 @@ class SavedActivationRecorder:
     @property
     def total(self) -> int:
         return sum(self.bytes_by_category.values())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters: the wrapper has no storage of its own), else the tensor."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return _local(tensor).untyped_storage().data_ptr()
 
 
 def breakdown_table(breakdowns: dict[str, dict[str, int]], baseline: str) -> pd.DataFrame:

@@ -68,6 +68,14 @@ def test_eager_recorder_books_bytes_by_module_and_skips_parameters() -> None:
     with SavedActivationRecorder(model, by_module=False) as rec:
         model(torch.randn(4, 8, requires_grad=True))
     assert rec.bytes_by_category[UNATTRIBUTED] == 256 and rec.total == 256
+    # FSDP2 computes with unsharded parameters registered only for the forward (not the model's parameters when
+    # the recorder starts): a weight saved for backward is still not an activation
+    with SavedActivationRecorder(model) as rec:
+        weight = model.mlp.weight
+        model.mlp.weight = nn.Parameter(weight.detach().clone())
+        model(torch.randn(4, 8, requires_grad=True))
+        model.mlp.weight = weight
+    assert rec.total == 256
 
 
 def test_compiled_breakdown_matches_the_record_and_sac_drops_mlp() -> None:
