@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from autosp.harness.config import RunConfig
+from autosp.harness.config import METHOD_OPTIONS, RunConfig
 from autosp.harness.launch import launch
 from autosp.harness.runner import build_train_step, global_batch, validate
 
@@ -54,9 +54,9 @@ SPREAD_FACTOR = 4.0
 GROUPS = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 DEFAULT_STEPS = 2
 KINDS = ("loss", "grads", "params")
-#: RunConfig fields single-process training does not read: checks that differ only in them train the same reference
-METHOD_ONLY_FIELDS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "memory_budget",
-                      "timeout_s", "steps", "warmup")
+#: RunConfig fields single-process training does not read (the method options, and how a run is bounded and timed):
+#: checks that differ only in them train the same reference
+METHOD_ONLY_FIELDS = (*METHOD_OPTIONS, "memory_budget", "timeout_s", "steps", "warmup")
 #: the last few reference traces of this process (single-process training is deterministic for a configuration), so
 #: a process running many checks (the test suite) starts one reference process per distinct reference, not per check
 _REFERENCES: OrderedDict[str, dict[str, Any]] = OrderedDict()
