@@ -2,15 +2,20 @@
 
 Each SP rank back-propagates only through its own tokens, so a parameter's gradient is the sum of the ranks'
 gradients; data-parallel replicas (each averaging its own batch) are averaged. The reduction runs in *buckets* of
-gradients (one per decoder layer, split at `BUCKET_BYTES`), issued from inside the compiled backward graph right
-after the bucket's last gradient is produced, as one asynchronous functional collective (`_c10d_functional`) per
-bucket, waited for once the next bucket is issued: the reduction of layer L overlaps the backward of layer L-1, and
-at most two buckets' buffers are alive at once.
+gradients, issued from inside the compiled backward graph right after the bucket's last gradient is produced, as one
+asynchronous functional collective (`_c10d_functional`) per bucket, waited for once the next bucket is issued: a
+bucket's reduction overlaps the backward that follows it, and at most two buckets' buffers are alive at once.
 
-  stages 0/1  the bucket's gradients are flattened into one buffer and all-reduced (as DDP's buckets);
-  stages 2/3  the graph already reduce-scatters each parameter's gradient (the backward of `all_gather_shard`);
-              a bucket's reduce-scatters become one: the full gradients viewed [P, shard], concatenated along
-              the shard dim, reduce-scattered once, and split back into each parameter's shard.
+  stages 0/1  buckets filled as DDP fills them: consecutive gradients across layers, the first bucket at most
+              `FIRST_BUCKET_BYTES` (DDP's 1 MiB, so the first reduction starts early in backward), the others at
+              most `BUCKET_BYTES`; each bucket's gradients flattened into one buffer and all-reduced. Few
+              collectives: on a small model, one per step, since each costs a fixed latency whatever its size;
+  stages 2/3  one bucket per decoder layer (at most `BUCKET_BYTES`), as FSDP2 reduces per sharded module: the
+              graph already reduce-scatters each parameter's gradient (the backward of `all_gather_shard`), and a
+              layer's reduce-scatters become one: the full gradients viewed [P, shard], concatenated along the
+              shard dim, reduce-scattered once, and split back into each parameter's shard. Per layer, because
+              the full gradients are what stages 2/3 exist to not keep: each layer's are freed before the next
+              layer's are all made.
 
 Why a joint-graph pass inside the partition function (not hooks): under aot_autograd the whole backward is one
 compiled autograd node, so tensor or post-accumulate-grad hooks all fire after it ends: a hook can only start
@@ -42,8 +47,10 @@ from autosp.errors import SequenceParallelError
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
-#: Bytes at which a layer's bucket is split (DDP's default `bucket_cap_mb`).
+#: Bytes at which a bucket is closed (DDP's default `bucket_cap_mb`).
 BUCKET_BYTES = 25 * 2**20
+#: The first bucket's cap at stages 0/1 (DDP's `first_bucket_bytes`).
+FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
 
 _SYNCED_ATTR = "_autosp_grad_sync"
 _PARAMETRIZATION = re.compile(r"\.parametrizations\..*$")
@@ -59,13 +66,15 @@ class GradientReduction:
     dp_size: int
     sharded: bool
     bucket_bytes: int = BUCKET_BYTES
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
 
 
 @dataclass
 class Bucket:
-    """One collective of the backward graph: its layer (None: model-level parameters) and parameter count."""
+    """One collective of the backward graph: the layers of its gradients in backward's order (None: model-level
+    parameters) and parameter count."""
 
-    layer: str | None
+    layers: tuple[str | None, ...]
     num_params: int
     nbytes: int
 
@@ -102,7 +111,7 @@ def bucket_gradient_reduction(
             full = replaced.args[0] if reduction.sharded else grad
             entries.append(_Entry(position, full, replaced, layer, order[full]))
     entries.sort(key=lambda e: e.order)
-    buckets = list(_group(entries, reduction.bucket_bytes))
+    buckets = list(_group(entries, reduction))
     issued = [_issue(graph, bucket, reduction) for bucket in buckets]
     for k, (bucket, (collective, sizes)) in enumerate(zip(buckets, issued)):
         # bucket k is waited for once bucket k+1 is issued: at most two reductions in flight, so their buffers (at
@@ -113,7 +122,7 @@ def bucket_gradient_reduction(
         output.args = (list(output.args[0][:num_fwd_outputs]) + grads, *output.args[1:])
     graph.lint()
     joint_gm.recompile()
-    return [Bucket(b[0].layer, len(b), sum(_nbytes(e.full) for e in b)) for b in buckets]
+    return [Bucket(tuple(dict.fromkeys(e.layer for e in b)), len(b), sum(_nbytes(e.full) for e in b)) for b in buckets]
 
 
 def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
@@ -149,15 +158,18 @@ def _layer_of(primal: fx.Node) -> str | None:
     return None
 
 
-def _group(entries: list[_Entry], cap: int) -> Iterable[list[_Entry]]:
-    """Consecutive gradients (in the order backward produces them) of one layer and dtype, at most `cap` bytes."""
+def _group(entries: list[_Entry], reduction: GradientReduction) -> Iterable[list[_Entry]]:
+    """Consecutive gradients (in the order backward produces them) of one dtype, filled as the module docstring
+    says for the stage: across layers at stages 0/1, one layer at stages 2/3."""
     bucket: list[_Entry] = []
+    cap = reduction.bucket_bytes if reduction.sharded else reduction.first_bucket_bytes
     for entry in entries:
         dtype = fake_value(entry.full).dtype
-        if bucket and (entry.layer != bucket[0].layer or dtype != fake_value(bucket[0].full).dtype
+        if bucket and ((reduction.sharded and entry.layer != bucket[0].layer)
+                       or dtype != fake_value(bucket[0].full).dtype
                        or sum(_nbytes(e.full) for e in bucket) + _nbytes(entry.full) > cap):
             yield bucket
-            bucket = []
+            bucket, cap = [], reduction.bucket_bytes
         bucket.append(entry)
     if bucket:
         yield bucket
