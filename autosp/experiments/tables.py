@@ -12,6 +12,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from autosp.harness.config import ConfigError
@@ -71,9 +72,10 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
+    table = table.assign(peak_bytes_per_token=[peak_slope(p) for p in table.get("probes", [None] * len(table))])
     table = table[group + ["method"] + stage + ["compile_backend", "status", "max_seq_len",
                                                 "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
-                                                "num_probes", "error"]].copy()
+                                                "num_probes", "peak_bytes_per_token", "error"]].copy()
     if checks is not None and not checks.empty:
         table = table.merge(checks, on=["model", "world_size", "method"], how="left")
     table["memory_budget"] = table["memory_budget"].astype("float")  # NaN-safe for merging
@@ -82,6 +84,18 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     lengths = ["max_seq_len", "first_oom_seq_len", "floor_limit_seq_len", "num_probes"]
     table[lengths] = table[lengths].astype("Int64")  # lengths stay integers where some are missing
     return table.sort_values(group + ["max_seq_len"], ascending=[True] * len(group) + [False]).reset_index(drop=True)
+
+
+def peak_slope(probes: object) -> float:
+    """Bytes of per-rank peak per sequence token: the least-squares slope of peak over length through a search's
+    probes that ran (status ok), the figure that says how fast memory grows with the sequence (NaN below two
+    lengths). Probes that ran out of memory are left out: where a device really runs out, their peak is cut short."""
+    points = {(p["seq_len"], p["peak_mem_bytes"]) for p in probes or []
+              if isinstance(p, dict) and p.get("status") == "ok" and p.get("peak_mem_bytes")}
+    if len({length for length, _ in points}) < 2:
+        return float("nan")
+    lengths, peaks = zip(*sorted(points))
+    return float(np.polyfit(np.asarray(lengths, float), np.asarray(peaks, float), 1)[0])
 
 
 def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -> pd.DataFrame:
@@ -256,6 +270,8 @@ def format_table(table: pd.DataFrame) -> str:
     shown = table.copy()
     if "memory_budget" in shown:
         shown["memory_budget"] = [format_size(b) if pd.notna(b) else "device" for b in shown["memory_budget"]]
+    if "peak_bytes_per_token" in shown:
+        shown["peak_bytes_per_token"] = [format_size(b) if pd.notna(b) else "" for b in shown["peak_bytes_per_token"]]
     with pd.option_context("display.width", 250, "display.max_columns", None, "display.float_format", "{:.3g}".format):
         return shown.to_string(index=False)
 
