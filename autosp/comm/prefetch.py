@@ -23,8 +23,8 @@ reference on gloo's worker thread, where the CPU memory meter does not see the f
 such a buffer made the measured peaks vary from run to run (93.8-99.4 MiB over 11 runs of small at S=4096).
 
 Gloo: an earlier per-parameter version of this prefetch aborted at stage 3 on gloo (`malloc(): unaligned tcache
-chunk detected`, cause not found; DESIGN.md); the bucketed one, issued ahead, ran clean in every fresh-compile stress
-run on gloo (DESIGN.md gives the runs), so gloo is not an exception.
+chunk detected`, cause not found); the bucketed one, issued ahead, ran clean in every fresh-compile stress run on
+gloo, so gloo is not an exception -- on a loaded machine where the old version did not abort either (DESIGN.md).
 """
 from __future__ import annotations
 
