@@ -235,10 +235,8 @@ class ReducingPartitioner(CustomPartitionerFn):
     """The SAC partition function with the gradient buckets put into the joint graph first (one per graph), and at
     stages 2/3 the parameter gathers of the partitioned graphs bucketed per layer (`autosp.comm.prefetch`)."""
 
-    def __init__(self, inner: SacPartitioner, reduction: GradientReduction, param_positions: Sequence[int], *,
-                 gathers_ahead: bool = True) -> None:
+    def __init__(self, inner: SacPartitioner, reduction: GradientReduction, param_positions: Sequence[int]) -> None:
         self.inner, self.reduction, self.param_positions = inner, reduction, tuple(param_positions)
-        self.gathers_ahead = gathers_ahead  # stages 2/3: a layer's parameter gather issued during the layer before
         self.cacheable = inner.cacheable
         self.buckets: list[Bucket] = []
         self.gather_buckets: tuple[list[GatherBucket], list[GatherBucket]] = ([], [])  # (forward, backward)
@@ -249,12 +247,11 @@ class ReducingPartitioner(CustomPartitionerFn):
                                                  param_positions=self.param_positions, reduction=self.reduction)
         fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         if self.reduction.sharded:  # after partitioning: the stage-3 re-gathers are in the backward graph by now
-            self.gather_buckets = (prefetch_gathers(fw_module, ahead=self.gathers_ahead),
-                                   prefetch_gathers(bw_module, ahead=self.gathers_ahead))
+            self.gather_buckets = (prefetch_gathers(fw_module), prefetch_gathers(bw_module))
         return fw_module, bw_module
 
     def uuid(self) -> Any:
-        return (self.inner.uuid(), repr(self.reduction), self.param_positions, self.gathers_ahead,
+        return (self.inner.uuid(), repr(self.reduction), self.param_positions,
                 get_hash_for_files((__file__, prefetch.__file__)))
 
 

@@ -7,7 +7,8 @@ turns each layer's run of gathers into a *bucket*:
   issue   the layer's shards (cast to the compute dtype) all-gathered as one asynchronous coalesced functional
           collective (`_c10d_functional.all_gather_into_tensor_coalesced`), issued where the *previous* layer
           waits for its own bucket, so layer k+1's gather is in flight while layer k computes (FSDP2's default
-          prefetch of one layer) -- `ahead=False`: issued where the layer starts, i.e. not overlapped;
+          prefetch of one layer), on every backend; a bucket with a shard computed only after the previous layer
+          starts is issued where its layer starts;
   wait    `wait_tensor` where the layer's first gather stood; each output is one parameter's flat [P * shard]
           value, as the per-parameter gather returned it (gloo flattens and unflattens on its worker thread; NCCL
           groups the gathers into one launch).
@@ -21,12 +22,9 @@ in the graph only to be handed to the collective (no concatenated copy of the sh
 reference on gloo's worker thread, where the CPU memory meter does not see the free (autosp/harness/measure.py), so
 such a buffer made the measured peaks vary from run to run (93.8-99.4 MiB over 11 runs of small at S=4096).
 
-Where the gathers are issued ahead: on NCCL (and any backend but gloo). On gloo they are bucketed but issued
-where the layer starts (`gathers_ahead`): a per-parameter version of this prefetch corrupted the heap at stage 3
-on gloo (SIGABRT `malloc(): unaligned tcache chunk detected` in 6 of 9 fresh-compile runs of `autosp bench
---methods autosp --zero 3 --model small --seq-lens 4096 --world-size 2 --compile-backend aot_eager`, none without
-it); the cause was not found (see DESIGN.md), so gloo keeps the concurrency it was measured safe with: a layer's
-gather overlaps only the gradient buckets in flight, never the layer before it.
+Gloo: an earlier per-parameter version of this prefetch aborted at stage 3 on gloo (`malloc(): unaligned tcache
+chunk detected`, cause not found); the bucketed one, issued ahead, ran clean in every fresh-compile stress run on
+gloo, so gloo is not an exception -- on a loaded machine where the old version did not abort either (DESIGN.md).
 """
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.sharding import fake_value, graph_call
@@ -54,12 +51,7 @@ class GatherBucket:
     prefetched: bool
 
 
-def gathers_ahead(group: dist.ProcessGroup) -> bool:
-    """Whether a layer's gather may be issued during the previous layer on `group`'s backend (see above)."""
-    return dist.get_backend(group) != "gloo"
-
-
-def prefetch_gathers(gm: fx.GraphModule, *, ahead: bool) -> list[GatherBucket]:
+def prefetch_gathers(gm: fx.GraphModule) -> list[GatherBucket]:
     """Rewrite `gm` in place (see the module docstring); returns its gather buckets in graph order."""
     graph = gm.graph
     buckets: list[list[fx.Node]] = []
@@ -75,7 +67,7 @@ def prefetch_gathers(gm: fx.GraphModule, *, ahead: bool) -> list[GatherBucket]:
     prefetched = []
     for k, bucket in enumerate(buckets):
         # ahead of the previous layer, unless a shard is computed only after that layer starts
-        early = ahead and k > 0 and all(order[node.args[0]] < order[buckets[k - 1][0]] for node in bucket)
+        early = k > 0 and all(order[node.args[0]] < order[buckets[k - 1][0]] for node in bucket)
         issued = _issue(graph, bucket, before=previous_wait if early else bucket[0])
         previous_wait = _wait(graph, bucket, issued)
         prefetched.append(early)

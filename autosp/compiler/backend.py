@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import GradientReduction, ReducingPartitioner, sync_gradients
-from autosp.comm.prefetch import gathers_ahead
 from autosp.compiler.hybrid import subgroups
 from autosp.compiler.offload import OffloadingPartitioner, parse_offload
 from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
@@ -76,8 +75,7 @@ def make_backend(
         if reduction is not None:
             params = [i for i, t in enumerate(example_inputs)
                       if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-            partitioners.append(ReducingPartitioner(partition_fn, reduction, params,
-                                                    gathers_ahead=gathers_ahead(group)))
+            partitioners.append(ReducingPartitioner(partition_fn, reduction, params))
             partition = partitioners[-1]
         if offloads:
             offloading.append(OffloadingPartitioner(partition))

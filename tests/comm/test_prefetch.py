@@ -1,5 +1,5 @@
 """The per-layer gather buckets of ZeRO stages 2/3 on a hand-built partitioned graph (no process group): one
-all-gather per layer, issued during the previous layer when `ahead`, where the layer starts otherwise."""
+all-gather per layer, issued during the previous layer unless a shard is computed only inside it."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +10,9 @@ import autosp.comm.ops  # noqa: F401  (registers autosp::all_gather_shard)
 from autosp.comm.prefetch import GatherBucket, prefetch_gathers
 
 
-def _two_layer_graph() -> fx.GraphModule:
-    """layers.0 uses shards s0, s1 and layers.1 uses s2, s3; each layer gathers its parameters where it uses them."""
+def _two_layer_graph(late_shard: bool = False) -> fx.GraphModule:
+    """layers.0 uses shards s0, s1 and layers.1 uses s2, s3; each layer gathers its parameters where it uses them.
+    `late_shard`: layers.1's first shard is computed after layers.0's compute (a copy of s2 made there)."""
     graph, fake = fx.Graph(), FakeTensorMode()
     shards = []
     for i, numel in enumerate((3, 5, 2, 4)):
@@ -21,6 +22,10 @@ def _two_layer_graph() -> fx.GraphModule:
     outputs = []
     for layer in (0, 1):
         h = None
+        if late_shard and layer == 1:
+            late = graph.call_function(torch.ops.aten.clone.default, (shards[2],))
+            late.meta["val"] = torch.ops.aten.clone.default(shards[2].meta["val"])
+            shards[2] = late
         for i in (2 * layer, 2 * layer + 1):
             stack = {"m": (f"L['self'].layers.{layer}.proj{i}.parametrizations.weight", torch.nn.Linear)}
             gather = graph.call_function(torch.ops.autosp.all_gather_shard.default,
@@ -41,7 +46,7 @@ def _targets(gm: fx.GraphModule) -> list[str]:
 
 def test_each_layer_is_one_gather_issued_during_the_layer_before():
     gm = _two_layer_graph()
-    buckets = prefetch_gathers(gm, ahead=True)
+    buckets = prefetch_gathers(gm)
     assert [(b.layer.rsplit(".", 1)[-1], b.num_params, b.prefetched) for b in buckets] == [("0", 2, False),
                                                                                           ("1", 2, True)]
     assert all(isinstance(b, GatherBucket) for b in buckets)
@@ -58,9 +63,9 @@ def test_each_layer_is_one_gather_issued_during_the_layer_before():
     assert [n.meta["val"].numel() for n in full] == [6, 10, 4, 8]
 
 
-def test_without_ahead_a_layer_gathers_where_it_starts():
-    gm = _two_layer_graph()
-    buckets = prefetch_gathers(gm, ahead=False)
+def test_a_shard_computed_inside_the_previous_layer_is_gathered_where_its_layer_starts():
+    gm = _two_layer_graph(late_shard=True)
+    buckets = prefetch_gathers(gm)
     assert [b.prefetched for b in buckets] == [False, False]
     ops = _targets(gm)
     issued = [i for i, t in enumerate(ops) if "all_gather_into_tensor" in t]

@@ -161,17 +161,17 @@ def _check_stage(zero: int, r: dict, ranks: list[dict]) -> None:
     assert sum(n for _, n in r["buckets"]) == r["num_params"]
     assert r["gradient_collectives_run"] == len(r["buckets"]) and r["issued_inside_backward"] == (zero >= 2)
     assert sum("reduce_scatter_sum" in c for c in backward) == 0
-    # stages 2/3 gather one bucket per layer (9 parameters each; on gloo not issued ahead, see autosp.comm.prefetch);
-    # stage 3 gathers again in backward every parameter backward needs (all but the embedding table, whose
+    # stages 2/3 gather one bucket per layer (9 parameters each), each issued during the bucket before it (on gloo
+    # too); stage 3 gathers again in backward every parameter backward needs (all but the embedding table, whose
     # backward needs only the token ids), in backward's order
     forward, regathered = r["gather_buckets"]
     layer = [["layers", "0"], ["layers", "1"]]
-    assert forward == ([(None, 1, False), (layer[0], 9, False), (layer[1], 9, False), (None, 2, False)]
+    assert forward == ([(None, 1, False), (layer[0], 9, True), (layer[1], 9, True), (None, 2, True)]
                        if zero >= 2 else [])
-    assert regathered == ([(None, 2, False), (layer[1], 9, False), (layer[0], 9, False)] if zero == 3 else [])
+    assert regathered == ([(None, 2, False), (layer[1], 9, True), (layer[0], 9, True)] if zero == 3 else [])
     assert sum("all_gather" in c for c in backward) == len(regathered)
-    # before layer 0's attention: the embedding's gather and layer 0's one (nothing of layer 1 on gloo)
-    assert r["gathers_before_attention"] == (2 if zero >= 2 else 0)
+    # before layer 0's attention: the embedding's gather, layer 0's and (issued ahead) layer 1's
+    assert r["gathers_before_attention"] == (3 if zero >= 2 else 0)
     # the SP all-to-alls: the backward runs each forward exchange's inverse once, never a recomputed forward one
     assert sum("all_to_all" in c for c in backward) == r["forward_all_to_all"]
 
