@@ -82,6 +82,9 @@ AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backwar
 
 _LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
 _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]
+#: a parametrization's container (``torch.nn.utils.parametrize``: ``<module>.parametrizations.<param>.<i>``) belongs to
+#: the module it parametrizes; its list index is no layer index
+_PARAMETRIZATION = re.compile(r"(?:\.parametrizations|\['parametrizations'\]).*$")
 
 
 class SacPolicy:
@@ -271,9 +274,12 @@ def module_class(node: fx.Node) -> type | None:
 
 
 def layer_of_path(path: str | None) -> str | None:
-    """``"L['self'].model.layers.3.mlp.up_proj"`` -> ``"L['self'].model.layers.3"``; None if not in a layer."""
+    """``"L['self'].model.layers.3.mlp.up_proj"`` -> ``"L['self'].model.layers.3"``; None if not in a layer.
+    A parametrization (ZeRO 2/3's gather, mixed precision's cast) is in its module's layer: without that, the
+    ``ParametrizationList`` index made ``model.embed_tokens.parametrizations.weight.0`` a decoder layer."""
     if path is None:
         return None
+    path = _PARAMETRIZATION.sub("", path)
     root = _DYNAMO_ROOT.match(path)
     start = root.end() if root else 0
     match = _LAYER_INDEX.search(path, start)

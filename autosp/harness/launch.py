@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.harness.config import ConfigError
+from autosp.harness.host_allocator import keep_freed_memory
 from autosp.harness.supervisor import RankProcesses, read_report, stop_requested, trap_signals, write_report
 
 #: how long a rank that already failed gives the others to report, so the first failure's message wins
@@ -192,6 +193,7 @@ def _one_line(exc: BaseException) -> str:
 def _bind_rank(device: str, rank: int, world_size: int, local_rank: int) -> None:
     if device == "cpu":
         torch.set_num_threads(1)  # P ranks share the machine's cores
+        keep_freed_memory()  # step times without re-faulting freed memory, as on a device (host_allocator)
     else:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank unless they share
 

@@ -90,6 +90,31 @@ def test_layer_of_path_skips_dynamo_source_and_finds_module_list_index() -> None
     assert layer_of_path("L['self'].layers[1].attn") == "L['self'].layers[1]"
     assert layer_of_path("L['self'].model.norm") is None
     assert layer_of_path(None) is None
+    # a parametrization (ZeRO 2/3 gather, mixed-precision cast) is in its module's layer; its list index is none
+    assert layer_of_path("L['self'].model.embed_tokens.parametrizations.weight.0") is None
+    assert layer_of_path("L['self'].model.layers.1.mlp.up_proj.parametrizations.weight.0") == "L['self'].model.layers.1"
+
+
+def test_auto_counts_decoder_layers_not_parametrizations() -> None:
+    """Mixed precision parametrizes every weight as a cast (ZeRO 2/3 as a gather); the planner's ladder has one rung
+    per decoder layer, none for a model-level weight's parametrization list."""
+    from autosp.comm.precision import cast_parameters
+
+    class Model(nn.Module):
+        def __init__(self, d: int = 16) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(2))
+            self.head = nn.Linear(d, d, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x).relu()
+            return self.head(x).float().square().mean()
+
+    model = Model()
+    cast_parameters(model, torch.bfloat16)
+    record = _compiled_step(model, "auto", lambda c: c(torch.randn(SEQ, 16, dtype=torch.bfloat16)))
+    assert record.plan["layers"] == 2
 
 
 def test_every_policy_matches_eager_gradients(tiny_runs: dict[str, PartitionRecord]) -> None:
