@@ -397,8 +397,10 @@ class RankProgram:
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
 #: start of a measured step does not depend on the lengths stepped before (tests/experiments/test_simulate.py).
-#: DeepSpeed's engines (zero3, ds-autosp) keep per-step state of their own and are rebuilt for every length.
-SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp")
+#: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
+#: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
+#: compile of a sequence dimension it marks dynamic itself) is sized by the parameters, not by the length.
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
 DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
                                                                   "attention_mask"))
