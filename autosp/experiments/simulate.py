@@ -458,11 +458,18 @@ def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -
         if cfg.method not in SHARED_PROGRAM_METHODS:
             _SHARED[0].close()  # a fresh program needs a process without a (fake) process group
         else:
-            try:
-                return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
-            except BaseException:
-                _SHARED[0].close()  # a program stopped mid-step is not reused
-                raise
+            for attempt in (1, 2):
+                try:
+                    return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
+                except torch._dynamo.exc.FailOnRecompileLimitHit:
+                    # a program that recompiles per length (ds-autosp: DeepSpeed's graph guards on the length) has
+                    # used up Dynamo's recompiles: a fresh program at this length is what a probe measures anyway
+                    _SHARED[0].close()
+                    if attempt == 2:
+                        raise
+                except BaseException:
+                    _SHARED[0].close()  # a program stopped mid-step is not reused
+                    raise
     return simulate_rank(cfg, device, num_layers=layers)
 
 
