@@ -265,9 +265,17 @@ def _forget_deepspeed_groups() -> None:
         importlib.reload(groups)  # its globals back to their import-time values (None, {})
     if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
         registry.GROUP_REGISTRY.clear()
+    _keep_deepspeed_splice()
+
+
+def _keep_deepspeed_splice() -> None:
+    """DeepSpeed's AutoSP splices its long-context checkpointing into torch's min-cut partitioner from the
+    partitioner's source (process-wide, once: a second splice finds no source, `OSError: could not get source
+    code`); the splice made by the first engine stays, and a later engine (another depth of the same cell, or
+    the next simulation) registers nothing."""
+    import sys
+
     if (init_sp := sys.modules.get("deepspeed.compile.init_sp")) is not None:
-        # its long-context checkpointing is spliced into torch's min-cut partitioner from the partitioner's source
-        # (process-wide, once: a second splice finds no source); the splice made by the first simulation stays
         init_sp.register_long_context_checkpointing = lambda: None
 
 
@@ -326,6 +334,7 @@ class RankProgram:
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
             self.step = self.strategy.setup(self.model, self.ctx, cfg)
+        _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
         """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
