@@ -265,9 +265,17 @@ def _forget_deepspeed_groups() -> None:
         importlib.reload(groups)  # its globals back to their import-time values (None, {})
     if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
         registry.GROUP_REGISTRY.clear()
+    _keep_deepspeed_splice()
+
+
+def _keep_deepspeed_splice() -> None:
+    """DeepSpeed's AutoSP splices its long-context checkpointing into torch's min-cut partitioner from the
+    partitioner's source (process-wide, once: a second splice finds no source, `OSError: could not get source
+    code`); the splice made by the first engine stays, and a later engine (another depth of the same cell, or
+    the next simulation) registers nothing."""
+    import sys
+
     if (init_sp := sys.modules.get("deepspeed.compile.init_sp")) is not None:
-        # its long-context checkpointing is spliced into torch's min-cut partitioner from the partitioner's source
-        # (process-wide, once: a second splice finds no source); the splice made by the first simulation stays
         init_sp.register_long_context_checkpointing = lambda: None
 
 
@@ -326,6 +334,7 @@ class RankProgram:
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
             self.step = self.strategy.setup(self.model, self.ctx, cfg)
+        _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
         """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
@@ -397,8 +406,10 @@ class RankProgram:
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
 #: start of a measured step does not depend on the lengths stepped before (tests/experiments/test_simulate.py).
-#: DeepSpeed's engines (zero3, ds-autosp) keep per-step state of their own and are rebuilt for every length.
-SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp")
+#: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
+#: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
+#: compile of a sequence dimension it marks dynamic itself) is sized by the parameters, not by the length.
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
 DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
                                                                   "attention_mask"))
@@ -456,11 +467,18 @@ def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -
         if cfg.method not in SHARED_PROGRAM_METHODS:
             _SHARED[0].close()  # a fresh program needs a process without a (fake) process group
         else:
-            try:
-                return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
-            except BaseException:
-                _SHARED[0].close()  # a program stopped mid-step is not reused
-                raise
+            for attempt in (1, 2):
+                try:
+                    return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
+                except torch._dynamo.exc.FailOnRecompileLimitHit:
+                    # a program that recompiles per length (ds-autosp: DeepSpeed's graph guards on the length) has
+                    # used up Dynamo's recompiles: a fresh program at this length is what a probe measures anyway
+                    _SHARED[0].close()
+                    if attempt == 2:
+                        raise
+                except BaseException:
+                    _SHARED[0].close()  # a program stopped mid-step is not reused
+                    raise
     return simulate_rank(cfg, device, num_layers=layers)
 
 

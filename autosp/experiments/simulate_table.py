@@ -11,7 +11,8 @@ Four levers keep that number small; none changes a prediction (each probe is the
   and one granularity step above, which `search_max_length` needs before it reports the answer;
 - every probe of a cell after its first reuses the cell's rank programs (`simulate.shared_rank_programs`: the
   model, AdamW states and a compiled method's one symbolic Dynamo trace, specialised per length), so it runs only
-  its measured step and, compiled, the per-length SP pass and partition (DeepSpeed's engines are rebuilt);
+  its measured step and, compiled, the per-length SP pass and partition (DeepSpeed's engines alike: one
+  `deepspeed.initialize` per depth and cell);
 - the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
 - cells run in `--jobs` worker processes (one simulation is single-threaded Python).
 

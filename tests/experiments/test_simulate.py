@@ -83,18 +83,27 @@ def test_extrapolation_is_refused_when_another_phase_peak_overtakes_at_full_dept
     assert sim._phase_overtaking_at_depth(two, three, depth=16) == "optimizer"  # 290 vs 240
 
 
-@pytest.mark.parametrize("method, zero", [("autosp", 0), ("ulysses", 3)])
-def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero):
-    """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace) gives the
-    peaks and breakdowns of a fresh program per length, also back at a length it ran before."""
-    cfg = sim.simulate_config(RunConfig(method=method, model="tiny", seq_len=1, world_size=2, zero=zero))
-    lengths = (256, 512, 256)
-    fresh = [sim.simulate_rank(cfg.replace(seq_len=n), CPU) for n in lengths[:2]]
+@pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
+                                                    ("zero3", None, "tiny", "bfloat16"),
+                                                    ("ds-autosp", None, "hf:tiny", "bfloat16")])
+def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero, model, dtype, monkeypatch):
+    """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace; DeepSpeed:
+    one engine, its ZeRO optimizer under mixed bf16) gives the peaks and breakdowns of a fresh program at a length
+    it did not start at, and back at the length it started at gives that first step's again. ds-autosp recompiles
+    per length: past Dynamo's recompile limit (2 here, at the third length) its program is rebuilt, not failed."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    cfg = sim.simulate_config(RunConfig(method=method, model=model, seq_len=1, world_size=2, zero=zero, dtype=dtype))
+    lengths = (256, 512, 768, 256)
+    fresh = sim.simulate_rank(cfg.replace(seq_len=512), CPU)
     with sim.shared_rank_programs():
         shared = [sim._rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths]
         assert len(sim._SHARED[0].programs) == 1
+        if method == "ds-autosp":  # a second engine in the same cell (another depth) shares DeepSpeed's one splice
+            assert sim._rank_peak(cfg.replace(seq_len=256), CPU, 1).peak_bytes < shared[0].peak_bytes  # hf:tiny: 2 layers
     ignore = dict(ops=0, assumed_healthy_reads=0)  # counts of the calls themselves (no warm-up after the first)
-    assert [{**vars(p), **ignore} for p in shared] == [{**vars(p), **ignore} for p in (*fresh, fresh[0])]
+    assert [{**vars(p), **ignore} for p in shared[:2] + shared[3:]] == \
+        [{**vars(p), **ignore} for p in (shared[0], fresh, shared[0])]
+    assert shared[0].peak_bytes < fresh.peak_bytes  # the lengths differ in what they hold
     assert not sim._SHARED and not torch.distributed.is_initialized()  # the scope closed its fake world
 
 
