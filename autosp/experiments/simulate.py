@@ -21,8 +21,8 @@ the ones the method really builds (Dynamo graph -> SP pass -> aot_autograd with 
 so the saved-for-backward set is exact; inductor's fusion is NOT modelled — every intermediate of those
 graphs is materialised, stated in the record (`extra.fusion`). That is not a bound either way: unfused
 intermediates over-count inductor's working set, while a fused kernel can hold its inputs and outputs at once
-(tiled autosp on `tiny`/`small`: inductor's run measured 0.8-5.7% above the simulation, README). Inductor's kernels themselves cannot run on fake tensors (its C++/Triton
-kernels take data pointers). DeepSpeed's AutoSP calls `torch._inductor.compile` itself: there the graph goes
+(tiled autosp on `tiny`/`small`: inductor's run measured 0.8-5.7% above the simulation, README). Inductor's
+kernels themselves cannot run on fake tensors (its C++/Triton kernels take data pointers). DeepSpeed's AutoSP calls `torch._inductor.compile` itself: there the graph goes
 through `aot_eager_decomp_partition` (inductor's decompositions and min-cut partitioner, into which DeepSpeed
 splices its long-context checkpointing), equally unfused.
 
@@ -677,7 +677,7 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     record["extra"].update(
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
         executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
-        fusion="none: every intermediate of the partitioned graphs is materialised, as aot_eager runs them",
+        fusion="none: every intermediate of the partitioned graphs is materialised (as aot_eager runs them)",
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
                    "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
