@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import operator
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,6 @@ BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
 
 _SYNCED_ATTR = "_autosp_grad_sync"
-_PARAMETRIZATION = re.compile(r"\.parametrizations\..*$")
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ def _layer_of(primal: fx.Node) -> str | None:
     while frontier:
         node = frontier.popleft()
         if node.meta.get("nn_module_stack"):  # a ZeRO 2/3 gather runs in the parametrization of the module
-            return layer_of_path(_PARAMETRIZATION.sub("", module_path(node)))
+            return layer_of_path(module_path(node))  # a parametrization is in its module's layer
         fresh = [user for user in node.users if user not in seen]
         seen.update(fresh)
         frontier.extend(fresh)

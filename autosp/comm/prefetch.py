@@ -79,9 +79,7 @@ def prefetch_gathers(gm: fx.GraphModule) -> list[GatherBucket]:
 def _bucket_key(node: fx.Node) -> tuple:
     """Gathers of one bucket: one layer, one group, one compute dtype and one master dtype."""
     shard, group_size, group_name, _dp_size, _regather, dtype = node.args
-    path = module_path(node)
-    layer = layer_of_path(path.split(".parametrizations.")[0] if path else path)
-    return layer, group_size, group_name, dtype, fake_value(shard).dtype
+    return layer_of_path(module_path(node)), group_size, group_name, dtype, fake_value(shard).dtype
 
 
 def _issue(graph: fx.Graph, bucket: list[fx.Node], before: fx.Node) -> fx.Node:
