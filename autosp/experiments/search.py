@@ -74,7 +74,8 @@ def search_max_length(
 ) -> SearchOutcome:
     """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
 
-    `start_len` is a length expected near the answer: it and its neighbour are probed first.
+    `start_len` is a length expected near the answer: it is probed first, then its neighbour, unless the line
+    below puts the boundary further than one step from it (a start far off): then the line's guess.
     `probe` returns a status, or (status, peak bytes), or (status, peak bytes, resident bytes at the start
     of the step). Given the peaks and the `budget` they are compared with, the next length is guessed where
     a line through the two probes nearest the boundary crosses the budget (memory is close to linear in the
@@ -155,10 +156,13 @@ def search_max_length(
 
     if start_len is None:
         stop = ask(lo_k)
-    else:  # a hint near the answer (e.g. a previous one): probe it and its neighbour on the open side
+    else:  # a hint near the answer (e.g. a previous one): probe it, then its neighbour on the open side, unless
+        # its peak says the boundary is further away (a hint far off, e.g. a memory floor's optimistic limit)
         stop = ask(min(max(start_len // granularity, lo_k), hi_k))
-        if stop is None and not settled():
-            stop = ask(good + 1 if bad is None else bad - 1)
+        neighbour = None if good is None and bad is None else (good + 1 if bad is None else bad - 1)
+        guess = linear_guess() if stop is None and not settled() else None
+        if stop is None and not settled() and (guess is None or abs(guess - neighbour) <= 1):
+            stop = ask(neighbour)
     misses = 0  # consecutive guesses that did no better than a geometric step (found/halved a bracket, doubled)
     while stop is None and not settled():
         guess = linear_guess() if misses < 2 else None

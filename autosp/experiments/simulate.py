@@ -723,12 +723,15 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     started = time.monotonic()
     limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
 
-    def probe(seq_len: int) -> tuple[str, int | None]:
+    def probe(seq_len: int) -> tuple[str, int | None, int | None]:
         record = simulate(cfg.replace(seq_len=seq_len), device)
         probes.append(record)
-        if record["status"] in ("ok", "oom"):
-            curve[seq_len] = record["extra"]["breakdown"]["allocator_blocks_bytes"]
-        return record["status"], record["peak_mem_bytes"]
+        if record["status"] not in ("ok", "oom"):
+            return record["status"], None, None
+        breakdown = record["extra"]["breakdown"]
+        curve[seq_len] = breakdown["allocator_blocks_bytes"]
+        # model state at the peak is what was resident at the step's start: the line's value at length 0
+        return record["status"], record["peak_mem_bytes"], breakdown["model_state_bytes"] + device.fixed_bytes
 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
     with shared_rank_programs():

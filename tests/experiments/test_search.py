@@ -163,6 +163,19 @@ def test_resident_bytes_let_the_first_probe_jump_near_the_limit(per_token: int) 
     assert oracle.asked[1] <= oracle.limit and len(oracle.asked) <= 4, oracle.asked
 
 
+@pytest.mark.parametrize("per_token", [700, 17_000, 59_000])
+def test_a_start_far_above_the_limit_jumps_by_its_peak_instead_of_probing_its_neighbour(per_token: int) -> None:
+    """A hint 4x too long (a memory floor's limit): its neighbour is as far off, so the line is followed at once."""
+    budget, fixed = 1 << 30, 300 << 20
+    oracle = LinearMemoryOracle(fixed=fixed, per_token=per_token, budget=budget)
+    with_resident = lambda n: (*oracle(n), fixed - (40 << 20))  # noqa: E731
+    start = (4 * oracle.limit // 512) * 512
+    out = search_max_length(with_resident, granularity=512, min_len=512, max_len=1 << 24, budget=budget,
+                            start_len=start)
+    assert out.status == FOUND and out.max_seq_len == (oracle.limit // 512) * 512
+    assert start - 512 not in oracle.asked and len(oracle.asked) <= 4, oracle.asked
+
+
 def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() -> None:
     import random
 
