@@ -84,6 +84,8 @@ UNSUPPORTED: dict[str, str] = {}
 SIMULATED_BACKEND = "aot_eager"
 #: what a method's own `torch._inductor.compile` call (DeepSpeed's AutoSP) runs on fake tensors
 DIRECT_INDUCTOR_BACKEND = "aot_eager_decomp_partition"
+#: the phase of the ops between the backward pass and the optimizer step (outside autograd's engine)
+AFTER_BACKWARD = "after backward"
 COMPONENTS = ("model_state_bytes", "gradient_bytes", "saved_activation_bytes", "transient_bytes")
 
 
@@ -98,8 +100,9 @@ class LiveStorageTracker(TorchDispatchMode):
     subclass (FSDP2's DTensor) is seen before its own dispatch runs the local op (unseen, the mode is off
     there), and holds no memory itself: its inner tensors are counted instead. Each storage's
     size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
-    are followed. `peak` is the maximum of the device-charged total since `reset_peak()`, with the set of
-    storages live at that moment (for the breakdown) and the op that reached it.
+    are followed. Since `reset_peak()` each phase of the step (forward, backward, after backward, optimizer) keeps its own peak of the
+    device-charged total (`moments`), with the storages live at that moment (for the breakdown) and the op that
+    reached it: the layer extrapolation follows each phase's peak separately (`_extrapolate`); `peak()` is the highest.
 
     Host memory apart: the outputs of `autosp_offload::offload` (offloaded activations, `autosp.compiler.offload`)
     live in host memory, so they are kept out of the device total; `host_peak` is their most bytes alive at once.
@@ -115,11 +118,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.live: dict[int, weakref.ref] = {}  # serial number -> storage (serials: ids of dead objects recur)
         self.serials: dict[int, int] = {}  # id of a live storage object -> its serial number
         self.serial = 0
-        self.peak = 0
-        self.peak_sizes: dict[int, int] = {}
-        self.peak_op = ""
-        self.peak_phase = ""
-        self.phase_peaks: dict[str, int] = {}  # the most charged bytes in each phase of the measured step
+        self.moments: dict[str, PeakMoment] = {}  # each phase's peak in the measured step, in step order
         self.phase = "setup"
         self.ops = 0
         self.watching = False  # peaks are followed only in the measured step (the warm-up's peak is never read)
@@ -165,10 +164,12 @@ class LiveStorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.watching = True
         self.host_peak = 0
-        self.peak_sizes = self.sizes()
-        self.peak = self.charged(self.peak_sizes)
-        self.peak_op, self.peak_phase = "(step start)", self.phase
-        self.phase_peaks = {self.phase: self.peak}
+        sizes = self.sizes()
+        self.moments = {self.phase: PeakMoment(self.charged(sizes), sizes, "(step start)", self.ops)}
+
+    def peak(self) -> PeakMoment:
+        """The step's peak: the highest phase peak (on a tie the earlier moment, as a running maximum keeps it)."""
+        return max(self.moments.values(), key=lambda moment: (moment.charged, -moment.at))
 
     @contextlib.contextmanager
     def assume_healthy_step(self) -> Iterator[None]:
@@ -203,10 +204,23 @@ class LiveStorageTracker(TorchDispatchMode):
         sizes = self.sizes()
         charged = self.charged(sizes)
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), charged)
-        if charged > self.peak:
-            self.peak, self.peak_sizes, self.peak_op, self.peak_phase = charged, sizes, str(func), phase
+        if phase == "forward" and "backward" in self.moments:
+            phase = AFTER_BACKWARD  # e.g. a gradient all-reduce of flattened gradients, between backward and step
+        moment = self.moments.get(phase)
+        if moment is None or charged > moment.charged:
+            self.moments[phase] = PeakMoment(charged, sizes, str(func), self.ops)
         return out
+
+
+@dataclass
+class PeakMoment:
+    """The most device bytes one phase of the measured step held: the charged total, the storages live then
+    (serial -> bytes, for the breakdown), the op that reached it and when (the tracker's op count)."""
+
+    charged: int
+    sizes: dict[int, int]
+    op: str
+    at: int
 
 
 class _BlockCache(dict):
@@ -222,8 +236,8 @@ class _BlockCache(dict):
 
 
 @dataclass
-class RankPeak:
-    """One rank's predicted peak (bytes charged in device blocks, context and workspaces not included)."""
+class PhasePeak:
+    """One phase's peak (bytes charged in device blocks, context and workspaces not included) and its breakdown."""
 
     peak_bytes: int
     live_tensor_bytes: int  # the same moment, unrounded: what the CPU meter counts
@@ -232,12 +246,22 @@ class RankPeak:
     saved_activation_bytes: int  # tensors saved for backward and still live at the peak
     transient_bytes: int  # everything else live at the peak: the working set of the op there
     peak_op: str
+
+
+#: the terms of a peak that grow by the same bytes per layer (`_extrapolate`)
+LINEAR_TERMS = ("peak_bytes", "live_tensor_bytes", *COMPONENTS)
+
+
+@dataclass
+class RankPeak(PhasePeak):
+    """One rank's predicted peak: the highest phase peak (its terms above), and every phase's own."""
+
     peak_phase: str
     num_layers: int
     ops: int
     host_offloaded_bytes: int = 0  # offloaded activations in host memory, most alive at once (not in peak_bytes)
     assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
-    phase_peaks: dict[str, int] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
+    phases: dict[str, PhasePeak] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
 
 
 @contextlib.contextmanager
@@ -387,22 +411,25 @@ class RankProgram:
             for hook in hooks:
                 hook.remove()
             tracker.watching = False
-        sizes = tracker.peak_sizes
         charge = tracker.device.block_bytes
 
-        def part(keys: set[int]) -> int:
-            return sum(charge(n) for k, n in sizes.items() if k in keys)
+        def breakdown(moment: PeakMoment) -> PhasePeak:
+            def part(keys: set[int]) -> int:
+                return sum(charge(n) for k, n in moment.sizes.items() if k in keys)
 
-        state = part(resident)
-        grads = part(gradients - resident)
-        acts = part(saved - resident - gradients)
-        return RankPeak(peak_bytes=tracker.peak, live_tensor_bytes=sum(sizes.values()), model_state_bytes=state,
-                        gradient_bytes=grads, saved_activation_bytes=acts,
-                        transient_bytes=tracker.peak - state - grads - acts, peak_op=tracker.peak_op,
-                        peak_phase=tracker.peak_phase, num_layers=self.layers, ops=tracker.ops - ops,
-                        host_offloaded_bytes=tracker.host_peak,
-                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads,
-                        phase_peaks=dict(tracker.phase_peaks))
+            state = part(resident)
+            grads = part(gradients - resident)
+            acts = part(saved - resident - gradients)
+            return PhasePeak(peak_bytes=moment.charged, live_tensor_bytes=sum(moment.sizes.values()),
+                             model_state_bytes=state, gradient_bytes=grads, saved_activation_bytes=acts,
+                             transient_bytes=moment.charged - state - grads - acts, peak_op=moment.op)
+
+        phases = {phase: breakdown(moment) for phase, moment in tracker.moments.items()}
+        peak = tracker.peak()
+        peak_phase = next(phase for phase, moment in tracker.moments.items() if moment is peak)
+        return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
+                        ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
+                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases)
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
@@ -601,14 +628,15 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     try:
         if depth <= EXACT_LAYERS or _configured_by_depth(cfg):
             return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
-        two, three = _rank_peak(run_cfg, device, 2), _rank_peak(run_cfg, device, 3)
-        note = None
-        if (two.peak_op, two.peak_phase) != (three.peak_op, three.peak_phase):
-            note = f"peak op differs at 2 and 3 layers ({two.peak_op} / {three.peak_op}): simulated whole"
-        elif overtaking := _phase_overtaking_at_depth(two, three, depth):
-            note = f"at {depth} layers the {overtaking} peak overtakes the {three.peak_phase} one: simulated whole"
-        if note:
-            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False, "note": note}
+        runs = [_rank_peak(run_cfg, device, 2), _rank_peak(run_cfg, device, 3)]
+        peak, note = _extrapolate(*runs, depth)
+        if peak is None and depth > SECOND_PAIR[1]:
+            runs.append(_rank_peak(run_cfg, device, SECOND_PAIR[1]))
+            peak, later = _extrapolate(*runs[-2:], depth)
+            note = f"{note}; extrapolated from 3 and 4 layers" if peak is not None else f"{note}; {later}"
+        if peak is None:
+            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
+                                                 "note": f"{note}: simulated whole"}
     except SimulationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the method on fake tensors is reported, not guessed
@@ -616,27 +644,48 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
         # the method's own refusal (it would refuse the real run alike) vs a failure of the simulation itself
         what = "refuses this configuration" if isinstance(exc, AutoSPError) else "cannot run on fake tensors"
         raise SimulationError(f"--method {cfg.method} {what}: {type(exc).__name__}: {first}") from exc
-    per_layer = {name: getattr(three, name) - getattr(two, name)
-                 for name in ("peak_bytes", "live_tensor_bytes", "host_offloaded_bytes", *COMPONENTS)}
-    extrapolated = RankPeak(**{**asdict(three), **{name: getattr(three, name) + (depth - 3) * delta
-                                                    for name, delta in per_layer.items()}}, )
-    extrapolated.num_layers = depth
-    extrapolated.ops = two.ops + (depth - 2) * (three.ops - two.ops)
-    return extrapolated, {"layers_simulated": [2, 3], "extrapolated": True,
-                          "per_layer_peak_bytes": per_layer["peak_bytes"]}
+    low, high = runs[-2:]
+    how = {"layers_simulated": [run.num_layers for run in runs], "extrapolated": True,
+           "extrapolated_from": [low.num_layers, high.num_layers],
+           "per_layer_peak_bytes": high.phases[peak.peak_phase].peak_bytes - low.phases[peak.peak_phase].peak_bytes}
+    if peak.peak_phase != high.peak_phase:
+        note = f"{note}; " if note else ""
+        note += f"at {depth} layers the {peak.peak_phase} peak overtakes the {high.peak_phase} one"
+    return peak, {**how, "note": note} if note else how
 
 
-def _phase_overtaking_at_depth(two: RankPeak, three: RankPeak, depth: int) -> str | None:
-    """The phase whose own peak, extrapolated to `depth` layers, would exceed the extrapolated peak of the phase
-    where 2 and 3 layers peak - e.g. the optimizer step (state + gradients + AdamW's multi-tensor temporary, all
-    growing with depth) overtaking a backward peak that short models reach in the embedding's gradient - or None.
-    The extrapolation follows one phase's peak, so such a model is simulated whole."""
-    def at_depth(phase: str) -> int:
-        return three.phase_peaks.get(phase, 0) + (depth - 3) * (three.phase_peaks.get(phase, 0)
-                                                                 - two.phase_peaks.get(phase, 0))
+#: the depths extrapolated from when 2 and 3 layers peak at different ops: a 2-layer model has no inner layer
+SECOND_PAIR = (3, 4)
 
-    mine = at_depth(three.peak_phase)
-    return next((phase for phase in three.phase_peaks if phase != three.peak_phase and at_depth(phase) > mine), None)
+
+def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | None, str | None]:
+    """The peak at `depth` layers from two runs one layer apart, phase by phase, or why that cannot be done.
+
+    Layers are identical, so at an op at a fixed place relative to the layers (e.g. the last layer's backward)
+    every term - model state, gradients, saved activations, the transient working set - grows by the same bytes
+    per layer. Each phase's peak and terms are extrapolated along their own line, and the highest phase at
+    `depth` wins: with depth, the optimizer step (state, gradients and AdamW's multi-tensor temporary) can
+    overtake a backward peak that short models reach in the logits' or the embedding's gradient. The line is
+    that of one op only if the winning phase peaks at the same op in both runs; if not, None."""
+    if list(low.phases) != list(high.phases):
+        return None, f"the phases differ at {low.num_layers} and {high.num_layers} layers"
+    more = depth - high.num_layers
+
+    def line(name: str, term: str) -> int:
+        later = getattr(high.phases[name], term)
+        return later + more * (later - getattr(low.phases[name], term))
+
+    phases = {name: PhasePeak(**{term: line(name, term) for term in LINEAR_TERMS}, peak_op=phase.peak_op)
+              for name, phase in high.phases.items()}
+    winner = max(phases, key=lambda name: phases[name].peak_bytes)  # a tie: the earlier phase, as the tracker
+    ops = (low.phases[winner].peak_op, high.phases[winner].peak_op)
+    if ops[0] != ops[1]:
+        return None, f"{winner} peak op differs at {low.num_layers} and {high.num_layers} layers ({ops[0]} / {ops[1]})"
+    return RankPeak(**vars(phases[winner]), peak_phase=winner, num_layers=depth,
+                    ops=high.ops + more * (high.ops - low.ops),
+                    host_offloaded_bytes=high.host_offloaded_bytes + more * (high.host_offloaded_bytes
+                                                                             - low.host_offloaded_bytes),
+                    assumed_healthy_reads=high.assumed_healthy_reads, phases=phases), None
 
 
 def _configured_by_depth(cfg: RunConfig) -> bool:
