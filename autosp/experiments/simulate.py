@@ -34,13 +34,29 @@ DeepSpeed's cross-rank consistency checks (a broadcast of rank 0's host ints, re
 FSDP2 (`fsdp`, `ulysses/ring --zero 3`) runs unchanged; its world mesh is built with the context, outside
 FakeTensorMode (a DeviceMesh reads its rank table, which would be a fake tensor there).
 
-Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and every term is extrapolated
-linearly to the real depth. Layers are identical, so model state and saved activations grow by the same bytes
-per layer, and the peak sits at the same op relative to the last layer; the extrapolation is accepted only
-when both runs peak at the same op in the same phase and no other phase's peak (each extrapolated alike)
-overtakes it at the real depth (else the whole depth is simulated: an H200 run of llama-3.2-1b peaked in the
-AdamW step, which 2- and 3-layer models do not), and tests/experiments/test_simulate.py checks it against the
-full-depth simulation. A search keeps each depth's rank
+Speed: a model deeper than `EXACT_LAYERS` is simulated at 2 and 3 layers and extrapolated linearly to the real
+depth, phase by phase (`_extrapolate`). Layers are identical, so at an op at a fixed place relative to the layers
+(the last layer's backward, the step after the last gradient) every term - model state, gradients, saved
+activations, the transient working set - grows by the same bytes per layer. The tracker keeps each phase's own
+peak (forward, backward, after backward: e.g. a gradient all-reduce; optimizer) with the storages live at it, so
+each phase's peak and breakdown are extrapolated along their own line, and the phase highest at the real depth is
+the answer: with depth the AdamW step (state, gradients and its multi-tensor temporary) or the flattened gradients
+after backward can overtake a backward peak that short models reach in the logits' gradient (an H200 run of
+llama-3.2-1b peaked in the AdamW step). The line is one op's only if the winning phase peaks at the same op in
+both runs. Where it does not, 4 layers are simulated too and the line through 3 and 4 is used if their ops agree:
+a 2-layer model is all boundary - its first layer is also the last but one, so an op of an inner layer (one with
+a layer on either side, e.g. where a prefetch of the next layer's parameters meets the previous one's gradients)
+does not exist there (seen: FSDP2's backward on llama-2-13b and on a wide `tiny-mha`, at a view at 2 layers, at a
+multiplication from 3 on). From 3 layers on the inner layers are copies of one another, so an op at a fixed place
+has terms linear in the depth - provided a layer's ops depend only on its neighbours (boundary effects one layer
+deep), which is why 3 and 4 must agree before their line is used. Only if they disagree too is the whole depth
+simulated (`extra.note` says why). What the extrapolation cannot see, and no test can rule out: an op whose line
+is below the winner at 2-3 (or 3-4) layers but steeper, overtaking only deeper (a phase whose op differs is such a
+case: its line through two different ops underestimates it, so only the winner's op is checked); and the allocator's
+rounding of a storage whose size grows with the depth (a flat buffer of all gradients or parameters), whose
+charged bytes are not linear: off by less than one block per such storage (on GPU devices; the CPU device does
+not round). tests/experiments/test_simulate.py checks both paths against the full-depth simulation.
+A search keeps each depth's rank
 program across its probes (`shared_rank_programs`, for the methods in `SHARED_PROGRAM_METHODS`): a later length
 runs only its measured step on the same model and AdamW states, and a compiled method's sequence dimension is traced
 symbolically once by Dynamo, then specialised per length for the SP pass and the partitioner

@@ -217,4 +217,4 @@ def test_the_tracker_books_offloaded_copies_as_host_memory():
         back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))
         del back
     assert tracker.host_peak == 1000
-    assert sum(tracker.peak_sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them
+    assert sum(tracker.peak().sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them
