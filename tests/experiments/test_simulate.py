@@ -97,6 +97,25 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
     assert vars(extrapolated) == vars(sim.simulate_rank(sim.simulate_config(cfg), mi250))
 
 
+def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypatch):
+    """ZeRO-3's buckets are sized in elements, not layers: its peak is not linear in the depth (llama-3.2-3b at 12K
+    on an a100-80gb: 74.5 GiB extrapolated from 2 and 3 layers at the same op, 70.5 GiB simulated at 28)."""
+    depths: list[int | None] = []
+
+    def rank_peak(cfg, device, layers=None):
+        depths.append(layers)
+        return sim.RankPeak(peak_bytes=1, live_tensor_bytes=1, model_state_bytes=1, gradient_bytes=0,
+                            saved_activation_bytes=0, transient_bytes=0, peak_op="mm", peak_phase="backward",
+                            num_layers=layers or 28, ops=1, phases={"backward": sim.PhasePeak(1, 1, 1, 0, 0, 0, "mm")})
+
+    monkeypatch.setattr(sim, "_rank_peak", rank_peak)
+    cfg = RunConfig(method="zero3", model="llama-3.2-3b", seq_len=12288, world_size=8, dtype="bfloat16")
+    _, how = sim.predict_peak(cfg, get_device_model("a100-80gb"))
+    assert depths == [None] and how["layers_simulated"] == [28] and "not linear in the depth" in how["note"]
+    sim.predict_peak(cfg.replace(method="fsdp", zero=3), get_device_model("a100-80gb"))
+    assert depths[1:] == [2, 3]  # FSDP2 (PyTorch's ZeRO-3: gathers by layer) is extrapolated
+
+
 @pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
                                                     ("zero3", None, "tiny", "bfloat16"),
                                                     ("ds-autosp", None, "hf:tiny", "bfloat16")])
