@@ -692,7 +692,8 @@ def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | 
     per layer. Each phase's peak and terms are extrapolated along their own line, and the highest phase at
     `depth` wins: with depth, the optimizer step (state, gradients and AdamW's multi-tensor temporary) can
     overtake a backward peak that short models reach in the logits' or the embedding's gradient. The line is
-    that of one op only if the winning phase peaks at the same op in both runs; if not, None."""
+    that of one op only if the winning phase peaks at the same op in both runs (and no term of it goes negative:
+    seen for DeepSpeed's ZeRO-3, `NOT_LINEAR_IN_DEPTH`); if not, None."""
     if list(low.phases) != list(high.phases):
         return None, f"the phases differ at {low.num_layers} and {high.num_layers} layers"
     more = depth - high.num_layers
@@ -707,6 +708,8 @@ def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | 
     ops = (low.phases[winner].peak_op, high.phases[winner].peak_op)
     if ops[0] != ops[1]:
         return None, f"{winner} peak op differs at {low.num_layers} and {high.num_layers} layers ({ops[0]} / {ops[1]})"
+    if negative := [term for term in LINEAR_TERMS if getattr(phases[winner], term) < 0]:  # no line, then
+        return None, f"{winner} {negative[0]} extrapolates below zero from {low.num_layers} and {high.num_layers} layers"
     return RankPeak(**vars(phases[winner]), peak_phase=winner, num_layers=depth,
                     ops=high.ops + more * (high.ops - low.ops),
                     host_offloaded_bytes=high.host_offloaded_bytes + more * (high.host_offloaded_bytes

@@ -97,6 +97,18 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
     assert vars(extrapolated) == vars(sim.simulate_rank(sim.simulate_config(cfg), mi250))
 
 
+def test_a_phase_line_with_a_term_below_zero_at_full_depth_is_not_used():
+    """A term that shrinks per layer (ZeRO-3's transient working set did) cannot be a line to the real depth."""
+    def run(layers: int, transient: int) -> sim.RankPeak:
+        phase = sim.PhasePeak(100 + 10 * layers, 100 + 10 * layers, 100 + 10 * layers - transient, 0, 0, transient, "mm")
+        return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
+
+    peak, _ = sim._extrapolate(run(2, 50), run(3, 50), 10)
+    assert peak.peak_bytes == 200 and peak.transient_bytes == 50
+    peak, why = sim._extrapolate(run(2, 50), run(3, 40), 10)
+    assert peak is None and why == "backward transient_bytes extrapolates below zero from 2 and 3 layers"
+
+
 def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypatch):
     """ZeRO-3's buckets are sized in elements, not layers: its peak is not linear in the depth (llama-3.2-3b at 12K
     on an a100-80gb: 74.5 GiB extrapolated from 2 and 3 layers at the same op, 70.5 GiB simulated at 28)."""
