@@ -50,20 +50,21 @@ does not exist there (seen: FSDP2's backward on llama-2-13b and on a wide `tiny-
 multiplication from 3 on). From 3 layers on the inner layers are copies of one another, so an op at a fixed place
 has terms linear in the depth - provided a layer's ops depend only on its neighbours (boundary effects one layer
 deep), which is why 3 and 4 must agree before their line is used. Only if they disagree too is the whole depth
-simulated (`extra.note` says why). What the extrapolation cannot see, and no test can rule out: an op whose line
-is below the winner at 2-3 (or 3-4) layers but steeper, overtaking only deeper (a phase whose op differs is such a
-case: its line through two different ops underestimates it, so only the winner's op is checked); and the allocator's
-rounding of a storage whose size grows with the depth (a flat buffer of all gradients or parameters): its raw bytes
-are linear, its whole blocks are not, and the step in blocks between the two depths is carried to the real depth,
-off by up to one block per further layer and such storage (GPU devices; the CPU device does not round. Seen:
-ds-autosp hf:llama-3.2-1b at 223232 tokens on mi250-gcd, live bytes exact, model state 42 MiB (0.07%) above the
-16-layer simulation; ring's flattened gradients on a 6-layer test model, one 2 MiB block below). tests/experiments/test_simulate.py checks both paths against the full-depth simulation.
-A search keeps each depth's rank
-program across its probes (`shared_rank_programs`, for the methods in `SHARED_PROGRAM_METHODS`): a later length
-runs only its measured step on the same model and AdamW states, and a compiled method's sequence dimension is traced
-symbolically once by Dynamo, then specialised per length for the SP pass and the partitioner
-(`autosp.compiler.specialize`), so a probe skips building, setup, the warm-up step and Dynamo's trace; the
-peaks are those of a fresh program per length (a test checks every field).
+simulated (`extra.note` says why). DeepSpeed's ZeRO-3 is always simulated whole (`NOT_LINEAR_IN_DEPTH`).
+tests/experiments/test_simulate.py checks both paths against full-depth simulations. What the extrapolation cannot
+see: an op whose line is below the winner's at 2-3 (or 3-4) layers but steeper, overtaking only deeper (a losing
+phase whose peak op differs between the two depths is one: a phase's peak is the highest of its ops' lines, so the
+line through two of its ops can only underestimate it deeper); and the allocator's rounding of a storage whose size
+grows with the depth (a flat buffer of all gradients or parameters): its raw bytes are linear, its whole blocks are
+not, and the step in blocks between the two depths is carried to the real depth, off by up to one block per further
+layer and such storage (GPU devices; the CPU device does not round. Seen: ds-autosp hf:llama-3.2-1b at 223232 tokens
+on mi250-gcd, live bytes exact, model state 42 MiB (0.07%) above the 16-layer simulation; ring's flattened gradients
+on a 6-layer test model on an H200, one 2 MiB block below, which let the optimizer phase win there).
+A search keeps each depth's rank program across its probes (`shared_rank_programs`, for the methods in
+`SHARED_PROGRAM_METHODS`): a later length runs only its measured step on the same model and AdamW states, and a
+compiled method's sequence dimension is traced symbolically once by Dynamo, then specialised per length for the SP
+pass and the partitioner (`autosp.compiler.specialize`), so a probe skips building, setup, the warm-up step and
+Dynamo's trace; the peaks are those of a fresh program per length (a test checks every field).
 
 What it cannot run it says, in one line (status `error`): the method's own error (e.g. DeepSpeed's AutoSP
 compile fails on the project Llama, as it does when measured) or the fake-tensor failure, never a number.
@@ -118,9 +119,10 @@ class LiveStorageTracker(TorchDispatchMode):
     subclass (FSDP2's DTensor) is seen before its own dispatch runs the local op (unseen, the mode is off
     there), and holds no memory itself: its inner tensors are counted instead. Each storage's
     size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
-    are followed. Since `reset_peak()` each phase of the step (forward, backward, after backward, optimizer) keeps its own peak of the
-    device-charged total (`moments`), with the storages live at that moment (for the breakdown) and the op that
-    reached it: the layer extrapolation follows each phase's peak separately (`_extrapolate`); `peak()` is the highest.
+    are followed. Since `reset_peak()` each phase of the step (forward, backward, after backward, optimizer) keeps
+    its own peak of the device-charged total (`moments`), with the storages live at that moment (for the breakdown)
+    and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
+    `peak()` is the highest.
 
     Host memory apart: the outputs of `autosp_offload::offload` (offloaded activations, `autosp.compiler.offload`)
     live in host memory, so they are kept out of the device total; `host_peak` is their most bytes alive at once.
@@ -709,7 +711,8 @@ def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | 
     if ops[0] != ops[1]:
         return None, f"{winner} peak op differs at {low.num_layers} and {high.num_layers} layers ({ops[0]} / {ops[1]})"
     if negative := [term for term in LINEAR_TERMS if getattr(phases[winner], term) < 0]:  # no line, then
-        return None, f"{winner} {negative[0]} extrapolates below zero from {low.num_layers} and {high.num_layers} layers"
+        return None, (f"{winner} {negative[0]} extrapolates below zero from {low.num_layers} and "
+                      f"{high.num_layers} layers")
     return RankPeak(**vars(phases[winner]), peak_phase=winner, num_layers=depth,
                     ops=high.ops + more * (high.ops - low.ops),
                     host_offloaded_bytes=high.host_offloaded_bytes + more * (high.host_offloaded_bytes

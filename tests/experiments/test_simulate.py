@@ -100,7 +100,8 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
 def test_a_phase_line_with_a_term_below_zero_at_full_depth_is_not_used():
     """A term that shrinks per layer (ZeRO-3's transient working set did) cannot be a line to the real depth."""
     def run(layers: int, transient: int) -> sim.RankPeak:
-        phase = sim.PhasePeak(100 + 10 * layers, 100 + 10 * layers, 100 + 10 * layers - transient, 0, 0, transient, "mm")
+        peak = 100 + 10 * layers
+        phase = sim.PhasePeak(peak, peak, peak - transient, 0, 0, transient, "mm")
         return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
 
     peak, _ = sim._extrapolate(run(2, 50), run(3, 50), 10)
