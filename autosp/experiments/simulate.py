@@ -599,7 +599,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     run_cfg = simulate_config(cfg)
     depth = get_preset(cfg.model).num_layers
     try:
-        if depth <= EXACT_LAYERS or _configured_by_depth(cfg):
+        if depth <= EXACT_LAYERS:
             return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
         two, three = _rank_peak(run_cfg, device, 2), _rank_peak(run_cfg, device, 3)
         note = None
@@ -637,21 +637,6 @@ def _phase_overtaking_at_depth(two: RankPeak, three: RankPeak, depth: int) -> st
 
     mine = at_depth(three.peak_phase)
     return next((phase for phase in three.phase_peaks if phase != three.peak_phase and at_depth(phase) > mine), None)
-
-
-def _configured_by_depth(cfg: RunConfig) -> bool:
-    """Whether the method's configuration at 2 layers differs from the real model's, so that extrapolating from
-    2 and 3 layers would be wrong: zero3 caps DeepSpeed's reduce bucket (allocated whole) at the model's parameter
-    count, which binds at 2 layers when the 2-layer model is smaller than the default bucket."""
-    import dataclasses
-
-    from autosp.experiments.floor import parameter_count
-    from autosp.models import get_preset
-    from baselines.zero3 import DEFAULT_REDUCE_BUCKET
-
-    if cfg.method != "zero3":
-        return False
-    return parameter_count(dataclasses.replace(get_preset(cfg.model), num_layers=2)) < DEFAULT_REDUCE_BUCKET
 
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
