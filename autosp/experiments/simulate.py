@@ -742,11 +742,10 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
 
 def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
     """The analytic memory floor's longest length for the tensor budget (as `autosp search` reports it)."""
-    from autosp.experiments.floor import floor_for
+    from autosp.experiments.floor import run_floor
 
     try:
-        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
-                          dtype=cfg.dtype)
+        floor = run_floor(cfg)
     except ConfigError:
         return None, None
     return floor.max_seq_len(budget, granularity), floor.to_dict()
