@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -51,8 +50,9 @@ def per_length(backend: Callable[[fx.GraphModule, list[Any]], Callable]) -> Call
 
 def hinted_at(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, list[Any], TracingContext]:
     """A copy of Dynamo's symbolic `gm` as Dynamo builds it for the call `args`: its symbolic dimensions (the
-    sequence: one symbol, as Dynamo's equality guards leave them) hinted at these sizes in a fresh shape environment,
-    every node's `example_value` re-propagated; the example inputs Dynamo passes a backend; a tracing context."""
+    sequence: one symbol, as Dynamo's equality guards leave them) hinted at these sizes in a fresh shape environment
+    (the placeholders' `example_value`: DeepSpeed's pass propagates the rest itself, from its inputs); the example
+    inputs Dynamo passes a backend; a tracing context of that environment."""
     from torch._dynamo import config
 
     env = ShapeEnv(allow_scalar_outputs=config.capture_scalar_outputs,
@@ -82,9 +82,11 @@ def hinted_at(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, list
             fakes[i] = symbols[old.node.expr]
             if node.name == str(old.node.expr) != str(fakes[i]):  # DeepSpeed finds it by its symbol's name
                 node._rename(str(fakes[i]))
+    for node in graph.graph.nodes:  # the rest DeepSpeed's pass propagates itself; Dynamo's are another env's
+        node.meta.pop("example_value", None)
+    for node, fake in zip(placeholders, fakes):
+        node.meta["example_value"] = fake
     graph.recompile()
-    with mode, enable_python_dispatcher():  # as Dynamo propagates example values (`get_fake_value`)
-        _RecordValues(graph).run(*fakes)
     return graph, [f if isinstance(f, torch.SymInt) else a for f, a in zip(fakes, args)], TracingContext(mode)
 
 
@@ -105,9 +107,3 @@ def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
 
 #: what Dynamo attaches to the graph module it hands a backend, outside `meta` (`OutputGraph._call_user_compiler`)
 _DYNAMO_GRAPH_ATTRIBUTES = ("_param_name_to_source", "_source_to_user_stacks")
-
-
-class _RecordValues(fx.Interpreter):
-    def run_node(self, node: fx.Node) -> Any:
-        node.meta["example_value"] = value = super().run_node(node)
-        return value
