@@ -516,7 +516,7 @@ def _inductor_compile_unfused() -> Iterator[None]:
 @contextlib.contextmanager
 def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
     """A shared ds-autosp program compiles DeepSpeed's AutoSP backend per length on its one Dynamo trace
-    (`autosp.experiments.deepspeed_per_length`): the engine set up here gets that backend from `init_autosp`."""
+    (`autosp.experiments.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
     if not shared:
         yield
         return
