@@ -242,18 +242,25 @@ class RankPeak:
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs."""
+    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs.
+
+    What a job's program changes process-wide ends with the world: DeepSpeed's ZeRO-3 replaces
+    `torch.nn.functional.linear` by its own autograd function ("this will persist unless manually reset") — part of
+    the zero3 program, but the next program in this process (a later cell of a `simulate-table` worker, another
+    test) would trace it too (autosp's compile then fails on it)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("simulate needs a process without a process group")
     os.environ.setdefault("LOCAL_RANK", "0")
+    linear = torch.nn.functional.linear
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
         _forget_deepspeed_groups()
+        torch.nn.functional.linear = linear
 
 
 def _forget_deepspeed_groups() -> None:
