@@ -4,7 +4,7 @@ partitioned over the data-parallel ranks; every rank trains its own full-length 
 `stage3_param_persistence_threshold: 0` partitions every parameter, however small (DeepSpeed's default keeps
 parameters under 100K elements whole on every rank, which on the small CPU presets would be nearly all of them
 and turn ZeRO-3 into plain data parallelism). Its communication buckets are capped at the model's parameter
-count: DeepSpeed allocates the whole reduce bucket (default 5e8 elements, 1.9 GiB in fp32) up front, which on a
+count (its preset's, so a shortened stand-in is configured as the real model): DeepSpeed allocates the whole reduce bucket (default 5e8 elements, 1.9 GiB in fp32) up front, which on a
 model smaller than that is pure overhead no tuned setup would keep. The optimizer is the same torch AdamW as the
 reference, handed to DeepSpeed as a client optimizer (DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages
 gradients over the dp ranks, so the backward loss (each rank's share of the global token mean) is multiplied
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from autosp.harness.config import RunConfig
+from autosp.models.build import parameter_count
 from baselines.base import Strategy, TrainStep, register
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
@@ -59,7 +60,9 @@ class Zero3Step(TrainStep):
         self.deepspeed = import_deepspeed("zero3")
         self.ctx = ctx
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        config = zero3_config(cfg, sum(p.numel() for p in model.parameters()))
+        # the preset's count, not this module's: a shorter stand-in (the simulator's 2 and 3 layers) is configured
+        # as the real model, so its buckets, and the bytes they hold, are the real model's
+        config = zero3_config(cfg, parameter_count(cfg.model))
         self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def forward_backward(self, batch: "Batch") -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, asdict
 import torch
 
 from autosp.compiler.offload import DEVICE_WINDOW
-from autosp.harness.config import ConfigError
+from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset
 
@@ -211,6 +211,20 @@ def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, 
     return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
                         model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss,
                         offload=offload)
+
+
+def run_floor(cfg: RunConfig) -> MemoryFloor:
+    """The floor of the run `cfg` configures: at the ZeRO stage its strategy really runs (`Strategy.zero_stage`,
+    e.g. ds-autosp's 1 under mixed bf16), with autosp's tiled loss and offload as set (what a search starts
+    from and judges its answer against)."""
+    from autosp.compiler.offload import parse_offload
+    from autosp.compiler.tiling import parse_tiling
+    from baselines.base import get_strategy
+
+    autosp = cfg.method == "autosp"
+    return floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                     zero=get_strategy(cfg.method).zero_stage(cfg), tiled_loss=autosp and parse_tiling(cfg.tiling).loss,
+                     offload=autosp and parse_offload(cfg.offload))
 
 
 # ------------------------------------------------------------------------------------------ `autosp floor`

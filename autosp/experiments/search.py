@@ -44,6 +44,9 @@ from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 #: probe statuses the runner reports; only OOM bounds the length, the others after OK stop the search
 OK, OOM, ERROR, TIMEOUT, INTERRUPTED = "ok", "oom", "error", "timeout", "interrupted"
 STOPPING = (ERROR, TIMEOUT, INTERRUPTED)
+#: how far past the longest ok length a search jumps while its peaks are flat (length-independent work, e.g. an
+#: optimizer step, hides the length's share): doubling would take a probe per factor 2
+FLAT_PEAK_JUMP = 32
 #: search outcomes
 FOUND = "found"  # bracketed: max_seq_len ok, max_seq_len + granularity oom
 NO_OOM_UP_TO_MAX = "no_oom_up_to_max_len"  # max_len itself trains: the true limit is higher
@@ -78,11 +81,14 @@ def search_max_length(
     below puts the boundary further than one step from it (a start far off): then the line's guess.
     `probe` returns a status, or (status, peak bytes), or (status, peak bytes, resident bytes at the start
     of the step). Given the peaks and the `budget` they are compared with, the next length is guessed where
-    a line through the two probes nearest the boundary crosses the budget (memory is close to linear in the
-    length); with a single peak, its resident bytes stand in for the line's value at length 0. The peak
-    above the resident bytes also holds length-independent work (optimizer temporaries), so that first
-    slope is steep and its guess falls short of the limit: a safe jump, after which two probes near the
-    boundary fix the line and one more confirms the answer. Guesses only choose what to probe; statuses alone decide the answer, and
+    a line crosses the budget (memory is close to linear in the length at long lengths): the line through the
+    two shortest out-of-memory probes once there are two (at long lengths the activations' line, while ok
+    probes can sit on a length-independent peak such as an optimizer step, flat and silent on the slope), else
+    through the shortest out-of-memory probe and its resident bytes (the value at length 0: a line at least as
+    steep as the activations', so its guess lies at or above the limit), else through the two probes nearest
+    the boundary; with a single ok peak, its resident bytes stand in for length 0 (that slope is steep, its
+    guess falls short of the limit: a safe jump). While the ok peaks are flat the search jumps
+    `FLAT_PEAK_JUMP` times past them. Guesses only choose what to probe; statuses alone decide the answer, and
     after two guesses that did not pay off one geometric/bisection step follows, so the probe count stays
     within a small multiple of plain bisection whatever the peaks look like.
     """
@@ -136,7 +142,14 @@ def search_max_length(
         """Where the line through the two probes nearest the boundary reaches the budget, inside the bracket."""
         if budget is None:
             return None
-        if good in peaks and bad in peaks:
+        above = sorted(k for k in peaks if bad is not None and k >= bad)[:2]
+        if len(above) == 2:
+            # the two shortest out-of-memory probes: at long lengths the peak is the activations' line, while the
+            # ok side can sit on a length-independent peak (an optimizer step) that says nothing of the slope
+            near = above
+        elif bad in resident:
+            near = [bad]  # with its resident bytes: a line at least as steep as the activations' (see above)
+        elif good in peaks and bad in peaks:
             near = [good, bad]
         else:
             anchor = good if good is not None else bad
@@ -147,8 +160,8 @@ def search_max_length(
         if len(points) < 2:
             return None
         (k1, p1), (k2, p2) = sorted(points.items())
-        if p2 <= p1:
-            return None
+        if p2 <= p1:  # flat: the length's share still hides under a length-independent peak; go well past it
+            return min(hi_k, FLAT_PEAK_JUMP * good) if bad is None and good is not None else None
         k = math.floor(k1 + (budget - p1) * (k2 - k1) / (p2 - p1))
         lowest = good + 1 if good is not None else lo_k
         highest = bad - 1 if bad is not None else hi_k
@@ -238,9 +251,7 @@ def run_search(
     (two probes re-confirm an unchanged answer). `run` is `autosp.harness.runner.run` unless a test passes another
     oracle. Returns the result row.
     """
-    from autosp.compiler.offload import parse_offload
-    from autosp.compiler.tiling import parse_tiling
-    from autosp.experiments.floor import floor_for
+    from autosp.experiments.floor import run_floor
     from autosp.experiments.progress import progress
     from autosp.harness.records import append_record, check_writable, new_record
 
@@ -267,10 +278,7 @@ def run_search(
         if start_len:
             print(f"  resuming from the previous answer {start_len}", flush=True)
     try:
-        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
-                          dtype=cfg.dtype, zero=cfg.zero,
-                          tiled_loss=cfg.method == "autosp" and parse_tiling(cfg.tiling).loss,
-                          offload=cfg.method == "autosp" and parse_offload(cfg.offload))
+        floor = run_floor(cfg)
     except ConfigError as exc:  # an out-of-tree method can still be searched, just not judged against a floor
         print(f"  note: {exc}; achieved/limit will not be reported", flush=True)
         floor = None

@@ -286,18 +286,25 @@ class RankPeak(PhasePeak):
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
-    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs."""
+    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs.
+
+    What a job's program changes process-wide ends with the world: DeepSpeed's ZeRO-3 replaces
+    `torch.nn.functional.linear` by its own autograd function ("this will persist unless manually reset") — part of
+    the zero3 program, but the next program in this process (a later cell of a `simulate-table` worker, another
+    test) would trace it too (autosp's compile then fails on it)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("simulate needs a process without a process group")
     os.environ.setdefault("LOCAL_RANK", "0")
+    linear = torch.nn.functional.linear
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
         _forget_deepspeed_groups()
+        torch.nn.functional.linear = linear
 
 
 def _forget_deepspeed_groups() -> None:
@@ -374,7 +381,7 @@ class RankProgram:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.warmed = False
         self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
-        with self.fake_mode, tracker:
+        with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"):
             torch.manual_seed(cfg.seed)
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
@@ -456,7 +463,8 @@ class RankProgram:
 #: start of a measured step does not depend on the lengths stepped before (tests/experiments/test_simulate.py).
 #: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
 #: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
-#: compile of a sequence dimension it marks dynamic itself) is sized by the parameters, not by the length.
+#: Dynamo trace of a sequence dimension it marks dynamic itself, compiled by DeepSpeed's backend per length:
+#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length.
 SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
 DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
@@ -515,18 +523,11 @@ def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -
         if cfg.method not in SHARED_PROGRAM_METHODS:
             _SHARED[0].close()  # a fresh program needs a process without a (fake) process group
         else:
-            for attempt in (1, 2):
-                try:
-                    return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
-                except torch._dynamo.exc.FailOnRecompileLimitHit:
-                    # a program that recompiles per length (ds-autosp: DeepSpeed's graph guards on the length) has
-                    # used up Dynamo's recompiles: a fresh program at this length is what a probe measures anyway
-                    _SHARED[0].close()
-                    if attempt == 2:
-                        raise
-                except BaseException:
-                    _SHARED[0].close()  # a program stopped mid-step is not reused
-                    raise
+            try:
+                return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
+            except BaseException:
+                _SHARED[0].close()  # a program stopped mid-step is not reused
+                raise
     return simulate_rank(cfg, device, num_layers=layers)
 
 
@@ -563,6 +564,24 @@ def _inductor_compile_unfused() -> Iterator[None]:
         return lookup_backend(DIRECT_INDUCTOR_BACKEND)(gm, example_inputs)
 
     with mock.patch("torch._inductor.compile", compile_unfused):
+        yield
+
+
+@contextlib.contextmanager
+def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
+    """A shared ds-autosp program compiles DeepSpeed's AutoSP backend per length on its one Dynamo trace
+    (`autosp.experiments.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
+    if not shared:
+        yield
+        return
+    from unittest import mock
+
+    from deepspeed.compile import init_sp
+
+    from autosp.experiments.deepspeed_per_length import per_length
+
+    backend_of = init_sp.init_autosp
+    with mock.patch.object(init_sp, "init_autosp", lambda config: per_length(backend_of(config))):
         yield
 
 
@@ -823,11 +842,10 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
 
 def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
     """The analytic memory floor's longest length for the tensor budget (as `autosp search` reports it)."""
-    from autosp.experiments.floor import floor_for
+    from autosp.experiments.floor import run_floor
 
     try:
-        floor = floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size,
-                          dtype=cfg.dtype)
+        floor = run_floor(cfg)
     except ConfigError:
         return None, None
     return floor.max_seq_len(budget, granularity), floor.to_dict()

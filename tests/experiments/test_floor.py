@@ -124,3 +124,17 @@ def test_offload_keeps_two_layer_inputs_on_the_device_and_counts_the_rest_as_hos
     assert offloaded.host_bytes_per_token == kept.activation_bytes_per_token - 2 * layer_input
     assert offloaded.host_bytes_at(8192) == offloaded.host_bytes_per_token * 8192 / 8
     assert offloaded.max_seq_len(80 << 30) > kept.max_seq_len(80 << 30) and kept.host_bytes_per_token == 0
+
+
+def test_a_runs_floor_is_at_the_zero_stage_its_method_runs() -> None:
+    """A search starts from its run's floor: `autosp:0` at stage 0 (the simulated table once took stage 3's for
+    it, 4x too long a start), a method's default stage when none is given."""
+    from autosp.experiments.floor import run_floor
+    from autosp.harness.config import RunConfig
+
+    def floor(method: str, zero: int | None):
+        return run_floor(RunConfig(method, "llama-3.2-1b", 1, world_size=8, dtype="bfloat16", zero=zero))
+
+    z0, z3 = floor("autosp", 0), floor("autosp", 3)
+    assert (z0.zero, z3.zero) == (0, 3) and z0.static_bytes > z3.static_bytes
+    assert floor("ulysses", None).zero == 3 and floor("fsdp", None).zero == 3

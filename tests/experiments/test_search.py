@@ -176,6 +176,44 @@ def test_a_start_far_above_the_limit_jumps_by_its_peak_instead_of_probing_its_ne
     assert start - 512 not in oracle.asked and len(oracle.asked) <= 4, oracle.asked
 
 
+def _curve_oracle(peak, budget: int, resident: int):
+    asked: list[int] = []
+
+    def probe(n: int):
+        asked.append(n)
+        return (OK if peak(n) <= budget else OOM), peak(n), resident
+    return probe, asked
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("start_len, most", [(None, 7), (38912, 6), (622592, 4)])
+def test_a_peak_flat_under_an_optimizer_step_then_steep_takes_a_few_probes(start_len, most) -> None:
+    """A length-independent peak (the optimizer step: ds-autosp llama-3.1-8b on an a100, 75.29 GiB from 2K to 53K)
+    hides the activations' line at short lengths; regula falsi through a flat ok side creeps up one step at a
+    time (18 probes from the minimum before), so the flat side jumps and the out-of-memory side gives the line."""
+    budget = 78 * GIB
+    probe, asked = _curve_oracle(lambda n: max(int(0.99 * budget), 20 * GIB + 400_000 * n), budget, 15 * GIB)
+    out = search_max_length(probe, granularity=2048, min_len=2048, max_len=1 << 22, budget=budget,
+                            start_len=start_len)
+    assert out.max_seq_len == 155648 and out.first_oom_seq_len == 157696
+    assert len(asked) <= most, asked
+
+
+@pytest.mark.parametrize("start_len", [None, 278528])
+def test_a_peak_that_jumps_is_found_from_the_line_above_the_jump(start_len) -> None:
+    """A peak with a step (a second buffer appearing past some length, seen: ring ZeRO-3 llama-2-13b between 16K
+    and 18K) and a shallow line after it: the probes out of memory lie on that line."""
+    budget = 78 * GIB
+    probe, asked = _curve_oracle(lambda n: 30 * GIB + 600_000 * n if n < 17000 else 65 * GIB + 200_000 * n,
+                                 budget, 20 * GIB)
+    out = search_max_length(probe, granularity=2048, min_len=2048, max_len=1 << 22, budget=budget,
+                            start_len=start_len)
+    assert out.max_seq_len == 69632
+    assert len(asked) <= 7, asked
+
+
 def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() -> None:
     import random
 

@@ -38,6 +38,26 @@ def test_simulated_peak_matches_the_measured_one_for_a_compiled_method():
     assert breakdown["saved_activation_bytes"] > 0 and breakdown["model_state_bytes"] > 0
 
 
+def test_zero3_stand_ins_are_configured_as_the_real_model_and_extrapolate_exactly_at_cpu_size(monkeypatch):
+    """A 4-layer model predicted from its 2- and 3-layer programs gives the full-depth bytes exactly. zero3: its
+    reduce bucket (allocated whole) is capped between the 3- and 4-layer parameter counts, as DeepSpeed's 5e8
+    elements cap llama-3.2-1b but not its 2-layer stand-in; the stand-ins must be configured as the real model.
+    (At paper sizes zero3 is simulated whole, `NOT_LINEAR_IN_DEPTH`; here the extrapolation is asked for.)"""
+    import baselines.zero3
+
+    monkeypatch.setattr(baselines.zero3, "DEFAULT_REDUCE_BUCKET", 1_200_000)  # small: 1.08M at 3 layers, 1.26M at 4
+    monkeypatch.setattr(sim, "NOT_LINEAR_IN_DEPTH", {})
+    cfg = sim.simulate_config(RunConfig(method="zero3", model="small", seq_len=256, world_size=2))
+    linear = torch.nn.functional.linear
+    whole = sim.simulate_rank(cfg, CPU)
+    assert torch.nn.functional.linear is linear  # DeepSpeed's ZeRO-3 swaps it process-wide; the world puts it back
+    monkeypatch.setattr(sim, "EXACT_LAYERS", 1)
+    extrapolated, how = sim.predict_peak(cfg, CPU)
+    assert how["extrapolated"] and how["layers_simulated"] == [2, 3]
+    assert extrapolated.peak_bytes == whole.peak_bytes
+    assert extrapolated.saved_activation_bytes == whole.saved_activation_bytes
+
+
 @pytest.mark.parametrize("device, multi_tensor", [("h200-141gb", True), ("cpu", False)])
 def test_a_simulated_rank_steps_adamw_the_way_its_device_does(device, multi_tensor):
     """On a GPU torch's AdamW is the multi-tensor step (a temporary the size of all parameters: an H200 peaked
@@ -135,16 +155,19 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
 def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero, model, dtype):
     """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace; DeepSpeed:
     one engine, its ZeRO optimizer under mixed bf16) gives the peaks and breakdowns of a fresh program at a length
-    it did not start at, and back at the length it started at gives that first step's again. ds-autosp recompiles
-    per length: past Dynamo's recompile limit (2 here, at the third length) its program is rebuilt, not failed."""
+    it did not start at, and back at the length it started at gives that first step's again. One program serves
+    every length, past Dynamo's recompile limit (2 here): ds-autosp too, whose DeepSpeed pass guards its compile on
+    the length (`deepspeed_per_length`: one Dynamo trace, DeepSpeed's backend per length)."""
     cfg = sim.simulate_config(RunConfig(method=method, model=model, seq_len=1, world_size=2, zero=zero, dtype=dtype))
     lengths = (256, 512, 768, 256)
     fresh = sim.simulate_rank(cfg.replace(seq_len=512), CPU)
     # Dynamo's own patch (restored on exit in this context), not monkeypatch: its config values are context
     # variables, and a monkeypatched one left `recompile_limit` hidden for the rest of the suite's process
     with torch._dynamo.config.patch(recompile_limit=2), sim.shared_rank_programs():
-        shared = [sim._rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths]
-        assert len(sim._SHARED[0].programs) == 1
+        shared = [sim._rank_peak(cfg.replace(seq_len=lengths[0]), CPU)]
+        program = next(iter(sim._SHARED[0].programs.values()))
+        shared += [sim._rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths[1:]]
+        assert list(sim._SHARED[0].programs.values()) == [program]  # kept, never rebuilt
         if method == "ds-autosp":  # a second engine in the same cell (another depth) shares DeepSpeed's one splice
             assert sim._rank_peak(cfg.replace(seq_len=256), CPU, 1).peak_bytes < shared[0].peak_bytes  # hf:tiny: 2 layers
     ignore = dict(ops=0, assumed_healthy_reads=0)  # counts of the calls themselves (no warm-up after the first)
