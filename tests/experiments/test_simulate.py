@@ -104,17 +104,38 @@ def test_extrapolation_follows_each_phase_and_the_phase_that_wins_at_full_depth(
     assert vars(extrapolated) == vars(whole)
 
 
-def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(monkeypatch):
-    """FSDP2 (ulysses --zero 3) on a GPU: a 2-layer model's backward peaks where it has no inner layer (at a view,
-    gathered parameters of its two layers), 3 and 4 layers at the same op of an inner layer's backward, and the
-    line through 3 and 4 gives the full-depth simulation exactly."""
+@pytest.mark.parametrize("method, zero", [("ulysses", 3), ("fsdp", None)])
+def test_fsdp2_programs_are_extrapolated_from_3_and_4_layers_exactly(monkeypatch, method, zero):
+    """FSDP2 (ulysses --zero 3, fsdp) on a GPU: a layer's backward reaches into its neighbours' (prefetch, reduce-
+    scatter), so 2 layers are all boundary - at a view (ulysses), or at the same site yet off the line (fsdp: the
+    2-3 line said 17,460,224 B) - and 3 and 4 layers give the full-depth simulation exactly."""
     mi250 = get_device_model("mi250-gcd")
-    cfg = RunConfig(method="ulysses", model=_deep(monkeypatch, "tiny-mha", intermediate_size=1024), seq_len=128,
-                    world_size=2, zero=3, dtype="bfloat16")
+    cfg = RunConfig(method=method, model=_deep(monkeypatch, "tiny-mha", intermediate_size=1024), seq_len=128,
+                    world_size=2, zero=zero, dtype="bfloat16")
     extrapolated, how = sim.predict_peak(cfg, mi250)
-    assert how["layers_simulated"] == [2, 3, 4] and how["extrapolated_from"] == [3, 4]
-    assert how["note"].startswith("backward peak op differs at 2 and 3 layers")
+    assert how["layers_simulated"] == [3, 4] and how["extrapolated_from"] == [3, 4]
     assert vars(extrapolated) == vars(sim.simulate_rank(sim.simulate_config(cfg), mi250))
+
+
+def _peak(layers: int, peak: int, op: str, site: tuple[int, int, int, int]) -> sim.RankPeak:
+    phase = sim.PhasePeak(peak, peak, 0, 0, 0, peak, op, peak_site=site)
+    return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
+
+
+def test_the_same_op_name_at_another_site_is_no_line_and_3_and_4_layers_are_tried(monkeypatch):
+    """ring ZeRO-3 on llama-2-13b at 18K: 2 and 3 layers peak at an `empty_like` 202 and 204 storage-making ops
+    into backward (216 - 86 more after it: not the same site), whose line said 66.8 GiB at 40 layers; 3 and 4 layers
+    peak at the same site (204 into backward), their line said 43.4."""
+    runs = {2: _peak(2, 55, "empty_like", (202, 86, 37, 22)), 3: _peak(3, 71, "empty_like", (204, 216, 37, 52)),
+            4: _peak(4, 81, "empty_like", (204, 348, 37, 82))}
+    monkeypatch.setattr(sim, "_rank_peak", lambda cfg, device, layers=None: runs[layers])
+    peak, how = sim.predict_peak(RunConfig(method="autosp", model="llama-2-13b", seq_len=18432, world_size=8),
+                                 get_device_model("mi250-gcd"))
+    assert how["layers_simulated"] == [2, 3, 4] and how["extrapolated_from"] == [3, 4]
+    assert how["note"].startswith("backward peak site differs at 2 and 3 layers")
+    assert peak.peak_bytes == 81 + 36 * 10 and peak.peak_site == (204, 348 + 36 * 132, 37, 82 + 36 * 30)
+    # one op the phase does not repeat per layer (as many of its name before and after): the same site
+    assert runs[2].phases["backward"].same_site(_peak(3, 0, "empty_like", (300, 400, 37, 22)).phases["backward"])
 
 
 def test_a_phase_line_with_a_term_below_zero_at_full_depth_is_not_used():
@@ -146,7 +167,7 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
     _, how = sim.predict_peak(cfg, get_device_model("a100-80gb"))
     assert depths == [None] and how["layers_simulated"] == [28] and "not linear in the depth" in how["note"]
     sim.predict_peak(cfg.replace(method="fsdp", zero=3), get_device_model("a100-80gb"))
-    assert depths[1:] == [2, 3]  # FSDP2 (PyTorch's ZeRO-3: gathers by layer) is extrapolated
+    assert depths[1:] == [3, 4]  # FSDP2 (PyTorch's ZeRO-3: gathers by layer) is extrapolated, from 3 and 4 layers
 
 
 @pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
