@@ -42,11 +42,8 @@ peak (forward, backward, after backward: e.g. a gradient all-reduce; optimizer) 
 each phase's peak and breakdown are extrapolated along their own line, and the phase highest at the real depth is
 the answer: with depth the AdamW step (state, gradients and its multi-tensor temporary) or the flattened gradients
 after backward can overtake a backward peak that short models reach in the logits' gradient (an H200 run of
-llama-3.2-1b peaked in the AdamW step). The line is one op's only if the winning phase peaks at the same site in
-both runs: the same op as many of the phase's ops after its start or before its end, or one the phase does not
-repeat per layer (`PhasePeak.same_site`; the name alone matched a boundary-shifted `empty_like` in ring ZeRO-3's
-backward on llama-2-13b at 18K, whose 2-3 line said 66.8 GiB at 40 layers against 43.4 from 3 and 4). Where it
-does not, 4 layers are simulated too and the line through 3 and 4 is used if their sites agree:
+llama-3.2-1b peaked in the AdamW step). The line is one op's only if the winning phase peaks at the same op in
+both runs. Where it does not, 4 layers are simulated too and the line through 3 and 4 is used if their ops agree:
 a 2-layer model is all boundary - its first layer is also the last but one, so an op of an inner layer (one with
 a layer on either side, e.g. where a prefetch of the next layer's parameters meets the previous one's gradients)
 does not exist there (seen: FSDP2's backward on llama-2-13b and on a wide `tiny-mha`, at a view at 2 layers, at a
@@ -54,8 +51,8 @@ multiplication from 3 on). From 3 layers on the inner layers are copies of one a
 has terms linear in the depth - provided a layer's ops depend only on its neighbours (boundary effects one layer
 deep), which is why 3 and 4 must agree before their line is used. Only if they disagree too is the whole depth
 simulated (`extra.note` says why). The FSDP2-sharded baselines start from 3 and 4 layers: a layer's program there
-reaches into its neighbours' (prefetch, reduce-scatter), and 2 layers were off the line even at the same site
-(`_layers_reach_their_neighbours`). DeepSpeed's ZeRO-3 is always simulated whole (`NOT_LINEAR_IN_DEPTH`).
+reaches into its neighbours' (prefetch, reduce-scatter), and 2 layers were off the line even at an op of the same
+name (`_layers_reach_their_neighbours`). DeepSpeed's ZeRO-3 is always simulated whole (`NOT_LINEAR_IN_DEPTH`).
 tests/experiments/test_simulate.py checks both paths against full-depth simulations. What the extrapolation cannot
 see: an op whose line is below the winner's at 2-3 (or 3-4) layers but steeper, overtaking only deeper (a losing
 phase whose peak op differs between the two depths is one: a phase's peak is the highest of its ops' lines, so the
@@ -191,7 +188,6 @@ class LiveStorageTracker(TorchDispatchMode):
         self.host_peak = 0
         sizes = self.sizes()
         self.moments = {self.phase: PeakMoment(self.charged(sizes), sizes, "(step start)", self.ops)}
-        self.phase_ops: dict[str | tuple[str, str], int] = {}  # phase, or (phase, op) -> ops run so far in the step
 
     def peak(self) -> PeakMoment:
         """The step's peak: the highest phase peak (on a tie the earlier moment, as a running maximum keeps it)."""
@@ -218,7 +214,6 @@ class LiveStorageTracker(TorchDispatchMode):
             return False
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        serials = self.serial
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 for inner in _inner_tensors(value):
@@ -233,28 +228,21 @@ class LiveStorageTracker(TorchDispatchMode):
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
         if phase == "forward" and "backward" in self.moments:
             phase = AFTER_BACKWARD  # e.g. a gradient all-reduce of flattened gradients, between backward and step
-        name = str(func)
-        if self.serial != serials:  # the peak's site counts the ops that made a storage (views vary with the caller:
-            self.phase_ops[phase] = self.phase_ops.get(phase, 0) + 1  # a shared program's new compile detaches
-            self.phase_ops[phase, name] = self.phase_ops.get((phase, name), 0) + 1  # every parameter once more)
-        index, same = self.phase_ops.get(phase, 0), self.phase_ops.get((phase, name), 0)
         moment = self.moments.get(phase)
         if moment is None or charged > moment.charged:
-            self.moments[phase] = PeakMoment(charged, sizes, name, self.ops, (index, same))
+            self.moments[phase] = PeakMoment(charged, sizes, str(func), self.ops)
         return out
 
 
 @dataclass
 class PeakMoment:
     """The most device bytes one phase of the measured step held: the charged total, the storages live then
-    (serial -> bytes, for the breakdown), the op that reached it and when (the tracker's op count; the phase's
-    ops up to it, all and those of its name)."""
+    (serial -> bytes, for the breakdown), the op that reached it and when (the tracker's op count)."""
 
     charged: int
     sizes: dict[int, int]
     op: str
     at: int
-    index: tuple[int, int] = (0, 0)
 
 
 class _BlockCache(dict):
@@ -280,22 +268,6 @@ class PhasePeak:
     saved_activation_bytes: int  # tensors saved for backward and still live at the peak
     transient_bytes: int  # everything else live at the peak: the working set of the op there
     peak_op: str
-    #: where in its phase the peak op ran: the phase's ops before it and after it, then those of its name
-    peak_site: tuple[int, int, int, int] = field(default=(0, 0, 0, 0), kw_only=True)
-
-    def same_site(self, other: "PhasePeak") -> bool:
-        """Whether `other` (this phase of the program at another depth) peaks at the same op of the same layer:
-        the same op as many ops into the phase (a site in the layer the phase runs first, e.g. the top layer in
-        backward) or as many before its end (in the layer it runs last, or after the layers), or one the phase
-        runs no more often per layer (as many of its name before and after it: e.g. the one all-reduce of the
-        flattened gradients, with per-layer ops on either side). The op's name alone can match another layer's
-        op of that name, or the same op where a short model's boundary shifts it (seen: ring ZeRO-3 llama-2-13b
-        at 18K, an `empty_like` 19 ops earlier in backward at 2 layers than at 3, whose line said 66.8 GiB at
-        40 layers, 3 and 4 layers' 43.4)."""
-        before, after, named_before, named_after = self.peak_site
-        theirs = other.peak_site
-        return self.peak_op == other.peak_op and (
-            before == theirs[0] or after == theirs[1] or (named_before, named_after) == theirs[2:])
 
 
 #: the terms of a peak that grow by the same bytes per layer (`_extrapolate`)
@@ -470,7 +442,7 @@ class RankProgram:
             tracker.watching = False
         charge = tracker.device.block_bytes
 
-        def breakdown(phase: str, moment: PeakMoment) -> PhasePeak:
+        def breakdown(moment: PeakMoment) -> PhasePeak:
             def part(keys: set[int]) -> int:
                 return sum(charge(n) for k, n in moment.sizes.items() if k in keys)
 
@@ -479,11 +451,9 @@ class RankProgram:
             acts = part(saved - resident - gradients)
             return PhasePeak(peak_bytes=moment.charged, live_tensor_bytes=sum(moment.sizes.values()),
                              model_state_bytes=state, gradient_bytes=grads, saved_activation_bytes=acts,
-                             transient_bytes=moment.charged - state - grads - acts, peak_op=moment.op,
-                             peak_site=_site(moment, tracker.phase_ops.get(phase, 0),
-                                             tracker.phase_ops.get((phase, moment.op), 0)))
+                             transient_bytes=moment.charged - state - grads - acts, peak_op=moment.op)
 
-        phases = {phase: breakdown(phase, moment) for phase, moment in tracker.moments.items()}
+        phases = {phase: breakdown(moment) for phase, moment in tracker.moments.items()}
         peak = tracker.peak()
         peak_phase = next(phase for phase, moment in tracker.moments.items() if moment is peak)
         return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
@@ -734,7 +704,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
 #: llama-3.2-3b at 12K on an a100-80gb, 2 and 3 layers extrapolated to 74.5 GiB at the same op, 28 layers simulated
 #: 70.5 GiB (saved activations 54.2 vs 50.1 GiB; per-layer peak steps of 1.90-1.93, then 1.76 GiB from 6 to 7 layers)
 NOT_LINEAR_IN_DEPTH = {"zero3": "DeepSpeed ZeRO-3's peak is not linear in the depth (element-sized buckets)"}
-#: the depths extrapolated from when 2 and 3 layers peak at different sites: a 2-layer model has no inner layer
+#: the depths extrapolated from when 2 and 3 layers peak at different ops: a 2-layer model has no inner layer
 SECOND_PAIR = (3, 4)
 #: the baselines sharded by FSDP2 (`baselines.fsdp_sharding`), by the ZeRO stages at which they are
 FSDP2_SHARDED = {"fsdp": (3,), "ulysses": (3,), "ring": (3,)}
@@ -743,17 +713,13 @@ FSDP2_SHARDED = {"fsdp": (3,), "ulysses": (3,), "ring": (3,)}
 def _layers_reach_their_neighbours(cfg: RunConfig) -> bool:
     """Whether a layer's program reaches into the next layers' (FSDP2 prefetches the next layer's parameters in
     forward and backward and reduce-scatters the previous one's gradients), so that a 2-layer model, all boundary,
-    is off the line even at the same site (fsdp on a 6-layer wide `tiny-mha`, mi250-gcd, 128 tokens: the 2-3 line
-    said 17,460,224 B, 6 layers simulated 17,368,064, the 3-4 line exact): such programs start from 3 and 4."""
+    is off the line even where it peaks at the op of the same name (fsdp on a 6-layer wide `tiny-mha`, mi250-gcd,
+    128 tokens: the 2-3 line said 17,460,224 B, 6 layers simulated 17,368,064, the 3-4 line exact; ring ZeRO-3 on
+    llama-2-13b at 18K, mi250-gcd: an `empty_like` at 2, 3 and 4 layers, the 2-3 line 66.8 GiB at 40 layers, the
+    3-4 line 43.4): such programs start from 3 and 4."""
     from autosp.harness.runner import validate
 
     return validate(cfg)[0].zero_stage(cfg) in FSDP2_SHARDED.get(cfg.method, ())
-
-
-def _site(moment: PeakMoment, phase_ops: int, named_ops: int) -> tuple[int, int, int, int]:
-    """`PhasePeak.peak_site` of a phase's peak moment, given the phase's op counts (all, and of the op's name)."""
-    index, named = moment.index
-    return index - 1, phase_ops - index, named - 1, named_ops - named
 
 
 def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | None, str | None]:
@@ -774,15 +740,12 @@ def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | 
         later = getattr(high.phases[name], term)
         return later + more * (later - getattr(low.phases[name], term))
 
-    phases = {name: PhasePeak(**{term: line(name, term) for term in LINEAR_TERMS}, peak_op=phase.peak_op,
-                              peak_site=tuple(ops + more * (ops - fewer) for ops, fewer  # the phase grows per layer
-                                              in zip(phase.peak_site, low.phases[name].peak_site)))
+    phases = {name: PhasePeak(**{term: line(name, term) for term in LINEAR_TERMS}, peak_op=phase.peak_op)
               for name, phase in high.phases.items()}
     winner = max(phases, key=lambda name: phases[name].peak_bytes)  # a tie: the earlier phase, as the tracker
-    two, three = low.phases[winner], high.phases[winner]
-    if not two.same_site(three):
-        return None, (f"{winner} peak site differs at {low.num_layers} and {high.num_layers} layers ({two.peak_op} "
-                      f"/ {three.peak_op}, phase ops before/after {two.peak_site} / {three.peak_site})")
+    ops = (low.phases[winner].peak_op, high.phases[winner].peak_op)
+    if ops[0] != ops[1]:
+        return None, f"{winner} peak op differs at {low.num_layers} and {high.num_layers} layers ({ops[0]} / {ops[1]})"
     if negative := [term for term in LINEAR_TERMS if getattr(phases[winner], term) < 0]:  # no line, then
         return None, (f"{winner} {negative[0]} extrapolates below zero from {low.num_layers} and "
                       f"{high.num_layers} layers")
