@@ -90,6 +90,20 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
     return rows
 
 
+#: how costly a cell's probes are, by method: DeepSpeed's AutoSP compiles every length through DeepSpeed's pass and
+#: aot_autograd; ZeRO-3 runs DeepSpeed's engine at full depth (`simulate.NOT_LINEAR_IN_DEPTH`); autosp compiles
+#: every length; the eager baselines run each probe's step only (measured at c4116db: ~110-145, 36-124 and 30-41
+#: CPU-s a cell against 3-20)
+COST_RANK = {"ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
+
+
+def _expected_cost(cfg: RunConfig) -> tuple[int, int]:
+    """Orders cells by cost: the method's rank, then the model's depth."""
+    from autosp.models import get_preset
+
+    return COST_RANK.get(cfg.method, 0), get_preset(cfg.model).num_layers
+
+
 def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: int, out: str,
                    granularity: int | None = None, max_len: int = 1 << 22) -> list[dict]:
     """Every cell's search rows, appended to `out` as each cell finishes (a stopped run keeps what it did)."""
@@ -104,8 +118,8 @@ def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: i
             print(_summary(row), flush=True)
         rows.extend(cell_rows)
 
-    # the compiled methods' cells take longest: started first so the workers finish together
-    order = sorted(configs, key=lambda c: c.method not in ("autosp", "ulysses-compile"))
+    # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling)
+    order = sorted(configs, key=_expected_cost, reverse=True)
     if jobs <= 1:
         for cfg in order:
             keep(search_cell(cfg, device_names, granularity, max_len))

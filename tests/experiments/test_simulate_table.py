@@ -56,3 +56,16 @@ def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
     assert rendered.read_text().split("\n\n")[0] == text.split("\n\n")[0]
     assert main(["simulate-table", "--methods", "autosp:x", "--out", str(out), "--table-out", str(table)]) == 2
     capsys.readouterr()
+
+
+def test_the_costliest_cells_start_first_so_the_workers_finish_together():
+    """Longest-processing-time first: DeepSpeed's AutoSP, then ZeRO-3 (whole depth, deepest first), then autosp's
+    compiled cells, then the eager baselines (the table's cells at c4116db: 110-145 / 36-124 / 30-41 / 3-20 CPU-s)."""
+    from autosp.experiments.simulate_table import _expected_cost, cell_configs
+
+    configs = cell_configs(["llama-3.2-1b", "llama-2-13b"], ["ulysses:0", "autosp:3", "zero3", "ds-autosp"],
+                           world_size=8, dtype="bfloat16")
+    order = [(cfg.method, cfg.model) for cfg in sorted(configs, key=_expected_cost, reverse=True)]
+    assert [method for method, _ in order[:2]] == ["ds-autosp", "ds-autosp"]
+    assert order[2:4] == [("zero3", "llama-2-13b"), ("zero3", "llama-3.2-1b")]
+    assert [method for method, _ in order[-2:]] == ["ulysses", "ulysses"]
