@@ -95,13 +95,16 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
 #: every length; the eager baselines run each probe's step only (measured at c4116db: ~110-145, 36-124 and 30-41
 #: CPU-s a cell against 3-20)
 COST_RANK = {"ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
+#: methods whose library redefines this project's `autosp::` custom ops when it runs (DeepSpeed's AutoSP)
+NAMESPACE_CLASH = ("ds-autosp",)
 
 
-def _expected_cost(cfg: RunConfig) -> tuple[int, int]:
-    """Orders cells by cost: the method's rank, then the model's depth."""
+def cell_order(configs: list[RunConfig]) -> list[RunConfig]:
+    """Costliest first (the method's rank, then the model's depth), the `NAMESPACE_CLASH` methods' cells last."""
     from autosp.models import get_preset
 
-    return COST_RANK.get(cfg.method, 0), get_preset(cfg.model).num_layers
+    return sorted(configs, key=lambda cfg: (cfg.method not in NAMESPACE_CLASH, COST_RANK.get(cfg.method, 0),
+                                            get_preset(cfg.model).num_layers), reverse=True)
 
 
 def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: int, out: str,
@@ -118,8 +121,11 @@ def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: i
             print(_summary(row), flush=True)
         rows.extend(cell_rows)
 
-    # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling)
-    order = sorted(configs, key=_expected_cost, reverse=True)
+    # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling), but
+    # DeepSpeed's AutoSP last: importing its compile passes redefines the `autosp::` custom ops (DeepSpeed registers
+    # its own `autosp::all_to_all` in the same namespace, another signature), so an autosp cell after it in the same
+    # worker fails. Queued last, a worker that takes one has nothing but those left.
+    order = cell_order(configs)
     if jobs <= 1:
         for cfg in order:
             keep(search_cell(cfg, device_names, granularity, max_len))
