@@ -717,9 +717,9 @@ def _layers_reach_their_neighbours(cfg: RunConfig) -> bool:
     128 tokens: the 2-3 line said 17,460,224 B, 6 layers simulated 17,368,064, the 3-4 line exact; ring ZeRO-3 on
     llama-2-13b at 18K, mi250-gcd: an `empty_like` at 2, 3 and 4 layers, the 2-3 line 66.8 GiB at 40 layers, the
     3-4 line 43.4): such programs start from 3 and 4."""
-    from autosp.harness.runner import validate
+    from baselines.base import get_strategy
 
-    return validate(cfg)[0].zero_stage(cfg) in FSDP2_SHARDED.get(cfg.method, ())
+    return get_strategy(cfg.method).zero_stage(cfg) in FSDP2_SHARDED.get(cfg.method, ())
 
 
 def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | None, str | None]:
