@@ -14,7 +14,8 @@ Four levers keep that number small; none changes a prediction (each probe is the
   its measured step and, compiled, the per-length SP pass and partition (DeepSpeed's engines alike: one
   `deepspeed.initialize` per depth and cell);
 - the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
-- cells run in `--jobs` worker processes (one simulation is single-threaded Python).
+- cells run in `--jobs` worker processes (one simulation is single-threaded Python), costliest first so the workers
+  finish together, DeepSpeed's AutoSP last (`cell_order`).
 
 The Markdown table puts each cell's max length beside AutoSP's ratios to Ulysses, Ring and FSDP (ZeRO-3) and
 the paper's claimed ratios (`autosp/reference/paper_claims.csv`): 2.7x NVIDIA / 2.5x AMD vs Ulysses, 5.6x vs
