@@ -1,0 +1,210 @@
+"""`alst`: Arctic Long Sequence Training (arXiv 2506.13996) on HF models, run the way its authors run it.
+
+The recipe of ArcticTraining's SFT trainer (`sequence_parallel_size > 1`, `tiled_mlp_compute`,
+`activation_checkpoint_cpu_offload`), on DeepSpeed's own ALST components (`deepspeed.runtime.sequence_parallel.
+ulysses_sp`):
+- Ulysses SP: `UlyssesSPAttentionHF.register_with_transformers` replaces HF's `sdpa` attention with its all-to-all
+  wrapper; HF's mask builder is told to build no mask (causal SDPA over the gathered sequence).
+- Inputs: what `UlyssesSPDataLoaderAdapter` does to a batch — labels shifted over the whole sequence
+  (`shift_labels`), then every tensor cut into this rank's contiguous sequence chunk (position ids included).
+- `TiledMLP` on every decoder MLP, in ceil(S_local / hidden) shards agreed by all ranks (ArcticTraining's patch).
+- `TiledFusedLogitsLoss`: logits and loss in shards of ~1 GiB of fp32 logits; each rank's token-weighted loss is
+  all-gathered differentiably over the SP group (ArcticTraining's `SFTTrainer.loss`).
+- Per-layer activation checkpointing (reentrant) with each layer's checkpointed input in host memory: on CUDA HF's
+  own `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu`, pinned); on CPU the device *is* host
+  memory, so the copy goes through `autosp.compiler.offload.offload`, which the CPU meter books as host memory —
+  one host copy per layer either way, the same bytes ALST moves.
+- DeepSpeed ZeRO-3, every parameter partitioned; on CUDA the optimizer state offloaded to host with DeepSpeed's
+  CPU Adam (ALST's `cpu_adam`). On CPU no optimizer offload: device and host are one memory, and CPU Adam needs
+  a JIT build; torch's AdamW runs as a client optimizer (as in `zero3`).
+ArcticTraining itself is not imported: its 0.8 release requires transformers < 5. What it adds over DeepSpeed is
+this glue, restated here; a defect of DeepSpeed's components shows as it is in `autosp check --method alst`.
+"""
+from __future__ import annotations
+
+import math
+from types import MethodType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.models.build import parameter_count
+from baselines.base import Strategy, TrainStep, register
+from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
+from baselines.zero3 import zero3_config
+
+if TYPE_CHECKING:
+    from autosp.models.data import Batch
+    from autosp.harness.parallel import ParallelContext
+
+IGNORE_INDEX = -100
+#: ArcticTraining's logits shard: about this many bytes of fp32 logits per TiledFusedLogitsLoss shard
+LOGITS_SHARD_BYTES = 2**30
+
+
+def alst_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
+    """ZeRO-3 as `zero3` tunes it, plus ALST's optimizer offload to host where DeepSpeed's CPU Adam runs (GPUs)."""
+    config = zero3_config(cfg, num_params)
+    if cfg.device != "cpu":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return config
+
+
+def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """ArcticTraining's `tiled_mlp_forward_common`: the SwiGLU MLP over ceil(S / hidden) sequence shards, the count
+    agreed by every rank (ZeRO-3 gathers must match)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    seqlen, hidden = x.shape[-2:]
+    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
+    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+
+    def mlp_forward(module: nn.Module, x_shard: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(module.act_fn(module.gate_proj(x_shard)) * module.up_proj(x_shard))
+
+    params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+    return TiledMLP.apply(mlp_forward, mlp, x, int(shards.item()), params)
+
+
+def host_booked_checkpoint(function, *args, **kwargs):
+    """Reentrant checkpoint whose saved input waits in (emulated) host memory: the CPU twin of HF's offload."""
+    from autosp.compiler.offload import offload
+
+    def to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        return tensor.device, offload(tensor)
+
+    def to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+        device, host = packed
+        return host.to(device, copy=True)
+
+    with torch.autograd.graph.saved_tensors_hooks(to_host, to_device):
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
+def enable_checkpoint_offload(model: nn.Module, device: torch.device) -> None:
+    """Every decoder layer checkpointed, its input in host memory (ArcticTraining: `activation_checkpoint_cpu_offload`)."""
+    if device.type == "cuda":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, offload=True)
+        return
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_booked_checkpoint)
+
+
+def shard_like_the_adapter(batch: "Batch", sp_rank: int, sp_size: int) -> dict[str, torch.Tensor]:
+    """`UlyssesSPDataLoaderAdapter.refill` for one sample: labels shifted globally, every tensor cut into this
+    rank's chunk of the sequence (position ids made when the data has none, as ALST requires them)."""
+    seq_len = batch.input_ids.shape[1]
+    position_ids = batch.position_ids
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=batch.input_ids.device).expand_as(batch.input_ids)
+    shift_labels = torch.nn.functional.pad(batch.labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    chunk = seq_len // sp_size
+    mine = slice(chunk * sp_rank, chunk * (sp_rank + 1))
+    return {"input_ids": batch.input_ids[:, mine].contiguous(), "position_ids": position_ids[:, mine].contiguous(),
+            "shift_labels": shift_labels[:, mine].contiguous()}
+
+
+class AlstStep(TrainStep):
+    implementation = "alst (deepspeed ulysses_sp + zero3)"
+
+    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+        self.deepspeed = import_deepspeed("alst")
+        import transformers.masking_utils
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        self.ctx = ctx
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=ctx.sp_size,
+            micro_batch_size=cfg.batch_size, seq_length=cfg.seq_len, seq_length_is_variable=True)
+        # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA over the gathered sequence)
+        transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
+        for module in model.modules():
+            if type(module).__name__.endswith("MLP") and hasattr(module, "gate_proj"):
+                module.forward = MethodType(tiled_mlp_forward, module)
+        enable_checkpoint_offload(model, ctx.device)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        if cfg.device != "cpu":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, adamw_mode=True)
+        self.engine, *_ = self.deepspeed.initialize(
+            model=model, optimizer=optimizer, config=alst_config(cfg, parameter_count(cfg.model)), mpu=mpu)
+
+    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        ctx = self.ctx
+        rows = batch.input_ids.shape[0] // ctx.dp_size
+        mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
+        inputs = shard_like_the_adapter(mine, ctx.sp_rank, ctx.sp_size)
+        shift_labels = inputs.pop("shift_labels")
+        model = self.engine.module
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state
+        vocab = model.config.vocab_size
+        bs, seqlen = shift_labels.shape
+        shards = max(1, math.ceil(bs * seqlen * vocab * 4 / LOGITS_SHARD_BYTES))
+
+        def loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # SFTTrainer.loss's fn
+            logits = module.lm_head(x)
+            good = (y != IGNORE_INDEX).sum()
+            if good == 0:
+                return (logits.sum() * 0.0).float()
+            return module.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=y) * good
+
+        total = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, shift_labels, None, shards,
+                                           [model.lm_head.weight], "sum")
+        good = (shift_labels != IGNORE_INDEX).sum()
+        loss = total / torch.clamp(good, min=1)
+        # differentiable token-weighted mean over the SP ranks (ArcticTraining's SFTTrainer.loss)
+        losses = dist_fn.all_gather(loss, group=ctx.sp_group)
+        goods = dist_fn.all_gather(good, group=ctx.sp_group)
+        loss = sum(l * g for l, g in zip(losses, goods)) / sum(goods)
+        self.engine.backward(loss)
+        logged = loss.detach().clone()
+        if ctx.dp_group is not None and ctx.dp_size > 1:  # what a user logs: the mean over data-parallel ranks
+            dist.all_reduce(logged, group=ctx.dp_group)
+            logged /= ctx.dp_size
+        return logged
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # also zeroes the gradients
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+                for n, p in self.engine.module.named_parameters()}
+
+
+@register
+class AlstStrategy(Strategy):
+    name = "alst"
+    description = ("Arctic Long Sequence Training (DeepSpeed's ulysses_sp: Ulysses attention, TiledMLP, tiled "
+                   "logits+loss, checkpoint offload; ZeRO-3) on hf:<preset> models, as ArcticTraining runs it")
+    sequence_parallel = True
+    zero_stages = (3,)
+
+    def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
+        require_deepspeed(self.name)
+        if not cfg.model.startswith("hf:"):
+            raise ConfigError(f"--method alst trains HF transformers models (ALST patches HF's attention); "
+                              f"use --model hf:{cfg.model}")
+        super().validate(cfg, num_heads, num_kv_heads)
+        sp = cfg.sp_size or self.default_sp_size(cfg.world_size)
+        if num_heads % sp or (num_kv_heads % sp and sp % num_kv_heads):
+            raise ConfigError(f"ALST's Ulysses needs the {num_heads} query heads divisible by the SP degree {sp} and "
+                              f"the {num_kv_heads} KV heads dividing it or divisible by it; pick another --world-size")
+        precision_config(cfg.dtype, self.name)
+
+    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        return AlstStep(model, ctx, cfg)

@@ -1,0 +1,33 @@
+"""ALST is a peer: the adapter runs DeepSpeed's ALST components as ArcticTraining does and reports what happens."""
+import pytest
+
+from autosp.harness.check import check
+from autosp.harness.config import ConfigError, RunConfig
+from baselines.base import get_strategy
+
+
+def test_alst_is_exact_but_for_its_lm_head_gradient_which_tiled_loss_scales_by_the_tokens_per_rank() -> None:
+    """`TiledFusedLogitsLoss` runs backward inside forward with an incoming gradient of 1 and later rescales only
+    the hidden states' gradient by the real incoming one; the lm_head weight's gradient keeps the unnormalised sum
+    (ArcticTraining divides the loss by the valid tokens afterwards), averaged over the P ranks: Σ valid / P times
+    the true gradient. Everything else equals single-process training."""
+    import deepspeed
+
+    seq_len, world_size = 256, 2
+    report = check(RunConfig("alst", "hf:tiny", seq_len, world_size=world_size, timeout_s=300), steps=1)
+    assert report.status == "ok", report.error
+    assert max(report.loss_errors) < 1e-6
+    assert all(error < 1e-5 for group, error in report.grad_errors.items() if group != "lm_head"), report.format()
+    if deepspeed.__version__ == "0.19.8":
+        valid = seq_len - 1  # labels shifted: the last position has no target
+        assert report.grad_errors["lm_head"] == pytest.approx(valid / world_size - 1, rel=1e-4), report.format()
+
+
+@pytest.mark.parametrize("model, world_size, message", [
+    ("tiny", 2, "use --model hf:tiny"),
+    ("hf:tiny", 3, "query heads divisible by the SP degree 3"),
+])
+def test_alst_refuses_what_it_cannot_run_in_one_line(model: str, world_size: int, message: str) -> None:
+    cfg = RunConfig("alst", model, 96, world_size=world_size)
+    with pytest.raises(ConfigError, match=message):
+        get_strategy("alst").validate(cfg, num_heads=8, num_kv_heads=4)
