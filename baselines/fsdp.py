@@ -12,6 +12,7 @@ from torch import nn
 
 from autosp.harness.config import RunConfig
 from baselines.base import Strategy, TrainStep, compute_dtype, register
+from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.fsdp_sharding import full, shard_llama
 
@@ -48,11 +49,15 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     description = "PyTorch FSDP2 fully_shard (ZeRO-3 style sharding), data parallel, full-length sequences"
     zero_stages = (3,)
+    options = frozenset({"ac"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         reject_sequence_parallel(cfg, self.name)
         super().validate(cfg, num_heads, num_kv_heads)
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+        checkpointed = apply_activation_checkpointing(model, cfg)  # before sharding: FSDP2 wraps those layers
         shard_llama(model, ctx.mesh["dp"], self.name, compute_dtype(cfg))
-        return FSDPStep(model, ctx, cfg)
+        step = FSDPStep(model, ctx, cfg)
+        step.implementation += checkpointed
+        return step

@@ -26,6 +26,7 @@ from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 from baselines.base import Strategy, TrainStep, compute_dtype, register
 from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
+from baselines.checkpointing import apply_activation_checkpointing
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class Ring(Strategy):
     description = "RingAttention, zigzag causal (ring-flash-attn on CUDA bf16/fp16, exact PyTorch ring elsewhere)"
     sequence_parallel = True
     zero_stages = (3, 0)  # 3 by default: FSDP2 fully_shard per decoder layer over all ranks, as `ulysses`
+    options = frozenset({"ac"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
@@ -90,6 +92,7 @@ class Ring(Strategy):
             if rows is not None:
                 raise ConfigError("--method ring got a batch with packed documents or padding; it is causal only")
 
+        implementation += apply_activation_checkpointing(model, cfg)
         sharded = self.zero_stage(cfg) == 3
         if sharded:
             from baselines.fsdp_sharding import shard_over_world

@@ -17,7 +17,6 @@ run by `autosp::masked_attention`) where the data needs one, so no [S, S] mask e
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.utils.checkpoint import checkpoint
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, LlamaModel, attention_mask_rows
@@ -92,13 +90,6 @@ def attention_modules(model: nn.Module, method: str) -> list[LlamaAttention]:
             f"{type(model).__name__}; use a project preset (e.g. --model tiny), not hf:<preset>"
         )
     return modules
-
-
-def checkpoint_layers(model: nn.Module) -> None:
-    """Per-layer activation checkpointing (non-reentrant) without renaming parameters: each decoder layer's
-    forward becomes checkpoint(original forward); its attention (all-to-alls / ring included) reruns in backward."""
-    for layer in model.model.layers:
-        layer.forward = functools.partial(checkpoint, type(layer).forward.__get__(layer), use_reentrant=False)
 
 
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:

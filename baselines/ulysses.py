@@ -3,7 +3,8 @@
 * `ulysses`: each layer's attention core wrapped in `deepspeed.sequence.layer.DistributedAttention`
   (all-to-all: sequence-sharded, all heads -> full sequence, heads/P; local SDPA; all-to-all back), inputs,
   positions and labels sharded by hand (`sequence_parallel`), eager;
-* `ulysses-ac`: the same with per-layer activation checkpointing (the usual companion for long sequences);
+* `ulysses-ac`: the same with per-layer activation checkpointing at ZeRO 0 (`ulysses[ac=layer]` / `--ac layer` is
+  the same at any stage);
 * `ulysses-compile`: the same model under `torch.compile` (backend `--compile-backend`). With torch 2.13 and
   DeepSpeed 0.19.8 Dynamo traces DistributedAttention's all-to-all autograd.Function as an
   `autograd_function_apply` higher-order op: the whole forward is one graph, no graph breaks (the loss, taken
@@ -28,12 +29,8 @@ from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import attention_from_mask_rows
 from baselines.base import Strategy, TrainStep, compute_dtype, register
 from baselines.deepspeed_env import import_deepspeed, require_deepspeed
-from baselines.sequence_parallel import (
-    SequenceParallelStep,
-    attention_modules,
-    checkpoint_layers,
-    require_project_llama,
-)
+from baselines.checkpointing import apply_activation_checkpointing
+from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:
     from autosp.harness.parallel import ParallelContext
@@ -74,6 +71,7 @@ class Ulysses(Strategy):
     activation_checkpointing: ClassVar[bool] = False
     compiled: ClassVar[bool] = False
     zero_stages = (3, 0)  # 3 (FSDP2) by default, as autosp: like for like, and its longest trainable length
+    options = frozenset({"ac"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         require_deepspeed(self.name)
@@ -93,7 +91,8 @@ class Ulysses(Strategy):
         for module in modules:
             module.attention_fn = attention
         if self.activation_checkpointing:
-            checkpoint_layers(model)
+            cfg = cfg.replace(ac="layer")
+        checkpointed = apply_activation_checkpointing(model, cfg)
         sharded = self.zero_stage(cfg) == 3
         if sharded:
             from baselines.fsdp_sharding import shard_over_world
@@ -105,7 +104,7 @@ class Ulysses(Strategy):
             local = seq_len // ctx.sp_size
             return torch.arange(ctx.sp_rank * local, (ctx.sp_rank + 1) * local)
 
-        implementation = "deepspeed-ulysses" + ("+ac" if self.activation_checkpointing else "")
+        implementation = "deepspeed-ulysses" + checkpointed
         implementation += "+fsdp2-zero3" if sharded else ""
         if self.compiled:
             implementation += f"+compile({cfg.compile_backend})"
@@ -127,4 +126,4 @@ class UlyssesCompiled(Ulysses):
     description = "hand-written DeepSpeed-Ulysses under torch.compile (--compile-backend), all-to-alls in the graph"
     compiled = True
     zero_stages = (0,)
-    options = frozenset({"compile_backend"})
+    options = frozenset({"compile_backend", "ac"})

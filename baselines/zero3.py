@@ -20,6 +20,7 @@ from torch import nn
 from autosp.harness.config import RunConfig
 from autosp.models.build import parameter_count
 from baselines.base import Strategy, TrainStep, register
+from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
 
@@ -59,6 +60,7 @@ class Zero3Step(TrainStep):
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
         self.deepspeed = import_deepspeed("zero3")
         self.ctx = ctx
+        self.implementation += apply_activation_checkpointing(model, cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         # the preset's count, not this module's: a shorter stand-in (the simulator's 2 and 3 layers) is configured
         # as the real model, so its buckets, and the bytes they hold, are the real model's
@@ -91,6 +93,7 @@ class Zero3Strategy(Strategy):
     name = "zero3"
     description = "DeepSpeed ZeRO stage 3 (every parameter partitioned), data parallel, full-length sequences"
     zero_stages = (3,)
+    options = frozenset({"ac"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         reject_sequence_parallel(cfg, self.name)

@@ -18,7 +18,9 @@ __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 
 #: RunConfig fields only some methods read; each method declares its own (`baselines.base.Strategy.options`) and
 #: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
-METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload")
+METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac")
+#: `--ac`: the baselines' per-layer activation checkpointing (`baselines.checkpointing`)
+ACTIVATION_CHECKPOINTING = ("off", "layer")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class RunConfig:
     tiling: str = "off"  # autosp only: off | loss | auto, optionally :<tokens per tile> (autosp.compiler.tiling)
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
     offload: str = "off"  # autosp only: off | activations (layer-boundary activations in host memory)
+    ac: str = "off"  # ulysses, ring, zero3, fsdp: off | layer (per-layer activation checkpointing)
+    host_memory_budget: int | None = None  # bytes of host memory per node; more offloaded there ends the run as `oom`
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""
@@ -74,6 +78,10 @@ class RunConfig:
         _check_integer("packed_documents", self.data.packed_documents, low=1)
         if self.ulysses_size is not None:
             _check_integer("ulysses_size", self.ulysses_size, low=1)
+        if self.host_memory_budget is not None:
+            _check_integer("host_memory_budget", self.host_memory_budget, low=1)
+        if self.ac not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(f"--ac must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {self.ac!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -92,8 +100,14 @@ class RunConfig:
         d = self.to_dict()
         for timing_only in ("steps", "warmup", "timeout_s"):
             d.pop(timing_only)
+        for name, default in _HASHED_ONLY_WHEN_SET.items():  # older records (and their searches) keep their hash
+            if d[name] == default:
+                d.pop(name)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
+
+#: fields added after records existed, with their defaults: hashed only when set
+_HASHED_ONLY_WHEN_SET = {"ac": "off", "host_memory_budget": None}
 
 #: field -> the flag a user typed, where the two differ
 _FLAGS = {"timeout_s": "--timeout"}

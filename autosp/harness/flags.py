@@ -60,17 +60,24 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="where the padding of --pad-fraction goes")
     g.add_argument("--offload", default=d["offload"],
                    help="autosp: off | activations: the layer-boundary activations wait in host memory for backward")
+    g.add_argument("--ac", default=d["ac"], help="ulysses, ring, zero3, fsdp: off | layer (per-layer activation "
+                   "checkpointing, as practitioners run them at long context)")
+    g.add_argument("--host-memory-budget", default=None,
+                   help="host memory of a node, e.g. 2TiB: more offloaded to host by the node's ranks ends the run "
+                   "as oom (default: unbounded)")
 
 
 def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
     """The RunConfig the flags of `add_run_config_arguments` describe (sizes parsed, e.g. 512MiB); `varied`
     supplies the fields the command set itself (a placeholder method or length for search/bench)."""
     budget = parse_size(args.memory_budget) if args.memory_budget is not None else None
+    host_budget = parse_size(args.host_memory_budget) if args.host_memory_budget is not None else None
     data = DataConfig(ignore_fraction=args.data_ignore_fraction, packed_documents=args.packed_documents,
                       pad_fraction=args.pad_fraction, pad_side=args.pad_side)
     fields = dict(method=getattr(args, "method", None), model=args.model, seq_len=getattr(args, "seq_len", None),
                   batch_size=args.batch_size, world_size=args.world_size, sp_size=args.sp_size, dtype=args.dtype,
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
-                  zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size, offload=args.offload)
+                  zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size, offload=args.offload,
+                  ac=args.ac, host_memory_budget=host_budget)
     return RunConfig(**{**fields, **varied})

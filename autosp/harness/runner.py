@@ -8,6 +8,7 @@ show that the step trains. Order per rank: warm-up steps, one measured step (pea
 from __future__ import annotations
 
 import importlib
+import os
 import math
 import platform
 import time
@@ -109,6 +110,16 @@ def _max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def _node_host_bytes(rank_host_bytes: int, device: torch.device) -> int:
+    """Host memory the ranks of one node hold (what `--host-memory-budget` bounds): the largest rank's offloaded
+    bytes times the ranks per node (on CPU every rank is on this machine)."""
+    if not dist.is_initialized():
+        return rank_host_bytes
+    per_node = dist.get_world_size() if device.type == "cpu" else int(
+        os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    return _max_over_ranks(rank_host_bytes) * per_node
+
+
 def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:
     """Body of one rank (runs in the launched process): train, measure, return this rank's numbers."""
     cfg = RunConfig.from_dict(cfg_dict)
@@ -126,11 +137,19 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
             losses.append(train_step(step, batch, len(losses)))
     result: dict[str, Any] = {"implementation": step.implementation or cfg.method, "device_name": device_name(device),
                               "losses": losses, "samples": [], "status": "ok"}
-    if device.type == "cpu" and cfg.memory_budget is not None:
+    device_budget = cfg.memory_budget if device.type == "cpu" else None  # a GPU's allocator is capped instead
+    if device_budget is not None or cfg.host_memory_budget is not None:
         # All ranks decide together (max over ranks) so none is left waiting in a collective.
         measured = meter.report()
-        if _max_over_ranks(measured.peak_bytes) > cfg.memory_budget:
-            result.update(status="oom", peak=measured.peak_bytes, memory=measured.detail)
+        over = None
+        if device_budget is not None and _max_over_ranks(measured.peak_bytes) > device_budget:
+            over = "device"
+        host = _node_host_bytes(measured.detail.get("host_offloaded_bytes", 0), device)
+        if over is None and cfg.host_memory_budget is not None and host > cfg.host_memory_budget:
+            over = "host"
+        if over is not None:
+            result.update(status="oom", oom_in=over, peak=measured.peak_bytes, node_host=host,
+                          memory=measured.detail)
             return result
     result["cpu_samples"] = []
     for _ in range(cfg.steps):
@@ -188,8 +207,12 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
                            **first.get("metrics", {}))
     if any(r["status"] == "oom" for r in results):
         record["status"] = "oom"
-        peak, budget = format_sizes_apart(max(peaks), cfg.memory_budget)
-        record["error"] = f"rank {worst_rank}: peak {peak} exceeds the memory budget {budget}"
+        if first.get("oom_in") == "host":
+            host, budget = format_sizes_apart(first["node_host"], cfg.host_memory_budget)
+            record["error"] = f"host memory: the node's ranks offload {host}, over --host-memory-budget {budget}"
+        else:
+            peak, budget = format_sizes_apart(max(peaks), cfg.memory_budget)
+            record["error"] = f"rank {worst_rank}: peak {peak} exceeds the memory budget {budget}"
         record["iter_time_s"] = summarize_times([])
         return
     # A step ends when its slowest rank ends.
