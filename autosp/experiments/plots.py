@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from pathlib import Path
 
 import matplotlib
@@ -22,7 +21,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from autosp.experiments.tables import (  # noqa: E402
-    COMPILED_METHODS, THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, paper_claims)
+    COMPILED_METHODS, THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, model_order, paper_claims)
 from autosp.harness.config import ConfigError  # noqa: E402
 
 #: the paper's names for the baselines (paper_claims.csv `autosp_vs`) -> our methods that stand for them
@@ -188,7 +187,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     cells where nothing trains a crossed stub. Lengths and failure reasons are written on the bars when the panel
     has few enough of them to stay readable; the analytic floor's limit is drawn only where it lies within
     FLOOR_SHOWN_WITHIN of the bar (further off it says nothing about the bar)."""
-    models = sorted(dict.fromkeys(sub["model"]), key=_model_order)
+    models = sorted(dict.fromkeys(sub["model"]), key=model_order)
     present = [s for s in series if any((sub["method"] == s[0]) & (_stages(sub) == _key(s[1])))]
     width = 0.8 / max(len(present), 1)
     lengths = pd.Series([_length(r) for _, r in sub.iterrows()]).dropna()
@@ -239,12 +238,6 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     ax.set_title(f"{device} ({', '.join(modes)})", fontsize=9)
     top = lengths.max() if len(lengths) else floor_y
     ax.set_ylim(bottom=floor_y / 2, top=top * 2)
-
-
-def _model_order(model: str) -> tuple:
-    """Models by size where the name says it (`llama-3.2-1b` before `llama-2-13b`), else by name."""
-    size = re.search(r"(\d+(?:\.\d+)?)b$", str(model))
-    return (float(size[1]) if size else 0.0, str(model))
 
 
 def _key(stage: int | None) -> int:
@@ -313,7 +306,7 @@ def _ratio_panel(ax: plt.Axes, ratios: pd.DataFrame, devices: int) -> None:
     rank = {m: i for i, m in enumerate(SERIES_ORDER)}
     ratios = ratios.assign(_row=[row_label(r) for _, r in ratios.iterrows()],
                            _order=[(rank.get(m, len(rank)), m, -z) for m, z in zip(ratios["method"], ratios["zero"])])
-    rows = list(dict.fromkeys(ratios.sort_values("model", key=lambda m: m.map(_model_order), kind="stable")["_row"]))
+    rows = list(dict.fromkeys(ratios.sort_values("model", key=lambda m: m.map(model_order), kind="stable")["_row"]))
     columns = list(dict.fromkeys(ratios.sort_values("_order")["baseline"]))
     grid = np.full((len(rows), len(columns)), np.nan)
     for _, r in ratios.iterrows():

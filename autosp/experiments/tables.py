@@ -135,6 +135,12 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def model_order(model: str) -> tuple:
+    """Models by size where the name says it (`llama-3.2-1b` before `llama-2-13b`), else by name."""
+    size = re.search(r"(\d+(?:\.\d+)?)b$", str(model))
+    return (float(size[1]) if size else 0.0, str(model))
+
+
 #: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
 HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst")
 
@@ -143,9 +149,11 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
     """One row per setting (measured or simulated, labelled): every method's longest trainable length over the
     ZeRO stages it ran, and AutoSP's ratio to the baselines of HEADLINE_RATIOS that ran there."""
     table = trainability.assign(n=pd.to_numeric(trainability["max_seq_len"], errors="coerce").astype(float))
-    table["where"] = table["device_name"].fillna(table["device"]) if "device_name" in table else table["device"]
+    names = table["device_name"] if "device_name" in table else table["device"]
+    # a device type (cpu, a100-80gb) names the setting; a measured GPU's own name stands in for plain "cuda"
+    table["where"] = table["device"].where(table["device"] != "cuda", names.fillna(table["device"]))
     if devices:
-        table = table[table["where"].isin(devices)]
+        table = table[table["where"].isin(devices) | table["device"].isin(devices) | names.isin(devices)]
     methods = [m for m in ("autosp", "ulysses", "ring", "fsdp", "zero3", *HEADLINE_RATIOS) if m in set(table["method"])]
     methods += sorted(set(table["method"]) - set(methods))
     rows = []
@@ -162,7 +170,10 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
         rows.append(row)
     if not rows:
         raise ConfigError("no trainability results for the headline table (check --devices)")
-    return pd.DataFrame(rows).sort_values(["source", "setting", "model"], kind="stable").reset_index(drop=True)
+    table = pd.DataFrame(rows)
+    order = sorted(range(len(table)), key=lambda i: (table["source"][i], table["setting"][i],
+                                                     model_order(table["model"][i])))
+    return table.iloc[order].reset_index(drop=True)
 
 
 def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -> pd.DataFrame:

@@ -159,7 +159,7 @@ def test_headline_table_labels_measured_and_simulated_rows(tmp_path, capsys) -> 
 
     (tmp_path / "sim.md").write_text(SIMULATED_MD)
     records = tmp_path / "search.jsonl"
-    rows = [dict(search_row("autosp", 16384, model="hf:tiny"), zero=3),
+    rows = [dict(search_row("autosp", 16384, model="hf:tiny"), zero=3, device_name="AMD EPYC 7B13"),
             dict(search_row("ds-autosp", 11264, model="hf:tiny"), zero=0),
             dict(search_row("autosp", 18432), zero=3), dict(search_row("ulysses", 4608), zero=3)]
     records.write_text("".join(json.dumps(dict(row, schema_version=1, run_id=str(i))) + "\n"
