@@ -40,7 +40,7 @@ METHOD_COLORS = {
 }
 #: a trainability panel writes each bar's length on it up to this many bars; beyond, the axis and the ratio grid
 #: carry the numbers (labels of more bars would overlap at the size a figure is shown)
-MAX_LABELLED_BARS = 16
+MAX_LABELLED_BARS = 24
 #: the analytic floor's limit is drawn on a bar only within this factor of it: further off it says nothing
 FLOOR_SHOWN_WITHIN = 4.0
 #: the order of methods in bars, legends and the ratio grid
@@ -192,7 +192,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     width = 0.8 / max(len(present), 1)
     lengths = pd.Series([_length(r) for _, r in sub.iterrows()]).dropna()
     floor_y = 2 ** math.floor(math.log2(lengths.min() / 4)) if len(lengths) else 256
-    labelled = len(models) * len(present) <= MAX_LABELLED_BARS
+    labelled = len(sub) <= MAX_LABELLED_BARS
     floor_drawn = False
     for i, model in enumerate(models):
         for j, (method, stage) in enumerate(present):

@@ -136,9 +136,11 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
 
 
 def model_order(model: str) -> tuple:
-    """Models by size where the name says it (`llama-3.2-1b` before `llama-2-13b`), else by name."""
-    size = re.search(r"(\d+(?:\.\d+)?)b$", str(model))
-    return (float(size[1]) if size else 0.0, str(model))
+    """Models by size where the name says it (`llama-3.2-1b` before `llama-2-13b`), else by name; a model's HF
+    variants (`hf:<preset>`, `hf-qwen2:<preset>`) right after it."""
+    variant, _, base = str(model).rpartition(":")
+    size = re.search(r"(\d+(?:\.\d+)?)b$", base)
+    return (float(size[1]) if size else 0.0, base, variant)
 
 
 #: the headline table's AutoSP ratios: the baselines that matter most, where their records exist

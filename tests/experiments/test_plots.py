@@ -99,8 +99,18 @@ def simulated(tmp_path) -> pd.DataFrame:
     return trainability_table(simulated_table_rows(path))
 
 
+def all_target_table() -> pd.DataFrame:
+    """The `all` target's cells: five methods on three presets, the peer on two HF variants (19 labelled bars)."""
+    rows = [search(m, n // scale, model=model) for model, scale in (("tiny", 1), ("small", 2), ("llama3-mini", 2))
+            for m, n in (("autosp", 18432), ("ulysses", 4608), ("ring", 4608), ("fsdp", 2560), ("zero3", 1024))]
+    rows += [search(m, n, model=model, zero=z) for model in ("hf:tiny", "hf:small")
+             for m, n, z in (("autosp", 16384, 3), ("ds-autosp", 11264, 0))]
+    return trainability_table(pd.DataFrame(rows))
+
+
 FIGURES = {
     "trainability": lambda tmp: plots.draw_trainability(quick_start_table()),
+    "trainability-all": lambda tmp: plots.draw_trainability(all_target_table()),
     "throughput": lambda tmp: plots.draw_throughput(throughput(), records=None),
     "memory": lambda tmp: plots.draw_memory(memory(), baseline="single"),
     "sac": lambda tmp: plots.draw_sac(sac()),
