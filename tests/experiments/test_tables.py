@@ -195,6 +195,9 @@ def test_throughput_figure(tmp_path) -> None:
     (["table", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/torn.jsonl/t.csv"],
      "cannot write --out {tmp}/torn.jsonl/t.csv: {tmp}/torn.jsonl is a file, not a folder"),
     (["plot", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/x.xyz"], "cannot write a figure as 'xyz'"),
+    (["plot", "simulated", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/f.png"], "no `autosp simulate-table` table"),
+    (["plot", "simulated", "--in", "{tmp}/missing.md", "--out", "{tmp}/f.png"], "cannot read {tmp}/missing.md"),
+    (["table", "headline", "--in", "{tmp}/missing.md"], "cannot read {tmp}/missing.md"),
 ])
 def test_bad_table_or_plot_input_is_one_line_and_exit_2(tmp_path, capsys, command, message) -> None:
     from autosp.cli import main
