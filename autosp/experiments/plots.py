@@ -209,7 +209,8 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
                 handles.setdefault("no length trains (OOM at the minimum) or failed", FAILED_HANDLE)
                 if labelled:
                     reason = row.get("error") if isinstance(row.get("error"), str) else row["status"]
-                    ax.annotate(_short(f"{row['status']}: {reason}" if reason != row["status"] else reason, 40),
+                    ax.annotate(_short(f"{method} {row['status']}: {reason}" if reason != row["status"]
+                                       else f"{method}: {reason}", 90),
                                 (x, floor_y * 1.05), rotation=90, ha="center", va="bottom", fontsize=5, color="0.2")
                 continue
             simulated = row.get("mode") == "simulated"
