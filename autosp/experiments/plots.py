@@ -188,19 +188,19 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     has few enough of them to stay readable; the analytic floor's limit is drawn only where it lies within
     FLOOR_SHOWN_WITHIN of the bar (further off it says nothing about the bar)."""
     models = sorted(dict.fromkeys(sub["model"]), key=model_order)
-    present = [s for s in series if any((sub["method"] == s[0]) & (_stages(sub) == _key(s[1])))]
-    width = 0.8 / max(len(present), 1)
+    stages = _stages(sub)
+    # per model the series that ran on it, centred on its tick: no gaps for methods another model ran
+    groups = [[s for s in series if ((sub["model"] == m) & (sub["method"] == s[0]) & (stages == _key(s[1]))).any()]
+              for m in models]
+    width = 0.8 / max(max(map(len, groups), default=1), 1)
     lengths = pd.Series([_length(r) for _, r in sub.iterrows()]).dropna()
     floor_y = 2 ** math.floor(math.log2(lengths.min() / 4)) if len(lengths) else 256
     labelled = len(sub) <= MAX_LABELLED_BARS
-    floor_drawn = False
-    for i, model in enumerate(models):
-        for j, (method, stage) in enumerate(present):
-            cell = sub[(sub["model"] == model) & (sub["method"] == method) & (_stages(sub) == _key(stage))]
-            if cell.empty:
-                continue
-            row = cell.iloc[0]
-            x = i - 0.4 + width * (j + 0.5)
+    floor_drawn = 0.0  # the highest floor limit drawn (0: none)
+    for i, (model, group) in enumerate(zip(models, groups)):
+        for j, (method, stage) in enumerate(group):
+            row = sub[(sub["model"] == model) & (sub["method"] == method) & (stages == _key(stage))].iloc[0]
+            x = i + width * (j - (len(group) - 1) / 2)
             color = _series_color(method, stage, multi)
             length = _length(row)
             if math.isnan(length):  # nothing trains, or the search failed: a crossed stub, the reason written on it
@@ -226,11 +226,12 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
             limit = pd.to_numeric(pd.Series([row.get("floor_limit_seq_len")]), errors="coerce").iloc[0]
             if pd.notna(limit) and limit <= FLOOR_SHOWN_WITHIN * length:
                 ax.hlines(float(limit), x - width / 2, x + width / 2, colors="k", linestyles="--", linewidth=0.8)
-                floor_drawn = True
+                floor_drawn = max(floor_drawn, float(limit))
     if floor_drawn:
         handles.setdefault(f"analytic memory-floor limit (drawn within {FLOOR_SHOWN_WITHIN:g}x of the bar)",
                            FLOOR_HANDLE)
     ax.set_xticks(range(len(models)), [_model_tick(m, sub[sub["model"] == m]) for m in models], fontsize=7)
+    ax.set_xlim(-0.5, len(models) - 0.5)
     ax.set_yscale("log", base=2)
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
     ax.tick_params(axis="y", labelsize=7)
@@ -238,7 +239,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     modes = sorted({_mode(dict(mode=m)) for m in sub.get("mode", pd.Series(["measured"]))})
     ax.set_title(f"{device} ({', '.join(modes)})", fontsize=9)
     top = lengths.max() if len(lengths) else floor_y
-    ax.set_ylim(bottom=floor_y / 2, top=top * 2)
+    ax.set_ylim(bottom=floor_y / 2, top=max(top * 2, floor_drawn * 1.5))
 
 
 def _key(stage: int | None) -> int:
