@@ -88,7 +88,7 @@ if config["device"] == "cuda" and config["world_size"] > config["gpus_per_node"]
     raise ValueError(
         f"world_size {config['world_size']} > gpus_per_node {config['gpus_per_node']}: every cell launches its ranks "
         f"on one node; set world_size <= {config['gpus_per_node']} (a multi-node run is `srun ... autosp run`, "
-        "see README, Clusters)")
+        "see docs/harness.md, Clusters)")
 GPUS = config["world_size"] if config["device"] == "cuda" else 0
 NODES = 1
 RANK_THREADS = config["world_size"]

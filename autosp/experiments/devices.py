@@ -10,10 +10,9 @@ The simulator counts live tensor storage bytes; a GPU holds more than that. Per 
   from the large pool, whose segments are multiples of ``large_block_bytes`` (kRoundLarge, 2 MiB). Caching
   fragmentation is modelled as exactly that segment rounding of large blocks: nothing else is added;
 - ``context_mib``: the CUDA/ROCm context with PyTorch's kernels lazily loaded. Hopper rows (h100, h200, gh200):
-  733 MiB, read on an H200 (torch 2.11+cu130, driver 580.159): 527 MiB used once the context exists, 765 MiB
-  outside the caching allocator after cuBLAS and SDPA forward/backward kernels ran
-  (`tests/gpu/context_probe.py`), less the 32 MiB workspace below. Other rows: 500 MiB, a documented order of
-  magnitude for CUDA 12 / ROCm 6 with lazy module loading (not measured). Neither is fitted to any paper number;
+  733 MiB, read on an H200 with `tests/gpu/context_probe.py` (docs/measurements/2026-12-01-simulator.md). Other
+  rows: 500 MiB, a documented order of magnitude for CUDA 12 / ROCm 6 with lazy module loading (not measured).
+  Neither is fitted to any paper number;
 - ``workspace_mib``: the BLAS library workspace torch allocates per handle (cuBLAS: 8 MiB before Hopper,
   32 MiB on Hopper; hipBLASLt alike), outside the tensor allocator statistics.
 

@@ -12,11 +12,16 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on clusters or CI
+import matplotlib.colors  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from autosp.experiments.tables import (  # noqa: E402
-    THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, paper_claims)
+    COMPILED_METHODS, THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, model_order, paper_claims)
 from autosp.harness.config import ConfigError  # noqa: E402
 
 #: the paper's names for the baselines (paper_claims.csv `autosp_vs`) -> our methods that stand for them
@@ -26,15 +31,22 @@ CLAIM_BASELINE_METHODS = {
     "ringattention": ("ring",),
 }
 OURS = "autosp"
-CLAIM_STYLE = dict(color="0.85", edgecolor="0.3", hatch="//")
+CLAIM_STYLE = dict(facecolor="0.85", edgecolor="0.3", hatch="//")
 #: one colour per method in every figure (methods not listed take the next free colour of tab20)
 METHOD_COLORS = {
     "autosp": "tab:red", "ulysses": "tab:blue", "ulysses-ac": "tab:cyan", "ulysses-compile": "tab:purple",
     "ring": "tab:green", "zero3": "tab:orange", "fsdp": "tab:brown", "ds-autosp": "tab:pink",
     "single": "tab:gray", "autosp:off": "salmon", "autosp:sac": "tab:red", "autosp:full": "darkred",
 }
-#: methods whose numbers depend on a compile backend: the figures name it
-COMPILED_METHODS = ("autosp", "ulysses-compile", "ds-autosp")
+#: a trainability panel writes each bar's length on it up to this many bars; beyond, the axis and the ratio grid
+#: carry the numbers (labels of more bars would overlap at the size a figure is shown)
+MAX_LABELLED_BARS = 24
+#: the analytic floor's limit is drawn on a bar only within this factor of it: further off it says nothing
+FLOOR_SHOWN_WITHIN = 4.0
+#: the order of methods in bars, legends and the ratio grid
+SERIES_ORDER = ("autosp", "ds-autosp", "alst", "ulysses", "ring", "fsdp", "zero3")
+FAILED_HANDLE = Patch(facecolor="white", edgecolor="0.3", hatch="xx")
+FLOOR_HANDLE = Line2D([], [], color="k", linestyle="--", linewidth=0.8)
 
 
 def method_color(method: str) -> str:
@@ -44,8 +56,6 @@ def method_color(method: str) -> str:
         return METHOD_COLORS["autosp"]
     palette = [c for c in plt.get_cmap("tab20").colors if c not in METHOD_COLORS.values()]
     return palette[sum(map(ord, method)) % len(palette)]
-#: simulated cells (`mode: simulated`, autosp simulate) are outlined and cross-hatched, never solid
-SIMULATED_STYLE = dict(fill=False, edgecolor="tab:red", hatch="xx")
 
 
 def _panel_title(key: tuple, names: list[str]) -> str:
@@ -76,40 +86,10 @@ def _short(text: object, width: int = 38) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _trainability_claim_rows(table: pd.DataFrame, claims: pd.DataFrame) -> list[tuple[str, float, str]]:
-    """(label, factor, kind) bars: measured AutoSP/baseline ratios per setting, then the paper's claims."""
-    bars: list[tuple[str, float, str]] = []
-    group = [c for c in TRAINABILITY_GROUP if c in table]
-    for paper_name, methods in CLAIM_BASELINE_METHODS.items():
-        for baseline in methods:
-            for key, sub in table.groupby(group, dropna=False):
-                ours = sub.loc[sub["method"] == OURS, "max_seq_len"].dropna()
-                base = sub.loc[sub["method"] == baseline, "max_seq_len"].dropna()
-                if len(ours) and len(base) and base.iloc[0] > 0:
-                    mode = _mode(dict(zip(group, key)))
-                    bars.append((f"vs {baseline}\n{key[0]} ({mode})", float(ours.iloc[0] / base.iloc[0]), mode))
-        rows = claims[(claims["metric"] == "max_trainable_seq_len_ratio") & (claims["autosp_vs"] == paper_name)]
-        for _, claim in rows.iterrows():
-            bars.append((f"vs {paper_name}\npaper claim, {claim['hardware']}", float(claim["factor"]), "claim"))
-    return bars
-
-
 def _mode(parts: dict) -> str:
     """measured or simulated (records from before the `mode` column are measured)."""
     mode = parts.get("mode")
     return mode if isinstance(mode, str) else "measured"
-
-
-def _bar_label(row: pd.Series) -> str:
-    """Length and % of the floor limit; a search that found no length says why."""
-    if pd.isna(row["max_seq_len"]):
-        return {"oom_at_min_len": "OOM at\nmin len"}.get(row["status"], row["status"])
-    label = ("≥" if row["status"] == "no_oom_up_to_max_len" else "") + str(int(row["max_seq_len"]))
-    if row["status"] in ("error", "timeout"):
-        label += f"\n({row['status']})"
-    elif pd.notna(row.get("achieved_over_limit")):
-        label += f"\n{row['achieved_over_limit']:.0%}"
-    return label
 
 
 def _method_legend_label(method: str, sub: pd.DataFrame) -> str:
@@ -119,7 +99,7 @@ def _method_legend_label(method: str, sub: pd.DataFrame) -> str:
     name = f"{method} ZeRO-{'/'.join(map(str, stages))}" if stages else method
     if method in COMPILED_METHODS:
         backends = ", ".join(sorted({str(b) for b in sub.get("compile_backend", pd.Series(dtype=object)).dropna()}))
-        if method == "ds-autosp":
+        if method == "ds-autosp" and backends:
             backends = "inductor (DeepSpeed's own)"
         if backends:
             return f"{name} [{backends}]"
@@ -133,80 +113,250 @@ def _device_panels(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(str(d), sub) for d, sub in table.assign(_device=device).groupby("_device", sort=True)]
 
 
-def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame) -> None:
-    """Max length per (model, method) on a log2 axis: measured bars solid, simulated hatched outlines, failed
-    cells a crossed stub with the reason, the analytic floor limit a dashed tick, gradient checks beside."""
-    models = list(dict.fromkeys(sub.sort_values(["world_size", "model"])["model"]))
-    methods = list(dict.fromkeys(sub.sort_values("max_seq_len", ascending=False, na_position="last")["method"]))
-    width = 0.8 / max(len(methods), 1)
-    lengths = pd.to_numeric(sub["max_seq_len"], errors="coerce").dropna()
+def _stage(row: pd.Series) -> int | None:
+    zero = row.get("zero")
+    return None if zero is None or pd.isna(zero) else int(zero)
+
+
+def _length(row: pd.Series) -> float:
+    """The cell's max trainable length, or NaN where none fits or the search failed."""
+    n = pd.to_numeric(pd.Series([row.get("max_seq_len")]), errors="coerce").iloc[0]
+    return float(n) if pd.notna(n) and n > 0 else float("nan")
+
+
+def _series(table: pd.DataFrame) -> list[tuple[str, int | None]]:
+    """(method, ZeRO stage) per bar series: AutoSP first, then the peers and baselines in SERIES_ORDER, a
+    method's higher stage first."""
+    keys = {(row["method"], _stage(row)) for _, row in table.iterrows()}
+    rank = {m: i for i, m in enumerate(SERIES_ORDER)}
+    return sorted(keys, key=lambda k: (rank.get(k[0], len(rank)), k[0], -_key(k[1])))
+
+
+def _multi_stage(table: pd.DataFrame) -> set[str]:
+    """Methods that ran at more than one ZeRO stage in this table: their labels and shades name the stage."""
+    if "zero" not in table:
+        return set()
+    stages = table.dropna(subset=["zero"]).groupby("method")["zero"].nunique()
+    return set(stages[stages > 1].index)
+
+
+def _series_label(method: str, stage: int | None, table: pd.DataFrame, multi: set[str]) -> str:
+    rows = table[table["method"] == method]
+    if method in multi and stage is not None:
+        rows = rows[rows["zero"] == stage]
+    return _method_legend_label(method, rows)
+
+
+def _series_color(method: str, stage: int | None, multi: set[str]) -> tuple:
+    """The method's colour; a lower ZeRO stage of a method that ran several is the same colour, lighter."""
+    rgb = matplotlib.colors.to_rgb(method_color(method))
+    if method in multi and stage is not None and stage < 3:
+        return tuple(0.45 * c + 0.55 for c in rgb)
+    return rgb
+
+
+def _tokens(value: float, _pos: object = None) -> str:
+    """An axis tick in tokens: 4K, 64K, 1M."""
+    if value >= 2**20:
+        return f"{value / 2**20:g}M"
+    return f"{value / 1024:g}K" if value >= 1024 else f"{value:g}"
+
+
+def _check_line(method: str, check: object) -> str:
+    """A gradient check verdict in a few words: `autosp: PASSED 9.7e-06`."""
+    text = str(check)
+    words = text.split()
+    worst = next((w.rstrip(",") for w in words if "e-" in w or "e+" in w), "")
+    return f"{method}: {words[0] if words else text} {worst}".strip()
+
+
+def _model_tick(model: str, cells: pd.DataFrame) -> str:
+    first = cells.iloc[0]
+    budget = first.get("memory_budget")
+    lines = [model, f"P={first['world_size']}, " + (f"{budget / 2**20:.0f} MiB" if pd.notna(budget)
+                                                     else "device memory")]
+    if "gradient_check" in cells:
+        lines += [_check_line(r["method"], r["gradient_check"]) for _, r in cells.iterrows()
+                  if isinstance(r["gradient_check"], str)]
+    return "\n".join(lines)
+
+
+def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: list[tuple[str, int | None]],
+                        multi: set[str], handles: dict[str, object]) -> None:
+    """Max length per model (groups) and method (bars) on a log2 axis: measured bars solid, simulated ones hatched,
+    cells where nothing trains a crossed stub. Lengths and failure reasons are written on the bars when the panel
+    has few enough of them to stay readable; the analytic floor's limit is drawn only where it lies within
+    FLOOR_SHOWN_WITHIN of the bar (further off it says nothing about the bar)."""
+    models = sorted(dict.fromkeys(sub["model"]), key=model_order)
+    stages = _stages(sub)
+    # per model the series that ran on it, centred on its tick: no gaps for methods another model ran
+    groups = [[s for s in series if ((sub["model"] == m) & (sub["method"] == s[0]) & (stages == _key(s[1]))).any()]
+              for m in models]
+    width = 0.8 / max(max(map(len, groups), default=1), 1)
+    lengths = pd.Series([_length(r) for _, r in sub.iterrows()]).dropna()
     floor_y = 2 ** math.floor(math.log2(lengths.min() / 4)) if len(lengths) else 256
-    handles: dict[str, object] = {}
-    for i, model in enumerate(models):
-        for j, method in enumerate(methods):
-            cell = sub[(sub["model"] == model) & (sub["method"] == method)]
-            if cell.empty:
+    labelled = len(sub) <= MAX_LABELLED_BARS
+    floor_drawn = 0.0  # the highest floor limit drawn (0: none)
+    for i, (model, group) in enumerate(zip(models, groups)):
+        for j, (method, stage) in enumerate(group):
+            row = sub[(sub["model"] == model) & (sub["method"] == method) & (stages == _key(stage))].iloc[0]
+            x = i + width * (j - (len(group) - 1) / 2)
+            color = _series_color(method, stage, multi)
+            length = _length(row)
+            if math.isnan(length):  # nothing trains, or the search failed: a crossed stub, the reason written on it
+                ax.bar(x, floor_y / 2, width * 0.9, bottom=floor_y / 2, facecolor="white", edgecolor=color,
+                       hatch="xx")
+                handles.setdefault("no length trains (OOM at the minimum) or failed", FAILED_HANDLE)
+                if labelled:
+                    reason = row.get("error") if isinstance(row.get("error"), str) else row["status"]
+                    ax.annotate(_short(f"{method} {row['status']}: {reason}" if reason != row["status"]
+                                       else f"{method}: {reason}", 90),
+                                (x, floor_y * 1.05), rotation=90, ha="center", va="bottom", fontsize=5, color="0.2")
                 continue
-            row = cell.iloc[0]
-            x = i - 0.4 + width * (j + 0.5)
-            color = method_color(method)
             simulated = row.get("mode") == "simulated"
-            if pd.isna(row["max_seq_len"]):  # failed or nothing fit: drawn as such, with the reason
-                ax.bar(x, floor_y, width * 0.9, bottom=floor_y / 2, facecolor="white", edgecolor=color, hatch="xx")
-                reason = row.get("error") if isinstance(row.get("error"), str) else _bar_label(row)
-                ax.annotate(_short(f"{method} {row['status']}: {reason}", 48), (x, floor_y * 1.6), rotation=90,
-                            ha="center", va="bottom", fontsize=5, color="0.2")
-            else:
-                style = (dict(facecolor="none", edgecolor=color, hatch="..", linewidth=1.2) if simulated
-                         else dict(color=color))
-                bar = ax.bar(x, float(row["max_seq_len"]), width * 0.9, **style)
-                label = _method_legend_label(method, sub[sub["method"] == method])
-                handles.setdefault(label + (" (simulated)" if simulated else ""), bar)
-                ax.annotate(_bar_label(row), (x, float(row["max_seq_len"])), ha="center", va="bottom", fontsize=5)
-            limit = row.get("floor_limit_seq_len")
-            if pd.notna(limit):
+            style = (dict(facecolor=color, edgecolor="white", hatch="///", linewidth=0) if simulated
+                     else dict(color=color))
+            bar = ax.bar(x, length, width * 0.9, **style)
+            label = _series_label(method, stage, sub, multi) + (" (simulated)" if simulated else "")
+            handles.setdefault(label, bar)
+            if labelled:  # inside the bar's top: the floor's dash above it never crosses the number
+                prefix = "≥" if row["status"] == "no_oom_up_to_max_len" else ""
+                ax.annotate(f"{prefix}{int(length):,}", (x, length), rotation=90, ha="center", va="top",
+                            fontsize=6, xytext=(0, -3), textcoords="offset points", color="white")
+            limit = pd.to_numeric(pd.Series([row.get("floor_limit_seq_len")]), errors="coerce").iloc[0]
+            if pd.notna(limit) and limit <= FLOOR_SHOWN_WITHIN * length:
                 ax.hlines(float(limit), x - width / 2, x + width / 2, colors="k", linestyles="--", linewidth=0.8)
-            check = row.get("gradient_check")
-            if isinstance(check, str):
-                ax.annotate(_short("grad check " + check, 44), (x, floor_y / 2), rotation=90, ha="center",
-                            va="bottom", fontsize=5, color="darkred" if "FAILED" in check else "darkgreen")
-    ticks = []
-    for model in models:
-        first = sub[sub["model"] == model].iloc[0]
-        budget = first.get("memory_budget")
-        ticks.append(f"{model}\nP={first['world_size']}"
-                     + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else ", device memory"))
-    ax.set_xticks(range(len(models)), ticks, fontsize=7)
+                floor_drawn = max(floor_drawn, float(limit))
+    if floor_drawn:
+        handles.setdefault(f"analytic memory-floor limit (drawn within {FLOOR_SHOWN_WITHIN:g}x of the bar)",
+                           FLOOR_HANDLE)
+    ax.set_xticks(range(len(models)), [_model_tick(m, sub[sub["model"] == m]) for m in models], fontsize=7)
+    ax.set_xlim(-0.5, len(models) - 0.5)
     ax.set_yscale("log", base=2)
-    ax.set_ylabel("max trainable sequence length (tokens, log2)")
-    ax.set_title(f"{device}\n(dashed: analytic memory-floor limit; % = measured / limit)", fontsize=8)
-    ax.legend(list(handles.values()), list(handles), fontsize=6, loc="upper right")
-    ax.set_ylim(bottom=floor_y / 2, top=ax.get_ylim()[1] * 4)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_ylabel("max trainable sequence length (tokens)", fontsize=8)
+    modes = sorted({_mode(dict(mode=m)) for m in sub.get("mode", pd.Series(["measured"]))})
+    ax.set_title(f"{device} ({', '.join(modes)})", fontsize=9)
+    top = lengths.max() if len(lengths) else floor_y
+    ax.set_ylim(bottom=floor_y / 2, top=max(top * 2, floor_drawn * 1.5))
+
+
+def _key(stage: int | None) -> int:
+    return -1 if stage is None else stage
+
+
+def _stages(table: pd.DataFrame) -> pd.Series:
+    """Each row's ZeRO stage, -1 where the records name none (comparable with `_key`)."""
+    if "zero" not in table:
+        return pd.Series(-1, index=table.index)
+    return pd.to_numeric(table["zero"], errors="coerce").fillna(-1).astype(int)
+
+
+def trainability_ratios(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> pd.DataFrame:
+    """AutoSP's max length over every other method's, per setting, like with like: AutoSP at the baseline's ZeRO
+    stage where it ran that stage, else its longest. A method measured only on the HF variant of a model
+    (`hf:<preset>`, DeepSpeed's AutoSP) is compared with AutoSP on that variant, else on the model itself.
+    Columns: setting, `baseline` (its label), `method`, `zero` (its stage, -1 unknown), `ratio`, `claim` (the
+    paper's claimed ratios for it)."""
+    claims = paper_claims() if claims is None else claims
+    group = [c for c in TRAINABILITY_GROUP if c in table]
+    table = table.assign(_length=[_length(r) for _, r in table.iterrows()], _stage=_stages(table))
+    ours = table[(table["method"] == OURS) & table["_length"].notna()]
+    setting = [c for c in group if c != "model"]
+    multi = _multi_stage(table)
+    rows = []
+    for _, base in table[(table["method"] != OURS) & table["_length"].notna()].iterrows():
+        mine = ours
+        for column in group:
+            mine = mine[(mine[column] == base[column]) | (mine[column].isna() & pd.isna(base[column]))] \
+                if column != "model" else mine
+        model = base["model"]
+        if not (mine["model"] == model).any():
+            model = str(model).removeprefix("hf:")
+        mine = mine[mine["model"] == model]
+        if mine.empty:
+            continue
+        same = mine[mine["_stage"] == base["_stage"]]
+        ref = same.iloc[0] if len(same) else mine.loc[mine["_length"].idxmax()]
+        label = base["method"] + (f" ZeRO-{int(base['_stage'])}" if base["method"] in multi else "")
+        rows.append({**{c: base[c] for c in setting}, "model": model, "baseline": label, "method": base["method"],
+                     "zero": base["_stage"], "ratio": ref["_length"] / base["_length"], "claim": _claim_text(base["method"], claims)})
+    return pd.DataFrame(rows, columns=[*setting, "model", "baseline", "method", "zero", "ratio", "claim"])
+
+
+def _claim_text(method: str, claims: pd.DataFrame) -> str:
+    """The paper's claimed trainability ratios against the baseline `method` stands for, one a line (`2.7x NVIDIA`)."""
+    names = [name for name, methods in CLAIM_BASELINE_METHODS.items() if method in methods]
+    rows = claims[(claims["metric"] == "max_trainable_seq_len_ratio") & claims["autosp_vs"].isin(names)]
+    return "\n".join(f"{c['factor']:g}x {c['hardware']}" + (f"\n({c['model']})" if str(c["model"]).lower() != "up to"
+                                                               else "") for _, c in rows.iterrows())
+
+
+def _ratio_panel(ax: plt.Axes, ratios: pd.DataFrame, devices: int) -> None:
+    """AutoSP's ratios as an annotated grid: one row per setting, one column per baseline (its paper claim in the
+    header), cells coloured by the ratio on a log scale (red: AutoSP trains longer)."""
+    if ratios.empty:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no ratio: AutoSP and a baseline\nnever both trained in one setting", ha="center",
+                va="center", fontsize=8, transform=ax.transAxes)
+        return
+    def row_label(r: pd.Series) -> str:
+        device = r.get("device_name") if isinstance(r.get("device_name"), str) else r.get("device")
+        return f"{r['model']}" + (f" · {device}" if devices > 1 else "") + f" ({_mode(r)})"
+
+    rank = {m: i for i, m in enumerate(SERIES_ORDER)}
+    ratios = ratios.assign(_row=[row_label(r) for _, r in ratios.iterrows()],
+                           _order=[(rank.get(m, len(rank)), m, -z) for m, z in zip(ratios["method"], ratios["zero"])])
+    rows = list(dict.fromkeys(ratios.sort_values("model", key=lambda m: m.map(model_order), kind="stable")["_row"]))
+    columns = list(dict.fromkeys(ratios.sort_values("_order")["baseline"]))
+    grid = np.full((len(rows), len(columns)), np.nan)
+    for _, r in ratios.iterrows():
+        grid[rows.index(r["_row"]), columns.index(r["baseline"])] = r["ratio"]
+    logs = np.log2(grid)
+    span = max(float(np.nanmax(np.abs(logs))), 1.0)
+    ax.imshow(logs, cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        if not math.isnan(value):
+            ax.text(j, i, f"{value:.2f}×", ha="center", va="center", fontsize=7,
+                    color="white" if abs(math.log2(value)) > 0.6 * span else "black")
+    claims = ratios.drop_duplicates("baseline").set_index("baseline")["claim"]
+    headers = [f"vs {c}" + (f"\npaper:\n{claims[c]}" if claims[c] else "") for c in columns]
+    ax.set_xticks(range(len(columns)), headers, fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.tick_params(length=0)
+    ax.set_title("AutoSP max length / baseline max length (like ZeRO stage with like)", fontsize=9)
+
+
+def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Figure:
+    """One panel per device type (max trainable length per model and method) and a grid of AutoSP's ratios to
+    every other method present, the paper's claims in its column headers."""
+    panels = _device_panels(table)
+    series = _series(table)
+    multi = _multi_stage(table)
+    names = [f"d{i}" for i in range(len(panels))]
+    wide = len(panels) <= 2
+    mosaic = [names + ["ratios"]] if wide else [names, ["ratios"] * len(names)]
+    ratios = trainability_ratios(table, claims)
+    rows = max(ratios.groupby([c for c in ratios.columns if c not in ("baseline", "method", "zero", "ratio", "claim")],
+                              dropna=False).ngroups if len(ratios) else 1, 1)
+    size = (6.5 * len(panels) + 5.5, 6) if wide else (6 * len(panels), 6.5 + 0.32 * rows)
+    fig, axes = plt.subplot_mosaic(mosaic, figsize=size, layout="constrained",
+                                   height_ratios=None if wide else [6, 0.6 + 0.32 * rows])
+    handles: dict[str, object] = {}
+    for name, (device, sub) in zip(names, panels):
+        _trainability_panel(axes[name], device, sub, series, multi, handles)
+    _ratio_panel(axes["ratios"], ratios, len(panels))
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 4),
+               fontsize=7, frameon=False)
+    return fig
 
 
 def trainability_figure(table: pd.DataFrame, path: str | Path | list[str | Path],
                         claims: pd.DataFrame | None = None) -> None:
-    """One panel per device type (max trainable length per model and method), one of AutoSP's ratios vs claims."""
-    claims = paper_claims() if claims is None else claims
-    panels = _device_panels(table)
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(7 * len(panels) + 5, 5), squeeze=False,
-                             layout="constrained")
-    for ax, (device, sub) in zip(axes[0], panels):
-        _trainability_panel(ax, device, sub)
-    ax = axes[0][-1]
-    bars = _trainability_claim_rows(table, claims)
-    for i, (label, factor, kind) in enumerate(bars):
-        style = {"claim": CLAIM_STYLE, "simulated": SIMULATED_STYLE}.get(kind, dict(color=method_color(OURS)))
-        ax.barh(i, factor, **style)
-        ax.annotate(f"{factor:.2f}×", (factor, i), va="center", fontsize=7)
-    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("AutoSP max length / baseline max length")
-    ax.set_title("AutoSP trainability ratio: measured here (red), simulated (outlined, xx)\n"
-                 "vs paper claims (hatched //; GPUs, Llama up to 8B)",
-                 fontsize=9)
-    _save(fig, path)
+    """`draw_trainability`, written to each path."""
+    _save(draw_trainability(table, claims), path)
 
 
 def _failed_runs(records: pd.DataFrame | None) -> pd.DataFrame:
@@ -220,6 +370,12 @@ def _failed_runs(records: pd.DataFrame | None) -> pd.DataFrame:
 
 def throughput_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims: pd.DataFrame | None = None,
                       reference: str = "ulysses", records: pd.DataFrame | None = None) -> None:
+    """`draw_throughput`, written to each path."""
+    _save(draw_throughput(table, claims, reference, records), path)
+
+
+def draw_throughput(table: pd.DataFrame, claims: pd.DataFrame | None = None, reference: str = "ulysses",
+                    records: pd.DataFrame | None = None) -> plt.Figure:
     """Per setting: iteration time, tokens/s (spread over repeats as error bars) and the speed ratio to
     `reference` vs sequence length (log2), the paper's claim hatched; runs that failed are marked with why."""
     claims = paper_claims() if claims is None else claims
@@ -262,11 +418,16 @@ def throughput_figure(table: pd.DataFrame, path: str | Path | list[str | Path], 
             ax.legend(fontsize=6)
         top.set_yscale("log", base=2)
         bottom.set_xlabel("sequence length (tokens, log2)")
-    _save(fig, path)
+    return fig
 
 
 def memory_figure(table: pd.DataFrame, path: str | Path | list[str | Path], baseline: str,
                   claims: pd.DataFrame | None = None) -> None:
+    """`draw_memory`, written to each path."""
+    _save(draw_memory(table, baseline, claims), path)
+
+
+def draw_memory(table: pd.DataFrame, baseline: str, claims: pd.DataFrame | None = None) -> plt.Figure:
     """Saved-for-backward bytes per rank by operator category per method, and the attention and MLP
     reductions against `baseline` beside the paper's claims (hatched)."""
     from autosp.experiments.activations import CATEGORIES
@@ -305,14 +466,20 @@ def memory_figure(table: pd.DataFrame, path: str | Path | list[str | Path], base
         right.barh(i, factor, **style)
         right.annotate(f"{factor:.2f}×" if factor else "all recomputed", (factor, i), va="center", fontsize=7)
     right.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    right.set_xlim(right=1.15 * max([factor for _, factor, _ in bars] + [1.0]))  # room for the last label
     right.invert_yaxis()
     right.axvline(1.0, color="k", lw=0.8)
     right.set_xlabel(f"reduction: {baseline} bytes / method bytes")
     right.set_title("measured here (method colours) vs paper claims (hatched)", fontsize=9)
-    _save(fig, path)
+    return fig
 
 
 def sac_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims: pd.DataFrame | None = None) -> None:
+    """`draw_sac`, written to each path."""
+    _save(draw_sac(table, claims), path)
+
+
+def draw_sac(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Figure:
     """SAC's price and payoff per policy: step-time overhead vs max-length gain, both against policy `off`,
     with the paper's ~7% / 1.66x (hatched box); policies whose search or bench failed are listed with why."""
     claims = paper_claims() if claims is None else claims
@@ -347,6 +514,7 @@ def sac_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims:
               alpha=0.8)
     right.set_xticks(list(xs), [f"sac={p}" for p in table["policy"]])
     right.set_yscale("log", base=2)
+    right.margins(y=0.15)  # room for the labels above the bars
     right.set_ylabel("max trainable length (tokens, log2)")
     for x, (_, row) in zip(xs, table.iterrows()):
         if pd.notna(row["iter_time_s"]):
@@ -355,7 +523,7 @@ def sac_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims:
                            ha="center", va="bottom", fontsize=6)
     model = table["model"].dropna().iloc[0] if table["model"].notna().any() else ""
     right.set_title(f"autosp per SAC policy · {model}", fontsize=9)
-    _save(fig, path)
+    return fig
 
 
 def check_figure_path(path: str | Path) -> None:
@@ -377,6 +545,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     for path in args.out:
         check_figure_path(path)
+    if args.kind == "simulated":  # an `autosp simulate-table` table (.md): its rows are not committed
+        from autosp.experiments.tables import simulated_table_rows
+
+        trainability_figure(pd.concat([trainability_table(simulated_table_rows(path)) for path in args.inputs],
+                                      ignore_index=True), args.out)
+        print(f"wrote {' '.join(args.out)}")
+        return 0
     records = records_from_args(args)
     if args.kind == "trainability":
         trainability_figure(trainability_table(records, checks=load_checks(args.checks) if args.checks else None),
@@ -393,9 +568,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def add_plot_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp plot trainability|throughput|memory|sac --in FILES... --out figure.png [figure.pdf]`."""
+    """`autosp plot trainability|throughput|memory|sac|simulated --in FILES... --out figure.png [figure.pdf]`
+    (simulated: --in an `autosp simulate-table` Markdown table, e.g. results/simulated_table.md)."""
     p = subparsers.add_parser("plot", help="paper-style figures (with the paper's claims) from result records")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac"])
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "simulated"])
     add_records_arguments(p)
     p.add_argument("--out", nargs="+", required=True, help="figure files, format by suffix (.png, .pdf)")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -22,6 +23,8 @@ TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_bu
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
 #: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
 TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
+#: methods whose numbers depend on a compile backend: only their rows name one
+COMPILED_METHODS = ("autosp", "ulysses-compile", "ds-autosp")
 ITER_TIME_MEDIAN = "iter_time_s.median"  # flattened name of the record's iter_time_s.median
 CPU_TIME_MEDIAN = "extra.cpu_time_s.median"  # CPU seconds per step of the busiest rank (runner)
 
@@ -68,7 +71,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     if rows.empty:
         raise ConfigError("no search results in the given records; run `autosp search ... --out FILE` first")
     rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
-    rows = rows.assign(mode=rows["mode"].fillna("measured"))  # simulated rows say so (`autosp simulate`)
+    rows = rows.assign(mode=rows["mode"].fillna("measured"),  # simulated rows say so (`autosp simulate`)
+                       compile_backend=rows["compile_backend"].where(rows["method"].isin(COMPILED_METHODS)))
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
@@ -96,6 +100,82 @@ def peak_slope(probes: object) -> float:
         return float("nan")
     lengths, peaks = zip(*sorted(points))
     return float(np.polyfit(np.asarray(lengths, float), np.asarray(peaks, float), 1)[0])
+
+
+def simulated_table_rows(path: str | Path) -> pd.DataFrame:
+    """The search rows of an `autosp simulate-table` Markdown table (`results/simulated_table.md`, committed where
+    its JSONL rows are not), as records: one per (model, device type, method, ZeRO stage), `mode` simulated. A
+    method run on HF's variant of the model (column `ds-autosp (hf) z1`) is given the row's model."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    if len(lines) < 3 or not lines[0].startswith("| model | device |"):
+        raise ConfigError(f"{path}: no `autosp simulate-table` table in it (its first columns are model, device)")
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    world = re.search(r"world size (\d+)", text)
+    rows = []
+    for line in lines[2:]:
+        cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
+        for column, value in cells.items():
+            label = re.fullmatch(r"(?P<method>[\w.-]+)(?: \(hf\))? z(?P<zero>\d+)", column)
+            if label is None or not value:
+                continue
+            length = re.fullmatch(r"(?P<more>>=)?(?P<k>[\d.]+)K", value)
+            status = ("no_oom_up_to_max_len" if length["more"] else "found") if length else \
+                {"oom at min": "oom_at_min_len"}.get(value, value)
+            rows.append({"kind": "search", "model": cells["model"], "device": cells["device"],
+                         "device_name": cells["device"], "world_size": int(world[1]) if world else None,
+                         "memory_budget": float("nan"), "mode": "simulated", "method": label["method"],
+                         "zero": int(label["zero"]), "status": status,
+                         "max_seq_len": round(float(length["k"]) * 1024) if length else None,
+                         "first_oom_seq_len": None, "floor_limit_seq_len": None, "achieved_over_limit": None,
+                         "num_probes": None, "error": None})
+    return pd.DataFrame(rows)
+
+
+def model_order(model: str) -> tuple:
+    """Models by size where the name says it (`llama-3.2-1b` before `llama-2-13b`), else by name; a model's HF
+    variants (`hf:<preset>`, `hf-qwen2:<preset>`) right after it."""
+    variant, _, base = str(model).rpartition(":")
+    size = re.search(r"(\d+(?:\.\d+)?)b$", base)
+    return (float(size[1]) if size else 0.0, base, variant)
+
+
+#: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
+HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst")
+
+
+def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
+    """One row per setting (measured or simulated, labelled): every method's longest trainable length over the
+    ZeRO stages it ran, and AutoSP's ratio to the baselines of HEADLINE_RATIOS that ran there."""
+    table = trainability.assign(n=pd.to_numeric(trainability["max_seq_len"], errors="coerce").astype(float))
+    names = table["device_name"] if "device_name" in table else table["device"]
+    # a device type (cpu, a100-80gb) names the setting; a measured GPU's own name stands in for plain "cuda"
+    table["where"] = table["device"].where(table["device"] != "cuda", names.fillna(table["device"]))
+    if devices:
+        table = table[table["where"].isin(devices) | table["device"].isin(devices) | names.isin(devices)]
+    methods = [m for m in ("autosp", "ulysses", "ring", "fsdp", "zero3", *HEADLINE_RATIOS) if m in set(table["method"])]
+    methods += sorted(set(table["method"]) - set(methods))
+    rows = []
+    for (mode, where, world, model), cell in table.groupby(["mode", "where", "world_size", "model"], sort=False):
+        best = cell.groupby("method")["n"].max()
+        budget = cell["memory_budget"].iloc[0]
+        row = {"source": mode, "model": model,
+               "setting": f"{where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")}
+        row.update({m: (f"{best[m] / 1024:g}K" if best[m] > 0 else "none fits") if m in best else "" for m in methods})
+        for ref in HEADLINE_RATIOS:
+            if ref in methods:
+                ok = best.get("autosp", 0) > 0 and best.get(ref, 0) > 0
+                row[f"autosp / {ref}"] = f"{best['autosp'] / best[ref]:.2f}x" if ok else ""
+        rows.append(row)
+    if not rows:
+        raise ConfigError("no trainability results for the headline table (check --devices)")
+    table = pd.DataFrame(rows)
+    order = sorted(range(len(table)), key=lambda i: (table["source"][i], table["setting"][i],
+                                                     model_order(table["model"][i])))
+    return table.iloc[order].reset_index(drop=True)
 
 
 def throughput_table(records: pd.DataFrame, reference: str | None = "ulysses") -> pd.DataFrame:
@@ -293,11 +373,27 @@ def records_from_args(args: argparse.Namespace) -> pd.DataFrame:
     return records
 
 
+def _trainability_inputs(args: argparse.Namespace) -> pd.DataFrame:
+    """The trainability table of `--in`: search records (JSONL) and `autosp simulate-table` tables (.md) alike."""
+    tables = [trainability_table(simulated_table_rows(path)) for path in args.inputs if str(path).endswith(".md")]
+    records = [path for path in args.inputs if not str(path).endswith(".md")]
+    if records:
+        args_records = argparse.Namespace(inputs=records, skip_bad_lines=args.skip_bad_lines)
+        tables.append(trainability_table(records_from_args(args_records)))
+    return pd.concat(tables, ignore_index=True)
+
+
 def _cmd_table(args: argparse.Namespace) -> int:
     from autosp.harness.records import check_writable
 
     if args.out:
         check_writable(args.out)
+    if args.kind == "headline":
+        table = headline_table(_trainability_inputs(args), args.devices.split(",") if args.devices else None)
+        print(markdown(table), end="")
+        if args.out:
+            write_table_files(table, args.out)
+        return 0
     records = records_from_args(args)
     if args.kind == "trainability":
         table = trainability_table(records, checks=load_checks(args.checks) if args.checks else None)
@@ -314,12 +410,15 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp table trainability|throughput|memory|sac --in FILES... [--out table.csv]`."""
-    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac) from result records")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac"])
+    """`autosp table trainability|throughput|memory|sac|headline --in FILES... [--out table.csv]`."""
+    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline) from records",
+                              epilog="headline: --in takes search records (.jsonl) and `autosp simulate-table` "
+                                     "tables (.md) together, e.g. --in results/simulated_table.md")
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline"])
     add_records_arguments(p)
     p.add_argument("--out", help="write the table as CSV here, and as Markdown (.md) and LaTeX (.tex) beside it")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")
     p.add_argument("--checks", nargs="*", default=[], help="trainability: `autosp check --json-out` reports to show")
     p.add_argument("--baseline", default="single", help="memory: the method reductions are taken against")
+    p.add_argument("--devices", default="", help="headline: comma-separated device types to show (default: all)")
     p.set_defaults(func=_cmd_table)

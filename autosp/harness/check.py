@@ -1,37 +1,14 @@
 """Correctness check: a method on P ranks against single-process training, same model, seed and global batches.
 
-Both sides build the model from the same seed and train `steps` AdamW steps on the same global batches (a new
-seeded batch per step, so a method that caches data-dependent state between steps is caught). After every step
-we compare the loss, every parameter's full gradient and every parameter after the optimizer step.
+Both sides train `steps` AdamW steps on the same seeded global batches (a new batch per step, so state cached
+between steps is caught) and compare the loss, every parameter's full gradient and every parameter after the
+step, as the norm-wise relative error per parameter, reported as the worst per group (embeddings, attention,
+mlp, norms, lm_head) and step.
 
-Error measure: the norm-wise relative error ||x - ref|| / ||ref|| per parameter (per step), reported as the worst
-over the parameters of each group (embeddings, attention, mlp, norms, lm_head) and over steps.
-
-Why DEFAULT_TOLERANCE = 1e-4 in fp32: a correct parallel method computes the same sums in another order (loss and
-gradients summed over sequence shards and data-parallel ranks, attention reassembled by all-to-all, other
-kernels). fp32 has eps = 1.2e-7, and rounding differences of reordered sums grow like sqrt(n) * eps over n
-terms, amplified somewhat through the layers: correct methods land at 1e-7 .. 1e-5 on the CPU presets. Real
-bugs are orders of magnitude larger: a missing or doubled gradient reduction is O(1), a per-shard instead of a
-global token mean is ~1e-2 with uneven ignored labels, a wrong RoPE offset or a misrouted head is O(1e-1).
-1e-4 leaves an order of magnitude above the reordering noise and two below the smallest bug class.
-
-Any other `--dtype` (bfloat16 mixed, the pure 16-bit ones) is checked against the *fp32* single-process reference,
-with a tolerance calibrated per run rather than guessed. bf16 keeps 8 significant bits: every rounding to bf16
-errs by up to 2^-8 = 3.9e-3 relative, and a training step rounds at every matmul input and output, through every
-layer, so a correct bf16 step differs from fp32 by some multiple of 2^-8 that depends on the model, the data and
-the quantity (a gradient through many layers more than the loss; parameters after AdamW little, since the fp32
-master moves by lr per step). No fixed number is right for all of them. What *is* known is how far a correct bf16
-computation of the same step lands from fp32: the single-process run in the same precision. So the check runs
-three trainings (the method, single-process in the same precision, single-process fp32) and takes the second's
-error against the third, per step for the loss and per parameter group for gradients and parameters, as the
-reference spread. The method's own error against fp32 must stay within SPREAD_FACTOR = 4 times that spread
-(never below DEFAULT_TOLERANCE, fp32's own bound). A correct method rounds the same values at the same places
-(its all-to-alls move bf16 values without rounding them again; its reductions of fp32 gradients are fp32), so
-its error is another sample of the same size: measured on tiny/seq 128 the ratio stays near 1 (autosp at stages
-0 and 3, ulysses), and 4 leaves room for the reordered sums. What this can catch is bounded by the precision
-itself: a bug smaller than ~4x bf16's own noise (e.g. a per-shard instead of a global token mean, ~1e-2) is
-invisible in bf16 and is what the fp32 check is for; a dropped or doubled reduction, a wrong offset or head
-(O(0.1..1)) stay far above it.
+fp32 passes below DEFAULT_TOLERANCE = 1e-4: reordered sums of a correct method land at 1e-7..1e-5, the smallest
+bug class (a per-shard token mean) at ~1e-2. Other dtypes are checked against the fp32 reference within
+SPREAD_FACTOR times the error of single-process training in the same precision (bf16 has no fixed right bound).
+The reasoning in full: docs/harness.md, "How `check` decides".
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """CPU ranks keep the memory they free, as a device's caching allocator keeps its blocks.
 
-Why: on CPU, torch allocates through glibc's malloc, which hands freed memory back to the kernel (the heap is
-trimmed above ``M_TRIM_THRESHOLD``, and a chunk above the mmap threshold is an mmap of its own, unmapped when
-freed), so every step page-faults its working set in again and the kernel zeroes each page. That costs CPU time in
-proportion to the bytes a step re-acquires, not to its computation: a policy that saves more for backward paid for
-it in system time (`tiny`, S=2048, 2 ranks, aot_eager: `--sac auto` 2,739 minor faults and 13 ms of system time per
-step, `sac` 1,424 and 6 ms), which no GPU pays (CUDA's caching allocator keeps its blocks for the next step). The
-step times measured here stand in for device step times, so each CPU rank tells glibc to keep what it frees:
-no trimming, and chunks up to 32 MiB (glibc's own ceiling for its mmap threshold) from the kept heap (same
-step, 0 faults). Larger chunks stay mmap'd: serving a repeated 64 MiB tensor from the heap grew it to 7 times the
-tensor before a hole was reused (alignment padding), a risk on a shared host that a few faults per large tensor
-are not. Peak memory is unaffected: it is read from the profiler's allocation events (`autosp.harness.measure`),
-not from the process's resident size.
+Why: glibc's malloc hands freed memory back to the kernel, so every step page-faults its working set in again,
+a CPU cost in proportion to the bytes a step re-acquires that no GPU pays; since CPU step times stand in for
+device step times, each CPU rank tells glibc to keep what it frees (no trimming; chunks up to 32 MiB, glibc's
+ceiling for its mmap threshold, from the kept heap). Larger chunks stay mmap'd: reusing heap holes for them can
+grow the heap to several times the tensor. Peak memory is unaffected (it is read from the profiler's allocation
+events, `autosp.harness.measure`). Measured: docs/measurements/2026-12-01-throughput.md, "The host allocator".
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 
 from autosp.harness.config import ConfigError
-from autosp.experiments.plots import (_method_legend_label, _trainability_claim_rows, throughput_figure,
-                                     trainability_figure)
-from autosp.experiments.tables import paper_claims, throughput_table, trainability_table, write_csv_atomic
+from autosp.experiments.plots import _method_legend_label, throughput_figure, trainability_figure, trainability_ratios
+from autosp.experiments.tables import (headline_table, paper_claims, simulated_table_rows, throughput_table,
+                                       trainability_table, write_csv_atomic)
 
 MiB = 2**20
 
@@ -107,19 +107,76 @@ def test_csv_written_atomically(tmp_path) -> None:
 
 
 
-def test_trainability_figure_and_claim_bars(tmp_path) -> None:
+def test_trainability_figure_and_its_ratios(tmp_path) -> None:
     table = trainability_table(pd.DataFrame([
         search_row("autosp", 6144), search_row("ulysses", 2048), search_row("zero3", 1024),
         search_row("ring", None, status="error"),
     ]))
-    bars = _trainability_claim_rows(table, paper_claims())
-    measured = {label: f for label, f, kind in bars if kind == "measured"}
-    assert measured["vs ulysses\ntiny (measured)"] == 3.0 and measured["vs zero3\ntiny (measured)"] == 6.0
-    claims = [label for label, _, kind in bars if kind == "claim"]
-    assert claims and all("paper claim" in label for label in claims)
+    ratios = trainability_ratios(table, paper_claims()).set_index("baseline")
+    assert ratios.loc["ulysses", "ratio"] == 3.0 and ratios.loc["zero3", "ratio"] == 6.0
+    assert "ring" not in ratios.index  # its search failed
+    assert "2.7x NVIDIA" in ratios.loc["ulysses", "claim"] and "5.6x" in ratios.loc["zero3", "claim"]
     out = tmp_path / "t.png"
     trainability_figure(table, out)
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_only_compiled_methods_name_a_compile_backend() -> None:
+    rows = [dict(search_row(m, 4096), compile_backend="inductor") for m in ("autosp", "ulysses", "zero3")]
+    backends = trainability_table(pd.DataFrame(rows)).set_index("method")["compile_backend"]
+    assert backends["autosp"] == "inductor"
+    assert pd.isna(backends["ulysses"]) and pd.isna(backends["zero3"])  # eager baselines: no backend
+
+
+SIMULATED_MD = """| model | device | autosp z0 | autosp z3 | ulysses z3 | ds-autosp (hf) z1 | autosp/ulysses (paper) |
+|---|---|---|---|---|---|---|
+| llama-3.1-8b | a100-80gb | oom at min | 186K | 62K | 64K | 3.00x (2.7x) |
+| llama-3.1-8b | mi250-gcd | oom at min | >=142K | 48K | error | 2.96x (2.5x) |
+
+36 cells x 3 device types, world size 8, bfloat16: 526 s wall. Simulated (`autosp simulate-table`), not measured.
+"""
+
+
+def test_the_simulated_markdown_table_reads_back_as_search_rows(tmp_path) -> None:
+    path = tmp_path / "simulated_table.md"
+    path.write_text(SIMULATED_MD)
+    rows = simulated_table_rows(path).set_index(["device", "method", "zero"])
+    assert rows.loc[("a100-80gb", "autosp", 3), "max_seq_len"] == 186 * 1024
+    assert rows.loc[("a100-80gb", "autosp", 0), "status"] == "oom_at_min_len"
+    assert rows.loc[("mi250-gcd", "autosp", 3), "status"] == "no_oom_up_to_max_len"
+    assert rows.loc[("mi250-gcd", "ds-autosp", 1), "status"] == "error"
+    assert set(rows["mode"]) == {"simulated"} and set(rows["world_size"]) == {8}
+    assert set(rows.reset_index()["model"]) == {"llama-3.1-8b"}  # the HF-variant column keeps the row's model
+    with pytest.raises(ConfigError, match="no `autosp simulate-table` table"):
+        (tmp_path / "other.md").write_text("# notes\n")
+        simulated_table_rows(tmp_path / "other.md")
+
+
+def test_headline_table_labels_measured_and_simulated_rows(tmp_path, capsys) -> None:
+    import json
+
+    from autosp.cli import main
+
+    (tmp_path / "sim.md").write_text(SIMULATED_MD)
+    records = tmp_path / "search.jsonl"
+    rows = [dict(search_row("autosp", 16384, model="hf:tiny"), zero=3, device_name="AMD EPYC 7B13"),
+            dict(search_row("ds-autosp", 11264, model="hf:tiny"), zero=0),
+            dict(search_row("autosp", 18432), zero=3), dict(search_row("ulysses", 4608), zero=3)]
+    records.write_text("".join(json.dumps(dict(row, schema_version=1, run_id=str(i))) + "\n"
+                               for i, row in enumerate(rows)))
+    measured = trainability_table(pd.DataFrame(rows))
+    simulated = trainability_table(simulated_table_rows(tmp_path / "sim.md"))
+    table = headline_table(pd.concat([measured, simulated], ignore_index=True))
+    rows = table.set_index(["source", "model", "setting"])
+    tiny = rows.loc[("measured", "tiny", "cpu, 2 ranks, 64 MiB")]
+    assert tiny["autosp"] == "18K" and tiny["ulysses"] == "4.5K" and tiny["autosp / ulysses"] == "4.00x"
+    assert rows.loc[("measured", "hf:tiny", "cpu, 2 ranks, 64 MiB"), "autosp / ds-autosp"] == "1.45x"
+    a100 = rows.loc[("simulated", "llama-3.1-8b", "a100-80gb, 8 ranks")]
+    assert a100["autosp"] == "186K" and a100["autosp / ulysses"] == "3.00x" and a100["autosp / ds-autosp"] == "2.91x"
+    assert "alst" not in table  # a ratio column only for a method with records
+    assert main(["table", "headline", "--in", str(tmp_path / "sim.md"), str(records), "--devices", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| source | model | setting |") and "a100" not in out and "| measured | tiny |" in out
 
 
 def test_throughput_figure(tmp_path) -> None:
@@ -138,6 +195,9 @@ def test_throughput_figure(tmp_path) -> None:
     (["table", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/torn.jsonl/t.csv"],
      "cannot write --out {tmp}/torn.jsonl/t.csv: {tmp}/torn.jsonl is a file, not a folder"),
     (["plot", "trainability", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/x.xyz"], "cannot write a figure as 'xyz'"),
+    (["plot", "simulated", "--in", "{tmp}/torn.jsonl", "--out", "{tmp}/f.png"], "no `autosp simulate-table` table"),
+    (["plot", "simulated", "--in", "{tmp}/missing.md", "--out", "{tmp}/f.png"], "cannot read {tmp}/missing.md"),
+    (["table", "headline", "--in", "{tmp}/missing.md"], "cannot read {tmp}/missing.md"),
 ])
 def test_bad_table_or_plot_input_is_one_line_and_exit_2(tmp_path, capsys, command, message) -> None:
     from autosp.cli import main
