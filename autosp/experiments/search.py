@@ -23,8 +23,8 @@ Guided search (`guided_search_max_length`, `autosp search`'s default `--guide si
 simulator, `autosp.experiments.guided`) names the answer first; the predicted maximum and one granularity step
 above it are measured, and the search ends there when both statuses are as predicted (two probes). The first
 status that disagrees is recorded in the result row (`guide_disagreements`, beside `predicted_max_seq_len`, so a
-drifting simulator shows in the tables and the history) and the bracketing search above takes over from that
-probe, reusing every length already measured: the answer is always the measured one.
+drifting simulator shows in the tables and the history) and the bracketing search above takes over from the
+probes made (their statuses and peaks), never probing a length twice: the answer is always the measured one.
 
 Default granularity 2·P·128: every SP method needs the length divisible by P (Ulysses, AutoSP), zig-zag
 ring attention needs 2·P chunks, and 128 keeps each chunk a whole flash-attention block on GPUs.
@@ -43,7 +43,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
@@ -84,8 +84,12 @@ def search_max_length(
     max_len: int,
     start_len: int | None = None,
     budget: int | None = None,
+    measured: Sequence[tuple[int, str | tuple]] = (),
 ) -> SearchOutcome:
     """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
+
+    `measured`: (length, what `probe` returned) of probes already made (a guided search's), taken as if just
+    probed, in order; the search goes on from them (no start length is probed then).
 
     `start_len` is a length expected near the answer: it is probed first, then its neighbour, unless the line
     below puts the boundary further than one step from it (a start far off): then the line's guess.
@@ -119,8 +123,10 @@ def search_max_length(
 
     def ask(k: int) -> str | None:
         """Probe k; return a stopping status (error/timeout), else None after updating the bracket."""
+        return note(k, probe(k * granularity))
+
+    def note(k: int, result: str | tuple) -> str | None:
         nonlocal good, bad
-        result = probe(k * granularity)
         status, peak, base = (tuple(result) + (None, None))[:3] if isinstance(result, tuple) else (result, None, None)
         outcome.probes.append((k * granularity, status))
         if status not in (OK, OOM):
@@ -177,7 +183,12 @@ def search_max_length(
         highest = bad - 1 if bad is not None else hi_k
         return min(max(k, lowest), highest)
 
-    if start_len is None:
+    stop = None
+    for seq_len, result in measured:
+        stop = stop or note(seq_len // granularity, result)
+    if measured:
+        pass  # the search goes on from what was measured
+    elif start_len is None:
         stop = ask(lo_k)
     else:  # a hint near the answer (e.g. a previous one): probe it, then its neighbour on the open side, unless
         # its peak says the boundary is further away (a hint far off, e.g. a memory floor's optimistic limit)
@@ -231,7 +242,7 @@ def guided_search_max_length(
     The predicted maximum must train and one granularity step above it must run out of memory (at the range's
     ends only the one probe inside it is asked). When every status is as predicted the search ends there:
     two probes. The first status that disagrees is recorded in `disagreements` and the bracketing search
-    takes over from that probe, every length already measured reused, never probed again: the answer is
+    takes over from the probes made, their statuses and peaks, never probing a length again: the answer is
     always the measured one, whatever the prediction said."""
     measured: dict[int, str | tuple] = {}
 
@@ -250,7 +261,7 @@ def guided_search_max_length(
     if not expected:  # predicted outside the range: the range's end nearest the prediction
         expected = [(lo_k, OOM)] if k < lo_k else [(hi_k, OK)]
     disagreements: list[dict] = []
-    stop = start = None
+    stop = None
     for n, status in expected:
         got = status_of(once(n * granularity))
         if got not in (OK, OOM):  # a failed probe ends the search, as in the bracketing search
@@ -258,17 +269,16 @@ def guided_search_max_length(
             break
         if got != status:
             disagreements.append({"seq_len": n * granularity, "predicted": status, "measured": got})
-            start = n * granularity
             break
-    if start is None:  # every probe as predicted (or a failure): the statuses measured are the answer
+    if not disagreements:  # every probe as predicted (or a failure): the statuses measured are the answer
         good = max((n for n, result in measured.items() if status_of(result) == OK), default=None)
         bad = min((n for n, result in measured.items() if status_of(result) == OOM), default=None)
         status = stop or (FOUND if good is not None and bad is not None
                           else NO_OOM_UP_TO_MAX if bad is None else OOM_AT_MIN)
         outcome = SearchOutcome(status=status, max_seq_len=good, first_oom_seq_len=bad)
-    else:  # the prediction is off: bracket from the probe that said so, reusing what was measured
+    else:  # the prediction is off: bracket from what was measured (its peaks give the line to the boundary)
         outcome = search_max_length(once, granularity=granularity, min_len=min_len, max_len=max_len,
-                                    start_len=start, budget=budget)
+                                    budget=budget, measured=list(measured.items()))
     outcome.probes = [(n, status_of(result)) for n, result in measured.items()]
     outcome.predicted_max_seq_len = predicted
     outcome.disagreements = disagreements

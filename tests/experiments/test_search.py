@@ -484,3 +484,18 @@ def test_guided_search_is_the_cli_default_and_can_be_turned_off(monkeypatch, tmp
     from autosp.experiments.guided import simulated
 
     assert seen == [simulated, None]
+
+
+@pytest.mark.parametrize("off_by", [0.7, 0.77, 1.3])
+def test_after_a_wrong_prediction_the_peaks_measured_lead_to_the_answer_in_few_probes(off_by: float) -> None:
+    """The two probes of a wrong prediction give the line through their peaks: two more probes at most (the answer
+    and one step above it), not a bracketing from scratch (ds-autosp hf:tiny: predicted 8,704, measured 11,264)."""
+    from autosp.experiments.search import guided_search_max_length
+
+    budget, g = 48 << 20, 512
+    oracle = LinearMemoryOracle(fixed=3 << 20, per_token=4200, budget=budget)
+    answer = (oracle.limit // g) * g
+    out = guided_search_max_length(oracle, predicted=int(off_by * answer) // g * g, granularity=g, min_len=g,
+                                   max_len=1 << 20, budget=budget)
+    assert (out.max_seq_len, out.first_oom_seq_len) == (answer, answer + g)
+    assert len(oracle.asked) <= 4, oracle.asked
