@@ -181,3 +181,13 @@ def test_reduced_run_draws_every_figure_and_survives_a_failing_cell(tmp_path: Pa
     # a rerun redoes nothing finished
     again = snakemake(tmp_path, "all", "--cores", "2", "--configfile", str(settings), "-n")
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout
+
+
+def test_searches_are_guided_by_the_simulator_unless_turned_off(tmp_path: Path) -> None:
+    guided = re.findall(r"Shell command: autosp search (.*)", dry_run(tmp_path, "figure_trainability", "--cores", "2"))
+    assert guided and all("--guide simulate " in flags for flags in guided)
+    plan = dry_run(tmp_path, "figure_trainability", "--cores", "2", "--config",
+                   "search_guide={default: simulate, ds-autosp: 'off'}")
+    guides = dict(re.findall(r"Shell command: autosp search --method (\S+) .*?--guide (\S+) ", plan))
+    assert guides == {"autosp": "simulate", "ulysses": "simulate", "zero3": "simulate", "fsdp": "simulate",
+                      "ring": "simulate", "ds-autosp": "off"}

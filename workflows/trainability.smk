@@ -7,7 +7,8 @@
 def search_command(method, model, out, extra=""):
     cmd = (f"{config['autosp']} search --method {method} --model {model} {common_flags(method)} "
            f"{budget_flag(model)} {auto_flag('--granularity', 'granularity')} {auto_flag('--min-len', 'min_len')} "
-           f"--max-len {config['max_len']} --timeout {config['probe_timeout_s']} {extra} --out {out}")
+           f"--max-len {config['max_len']} --timeout {config['probe_timeout_s']} "
+           f"--guide {per_key(config.get('search_guide', {'default': 'simulate'}), method)} {extra} --out {out}")
     return " ".join(cmd.split())
 
 

@@ -1,5 +1,7 @@
 """`autosp history record|run|compare|bisect-hint|plot|list`: the regression history on the command line.
 
+`run --commits A..B` records a range of commits, each with its own code (`history_commits`).
+
 `compare` exits 1 when any series regressed (throughput beyond the threshold and significant, or any
 trainability loss), so CI and the `regression` workflow target can gate on it.
 """
@@ -35,6 +37,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from autosp.experiments.history_suites import default_out_dir, get_suite, run_suite
 
     suite = get_suite(args.suite)
+    if args.commits:
+        return _run_commits(args, suite)
     out_dir = default_out_dir(args.runs_dir, suite)
     print(f"suite {suite.name}: {suite.description}\n  results -> {out_dir}", flush=True)
     files, failed = run_suite(suite, out_dir=out_dir, autosp_cmd=args.autosp_cmd, checkout=args.checkout)
@@ -43,6 +47,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if failed:
         print(f"cells that failed: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def _run_commits(args: argparse.Namespace, suite) -> int:
+    from pathlib import Path
+
+    from autosp.experiments.history_commits import run_commits
+    from autosp.experiments.history_store import repo_root
+    from autosp.harness.runner import device_name
+
+    if args.checkout:
+        raise ConfigError("give --commits or --checkout, not both: --commits makes a checkout of each commit itself")
+    if suite.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"suite {suite.name!r} needs CUDA GPUs and this machine has none; use --suite cpu")
+    repo = Path(args.repo).resolve() if args.repo else repo_root()
+    print(f"suite {suite.name}: {suite.description}\n  commits {' '.join(args.commits)} of {repo}", flush=True)
+    report = run_commits(args.commits, suite=suite, store=args.store, runs_dir=args.runs_dir,
+                         autosp_cmd=args.autosp_cmd, repo=repo, device_name=device_name(suite.device))
+    print(f"recorded {len(report.recorded)} commit(s) ({sum(report.recorded.values())} new samples), skipped "
+          f"{len(report.skipped)} already recorded -> {args.store}")
+    for sha, cells in report.failed.items():
+        print(f"{sha[:9]}: cells that failed: {', '.join(cells)}")
+    return 1 if report.failed else 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -139,6 +168,11 @@ def add_history_parser(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--autosp-cmd", default="autosp", help="the CLI each cell calls, e.g. 'python -m autosp.cli'")
     q.add_argument("--checkout", default=None,
                    help="run the cells with the code of this checkout (e.g. a worktree of an older commit)")
+    q.add_argument("--commits", nargs="+", default=None, metavar="REV",
+                   help="record these commits, each with its own code in a temporary worktree: revisions and "
+                        "ranges A..B (oldest first); commits already recorded for the suite on this machine are "
+                        "skipped")
+    q.add_argument("--repo", default=None, help="the repository --commits names (default: this checkout's)")
 
     q = action("compare", "compare two recorded commits per series; exit 1 on any regression", _cmd_compare,
                epilog="exit code: 0 no regression, 1 regression, 2 bad input")

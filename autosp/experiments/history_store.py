@@ -44,9 +44,11 @@ SERIES_KEY = ("metric", "method", "model", "seq_len", "world_size", "sp_size", "
 #: samples of different machines are never compared
 MACHINE_KEY = ("device", "device_name")
 #: metrics where a larger value is better (the others: smaller is better)
-HIGHER_IS_BETTER = ("tokens_per_s", "max_seq_len")
+HIGHER_IS_BETTER = ("tokens_per_s", "max_seq_len", "simulator_agrees")
 SPEED_RATIO_PREFIX = "speed_vs_"  # normalised throughput: reference iteration time / this one (higher better)
-TRAINABILITY_METRICS = ("max_seq_len", "trains")  # compared exactly, reported apart from throughput
+#: compared exactly, reported apart from throughput. `simulator_agrees`: 1 when a guided search's every probe was as
+#: the simulator predicted, 0 when one was not (a drifting simulator regresses it)
+TRAINABILITY_METRICS = ("max_seq_len", "trains", "simulator_agrees")
 
 _COLUMNS = {
     "commit_sha": "TEXT", "dirty": "INTEGER", "commit_time": "TEXT", "device": "TEXT", "device_name": "TEXT",
@@ -152,8 +154,9 @@ def samples_of_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     whether the length trained (`trains`: 1 ok / 0 oom) and, where a reference method ran in the same bench
     invocation, repeat and length, `speed_vs_<ref>` = the reference's step time / this method's, step i with
     step i (each step used once, so the ratios stay independent samples for the test).
-    A search row gives `max_seq_len` (0 when not even the shortest length trained); its probes are only
-    lengths on the way and give nothing (their one timed step is not a throughput measurement).
+    A search row gives `max_seq_len` (0 when not even the shortest length trained) and, when the simulator
+    guided it, `simulator_agrees`; its probes are only lengths on the way and give nothing (their one timed step
+    is not a throughput measurement).
     """
     rows: list[dict[str, Any]] = []
     reference_steps: dict[tuple, tuple[str, list[float]]] = {}
@@ -173,6 +176,8 @@ def samples_of_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             found = record.get("max_seq_len") or 0
             if record.get("status") in ("ok", "found", "no_oom_up_to_max_len", "oom_at_min_len"):
                 add(record, "max_seq_len", [found], seq_len=None)
+                if record.get("predicted_max_seq_len") is not None:
+                    add(record, "simulator_agrees", [0.0 if record.get("guide_disagreements") else 1.0], seq_len=None)
             continue
         if record.get("search_id") or record.get("kind") is not None:
             continue
@@ -195,11 +200,12 @@ def samples_of_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def record_files(store: str | os.PathLike, paths: Iterable[str | os.PathLike], *, suite: str | None = None,
-                 reference: str | None = None) -> int:
+                 reference: str | None = None, repo: Path | None = None) -> int:
     """Add the samples of the records in `paths` to the store (one transaction per file); returns rows added.
 
     `reference`: the method whose median step time normalises the others of the same bench run (the bench
-    command's `--ratio-to`; records do not carry it)."""
+    command's `--ratio-to`; records do not carry it). `repo`: where the commits' times are looked up (default:
+    the checkout this package runs from)."""
     added = 0
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     times: dict[str | None, str | None] = {}
@@ -219,7 +225,7 @@ def record_files(store: str | os.PathLike, paths: Iterable[str | os.PathLike], *
             for row in rows:
                 sha = row["commit_sha"]
                 if sha not in times:
-                    times[sha] = commit_time(sha)
+                    times[sha] = commit_time(sha, repo)
                 row.update(commit_time=times[sha] or row["timestamp"], suite=suite, source=str(path),
                            recorded_at=now)
             names = list(_COLUMNS)

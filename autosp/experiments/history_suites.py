@@ -47,15 +47,13 @@ _CPU = ("--device", "cpu", "--compile-backend", "aot_eager")
 _CUDA = ("--device", "cuda", "--dtype", "bfloat16", "--compile-backend", "inductor")
 SUITES = {suite.name: suite for suite in (
     Suite("cpu", "2 gloo ranks, tiny model: autosp vs ulysses step time at 512 tokens (2 repeats x 5 steps), "
-          "autosp's max length under 24 MiB (started at the known answer: 2 probes). ~6 runs, a few minutes "
-          "on 2 cores", "cpu", "ulysses", (
+          "autosp's max length under 24 MiB (guided by the simulator: 2 probes where it is right). ~6 runs, a "
+          "few minutes on 2 cores", "cpu", "ulysses", (
               _bench("bench-tiny-512", "autosp,ulysses", "tiny", "512", 2, "ulysses",
                      "--repeats", "2", "--steps", "5", *_CPU),
-              # --start-len: the answer of this very search at the default stage (zero=3), measured by
-              # `autosp search --method autosp --model tiny --world-size 2 --memory-budget 24MiB --device cpu
-              # --compile-backend aot_eager` (4096, first OOM 4608): the 2 probes confirm it
-              _search("search-tiny-autosp", "autosp", "tiny", 2, "--memory-budget", "24MiB", "--start-len", "4096",
-                      *_CPU),
+              # the search's default guide: the simulator's answer and one step above it are measured, and whether
+              # they were as predicted is recorded (`simulator_agrees`); a commit before the guide searches plainly
+              _search("search-tiny-autosp", "autosp", "tiny", 2, "--memory-budget", "24MiB", *_CPU),
           )),
     Suite("cuda", "8 GPUs, llama-3.2-1b: autosp / ulysses / zero3 step time at 8K and 32K (3 repeats x 10 "
           "steps) and the max length of autosp and ulysses", "cuda", "ulysses", (

@@ -19,6 +19,13 @@ being monotone in the length, which holds for every method here. Only status ``o
 an ``error`` or ``timeout`` probe stops the search and becomes the search's status, so a crash is never
 mistaken for a memory limit.
 
+Guided search (`guided_search_max_length`, `autosp search`'s default `--guide simulate`): a predictor (the
+simulator, `autosp.experiments.guided`) names the answer first; the predicted maximum and one granularity step
+above it are measured, and the search ends there when both statuses are as predicted (two probes). The first
+status that disagrees is recorded in the result row (`guide_disagreements`, beside `predicted_max_seq_len`, so a
+drifting simulator shows in the tables and the history) and the bracketing search above takes over from the
+probes made (their statuses and peaks), never probing a length twice: the answer is always the measured one.
+
 Default granularity 2·P·128: every SP method needs the length divisible by P (Ulysses, AutoSP), zig-zag
 ring attention needs 2·P chunks, and 128 keeps each chunk a whole flash-attention block on GPUs.
 
@@ -36,7 +43,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
@@ -59,6 +66,9 @@ class SearchOutcome:
     max_seq_len: int | None  # longest length seen training (None if none did)
     first_oom_seq_len: int | None  # shortest length seen OOM (None if none did)
     probes: list[tuple[int, str]] = field(default_factory=list)  # (seq_len, status) in probe order
+    predicted_max_seq_len: int | None = None  # a guided search's prediction (0: predicted not to train at all)
+    #: a guided search's probes whose status the prediction got wrong: {"seq_len", "predicted", "measured"}
+    disagreements: list[dict] = field(default_factory=list)
 
 
 def default_granularity(world_size: int) -> int:
@@ -74,8 +84,12 @@ def search_max_length(
     max_len: int,
     start_len: int | None = None,
     budget: int | None = None,
+    measured: Sequence[tuple[int, str | tuple]] = (),
 ) -> SearchOutcome:
     """Longest multiple of `granularity` in [min_len, max_len] for which `probe` returns ``ok``.
+
+    `measured`: (length, what `probe` returned) of probes already made (a guided search's), taken as if just
+    probed, in order; the search goes on from them (no start length is probed then).
 
     `start_len` is a length expected near the answer: it is probed first, then its neighbour, unless the line
     below puts the boundary further than one step from it (a start far off): then the line's guess.
@@ -109,8 +123,10 @@ def search_max_length(
 
     def ask(k: int) -> str | None:
         """Probe k; return a stopping status (error/timeout), else None after updating the bracket."""
+        return note(k, probe(k * granularity))
+
+    def note(k: int, result: str | tuple) -> str | None:
         nonlocal good, bad
-        result = probe(k * granularity)
         status, peak, base = (tuple(result) + (None, None))[:3] if isinstance(result, tuple) else (result, None, None)
         outcome.probes.append((k * granularity, status))
         if status not in (OK, OOM):
@@ -167,7 +183,12 @@ def search_max_length(
         highest = bad - 1 if bad is not None else hi_k
         return min(max(k, lowest), highest)
 
-    if start_len is None:
+    stop = None
+    for seq_len, result in measured:
+        stop = stop or note(seq_len // granularity, result)
+    if measured:
+        pass  # the search goes on from what was measured
+    elif start_len is None:
         stop = ask(lo_k)
     else:  # a hint near the answer (e.g. a previous one): probe it, then its neighbour on the open side, unless
         # its peak says the boundary is further away (a hint far off, e.g. a memory floor's optimistic limit)
@@ -199,6 +220,68 @@ def search_max_length(
         outcome.status = NO_OOM_UP_TO_MAX
     elif good is None:
         outcome.status = OOM_AT_MIN
+    return outcome
+
+
+#: `predict(cfg, granularity=g, min_len=a, max_len=b)`: the longest multiple of g in [a, b] predicted to train (0:
+#: not even the shortest); raises ConfigError when it cannot predict (e.g. `autosp.experiments.guided.simulated`)
+Predictor = Callable[..., int]
+
+
+def guided_search_max_length(
+    probe: Callable[[int], str | tuple],
+    *,
+    predicted: int,
+    granularity: int,
+    min_len: int,
+    max_len: int,
+    budget: int | None = None,
+) -> SearchOutcome:
+    """`search_max_length`'s answer, measuring first only where a prediction puts the boundary.
+
+    The predicted maximum must train and one granularity step above it must run out of memory (at the range's
+    ends only the one probe inside it is asked). When every status is as predicted the search ends there:
+    two probes. The first status that disagrees is recorded in `disagreements` and the bracketing search
+    takes over from the probes made, their statuses and peaks, never probing a length again: the answer is
+    always the measured one, whatever the prediction said."""
+    measured: dict[int, str | tuple] = {}
+
+    def once(seq_len: int) -> str | tuple:
+        if seq_len not in measured:
+            measured[seq_len] = probe(seq_len)
+        return measured[seq_len]
+
+    def status_of(result: str | tuple) -> str:
+        return result[0] if isinstance(result, tuple) else result
+
+    lo_k = max(1, math.ceil(min_len / granularity))
+    hi_k = max_len // granularity
+    k = predicted // granularity
+    expected = [(n, status) for n, status in ((k, OK), (k + 1, OOM)) if lo_k <= n <= hi_k]
+    if not expected:  # predicted outside the range: the range's end nearest the prediction
+        expected = [(lo_k, OOM)] if k < lo_k else [(hi_k, OK)]
+    disagreements: list[dict] = []
+    stop = None
+    for n, status in expected:
+        got = status_of(once(n * granularity))
+        if got not in (OK, OOM):  # a failed probe ends the search, as in the bracketing search
+            stop = got if got in STOPPING else ERROR
+            break
+        if got != status:
+            disagreements.append({"seq_len": n * granularity, "predicted": status, "measured": got})
+            break
+    if not disagreements:  # every probe as predicted (or a failure): the statuses measured are the answer
+        good = max((n for n, result in measured.items() if status_of(result) == OK), default=None)
+        bad = min((n for n, result in measured.items() if status_of(result) == OOM), default=None)
+        status = stop or (FOUND if good is not None and bad is not None
+                          else NO_OOM_UP_TO_MAX if bad is None else OOM_AT_MIN)
+        outcome = SearchOutcome(status=status, max_seq_len=good, first_oom_seq_len=bad)
+    else:  # the prediction is off: bracket from what was measured (its peaks give the line to the boundary)
+        outcome = search_max_length(once, granularity=granularity, min_len=min_len, max_len=max_len,
+                                    budget=budget, measured=list(measured.items()))
+    outcome.probes = [(n, status_of(result)) for n, result in measured.items()]
+    outcome.predicted_max_seq_len = predicted
+    outcome.disagreements = disagreements
     return outcome
 
 
@@ -243,13 +326,15 @@ def run_search(
     start_len: int | None = None,
     resume: bool = False,
     run: Callable[[RunConfig], dict] | None = None,
+    predict: Predictor | None = None,
 ) -> dict:
     """Search `cfg.method`'s max trainable length; append every probe record and one result row to `out`.
 
     `cfg` fixes everything but the length (method, model, ranks, budget, ...); each probe runs it with
     `seq_len` set. With `resume`, the search starts from the answer of the latest identical search in `out`
     (two probes re-confirm an unchanged answer). `run` is `autosp.harness.runner.run` unless a test passes another
-    oracle. Returns the result row.
+    oracle. With `predict` and no start length, the search is guided (`guided_search_max_length`): the row
+    records the prediction, its cost and the probes it got wrong. Returns the result row.
     """
     from autosp.experiments.floor import run_floor
     from autosp.experiments.progress import progress
@@ -307,9 +392,21 @@ def run_search(
         return result
 
     budget = _search_budget(cfg)
+    predicted, guide = None, "off" if predict is None else "off: a start length was given"
+    predict_s = None
+    if predict is not None and start_len is None:
+        predicted, guide, predict_s = _predict(predict, cfg, granularity=granularity, min_len=min_len,
+                                               max_len=max_len)
     with progress(desc=f"search {cfg.method} {cfg.model}", unit="probe") as bar:
-        outcome = search_max_length(probe_with_progress, granularity=granularity, min_len=min_len, max_len=max_len,
-                                    start_len=start_len, budget=budget)
+        if predicted is None:
+            outcome = search_max_length(probe_with_progress, granularity=granularity, min_len=min_len,
+                                        max_len=max_len, start_len=start_len, budget=budget)
+        else:
+            outcome = guided_search_max_length(probe_with_progress, predicted=predicted, granularity=granularity,
+                                               min_len=min_len, max_len=max_len, budget=budget)
+    for miss in outcome.disagreements:
+        print(f"  the prediction was wrong at S={miss['seq_len']}: predicted {miss['predicted']}, measured "
+              f"{miss['measured']}; bracketed from there", flush=True)
 
     limit = floor.max_seq_len(budget, granularity) if floor is not None and budget is not None else None
     sp_size = last_record.get("sp_size") or cfg.sp_size or 1  # the probes' records know the method's default
@@ -333,6 +430,10 @@ def run_search(
         start_len=start_len,
         probes=[{"seq_len": n, "status": s, "peak_mem_bytes": peaks.get(n)} for n, s in outcome.probes],
         num_probes=len(outcome.probes),
+        guide=guide,
+        predicted_max_seq_len=outcome.predicted_max_seq_len,
+        predict_wall_s=predict_s,
+        guide_disagreements=outcome.disagreements,
         floor_limit_seq_len=limit,
         achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None,
         floor=floor.to_dict() if floor is not None else None,
@@ -340,6 +441,19 @@ def run_search(
     )
     append_record(out, row)
     return row
+
+
+def _predict(predict: Predictor, cfg: RunConfig, **search_range: int) -> tuple[int | None, str, float]:
+    """(the predicted answer or None, the row's `guide` entry, seconds the prediction took)."""
+    started = time.monotonic()
+    try:
+        predicted = predict(cfg, **search_range)
+    except ConfigError as exc:
+        print(f"  no prediction ({exc}): the plain search", flush=True)
+        return None, f"off: no prediction ({exc})", round(time.monotonic() - started, 3)
+    seconds = round(time.monotonic() - started, 3)
+    print(f"  predicted max_seq_len {predicted} in {seconds:.0f} s: probing it and one step above", flush=True)
+    return predicted, getattr(predict, "guide_name", "predicted"), seconds
 
 
 def record_failed_search(cfg: RunConfig, *, out: str, reason: str) -> dict:
@@ -371,14 +485,21 @@ def _cmd_search(args: argparse.Namespace) -> int:
         record_failed_search(cfg, out=args.out, reason=args.record_failure)
         print(f"recorded {cfg.method} {cfg.model} as failed: {args.record_failure} -> {args.out}")
         return 0
+    predict = None
+    if args.guide == "simulate":
+        from autosp.experiments.guided import simulated as predict
     row = run_search(cfg, out=args.out, granularity=args.granularity, min_len=args.min_len, max_len=args.max_len,
-                     start_len=args.start_len, resume=args.resume)
+                     start_len=args.start_len, resume=args.resume, predict=predict)
     ratio = row["achieved_over_limit"]
     print(f"{cfg.method} {cfg.model} P={cfg.world_size} budget {format_size(cfg.memory_budget)}: "
           f"{row['status']}, max_seq_len={row['max_seq_len']}, first_oom={row['first_oom_seq_len']}, "
           f"floor limit={row['floor_limit_seq_len']}"
           + (f" (achieved {ratio:.0%} of it)" if ratio else "")
-          + f", {row['num_probes']} probes in {row['wall_s']:.0f} s -> {args.out}")
+          + f", {row['num_probes']} probes in {row['wall_s']:.0f} s"
+          + (f" (predicted {row['predicted_max_seq_len']}"
+             + (f", wrong at {len(row['guide_disagreements'])} probe(s))" if row["guide_disagreements"] else ")")
+             if row["predicted_max_seq_len"] is not None else "")
+          + f" -> {args.out}")
     if row["status"] == INTERRUPTED:
         print(f"search stopped: {row['error']}")
         return INTERRUPTED_EXIT_CODE
@@ -400,6 +521,10 @@ def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=1 << 20, help="longest length tried")
     p.add_argument("--start-len", type=int, default=None,
                    help="first length probed (e.g. a previous answer: then two probes confirm it)")
+    p.add_argument("--guide", choices=("simulate", "off"), default="simulate",
+                   help="simulate (default): predict the answer with `autosp simulate --search` first, then measure "
+                        "the prediction and one step above it (bracketing only where a probe disagrees); off: the "
+                        "plain bracketing search. A --start-len (or --resume) hint replaces the prediction")
     p.add_argument("--resume", action="store_true",
                    help="start from the answer of the latest identical search in --out (re-checks it in ~2 probes)")
     p.add_argument("--fail-on-error", action=argparse.BooleanOptionalAction, default=True,

@@ -76,7 +76,9 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
-    table = table.assign(peak_bytes_per_token=[peak_slope(p) for p in table.get("probes", [None] * len(table))])
+    table = table.assign(peak_bytes_per_token=[
+        peak_slope(p, whole_oom_peaks=d == "cpu")
+        for p, d in zip(table.get("probes", [None] * len(table)), table.get("device", [None] * len(table)))])
     table = table[group + ["method"] + stage + ["compile_backend", "status", "max_seq_len",
                                                 "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
                                                 "num_probes", "peak_bytes_per_token", "error"]].copy()
@@ -90,12 +92,15 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     return table.sort_values(group + ["max_seq_len"], ascending=[True] * len(group) + [False]).reset_index(drop=True)
 
 
-def peak_slope(probes: object) -> float:
+def peak_slope(probes: object, *, whole_oom_peaks: bool = False) -> float:
     """Bytes of per-rank peak per sequence token: the least-squares slope of peak over length through a search's
     probes that ran (status ok), the figure that says how fast memory grows with the sequence (NaN below two
-    lengths). Probes that ran out of memory are left out: where a device really runs out, their peak is cut short."""
+    lengths). Probes that ran out of memory are left out: where a device really runs out, their peak is cut short;
+    under an emulated budget (`whole_oom_peaks`: the CPU runs the whole step, then compares its peak with the
+    budget) they count too, so a guided search's two probes give the slope."""
+    counted = ("ok", "oom") if whole_oom_peaks else ("ok",)
     points = {(p["seq_len"], p["peak_mem_bytes"]) for p in probes or []
-              if isinstance(p, dict) and p.get("status") == "ok" and p.get("peak_mem_bytes")}
+              if isinstance(p, dict) and p.get("status") in counted and p.get("peak_mem_bytes")}
     if len({length for length, _ in points}) < 2:
         return float("nan")
     lengths, peaks = zip(*sorted(points))

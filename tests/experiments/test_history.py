@@ -234,3 +234,104 @@ def test_gpu_suite_on_a_machine_without_gpus_is_a_one_line_error(tmp_path, capsy
     assert main(["history", "run", "--suite", "cuda", "--store", str(tmp_path / "h.sqlite"),
                  "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "needs CUDA GPUs" in capsys.readouterr().err
+
+
+FAKE_CLI = """
+import json, os, subprocess, sys, uuid
+args = sys.argv[1:]
+sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+answer = int(open("answer.txt").read())  # this commit's own code decides the answer
+ids = {}
+with open(args[args.index("--out") + 1], "a") as out:
+    for record in json.load(open(os.environ["FAKE_RECORDS"]))[args[0]]:
+        for key in ("run_id", "bench_id", "search_id"):
+            if record.get(key):
+                record[key] = ids.setdefault(record[key], uuid.uuid4().hex)
+        record.update(git_commit=sha, git_dirty=False, device_name=os.environ["FAKE_DEVICE_NAME"])
+        if record.get("kind") == "search":
+            record["max_seq_len"] = answer
+        out.write(json.dumps(record) + "\\n")
+"""
+
+
+def _repo_with_answers(path, answers):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, check=True).stdout
+
+    path.mkdir()
+    git("init", "-q")
+    (path / "autosp").mkdir()
+    (path / "autosp" / "__init__.py").write_text("")
+    for answer in answers:
+        (path / "answer.txt").write_text(str(answer))
+        git("add", "-A")
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", f"answer {answer}")
+    return git
+
+
+def test_history_run_over_a_commit_range_records_each_commit_with_its_own_code_once(tmp_path, monkeypatch, capsys):
+    from autosp.harness.runner import device_name
+
+    git = _repo_with_answers(tmp_path / "repo", [4096, 4096, 3584, 4608])
+    steps = noisy(STEP, 1)
+    canned = tmp_path / "records.json"
+    canned.write_text(json.dumps({"bench": bench("0" * 40, steps, steps, day=1),
+                                  "search": [search_row("0" * 40, 1, day=1)]}))
+    fake = tmp_path / "fake_autosp.py"
+    fake.write_text(FAKE_CLI)
+    monkeypatch.setenv("FAKE_RECORDS", str(canned))
+    monkeypatch.setenv("FAKE_DEVICE_NAME", device_name("cpu"))
+    store = tmp_path / "history.sqlite"
+
+    def run(*revisions: str) -> int:
+        return main(["history", "run", "--suite", "cpu", "--store", str(store), "--runs-dir", str(tmp_path / "runs"),
+                     "--autosp-cmd", f"{sys.executable} {fake}", "--repo", str(tmp_path / "repo"),
+                     "--commits", *revisions])
+
+    assert run("HEAD~3..HEAD") == 0
+    assert "recorded 3 commit(s)" in capsys.readouterr().out
+    shas = git("rev-list", "--reverse", "HEAD").split()
+    history = load_history(store)
+    answers = history[history["metric"] == "max_seq_len"].set_index("commit_sha")["value"].to_dict()
+    assert answers == {shas[1]: 4096, shas[2]: 3584, shas[3]: 4608}  # each commit's own answer.txt
+    assert git("worktree", "list").count("\n") == 1  # the temporary worktrees are gone
+    table, info = compare(history, threshold=0.05)
+    assert info["head"] == shas[3][:9] and info["bases"] and not table.empty
+    assert compare_cli(store) == 0
+    capsys.readouterr()
+    rows = len(history)
+    assert run("HEAD~3..HEAD") == 0  # the same range again: nothing new
+    assert "recorded 0 commit(s) (0 new samples), skipped 3 already recorded" in capsys.readouterr().out
+    assert len(load_history(store)) == rows
+    assert run(shas[0], "HEAD") == 0  # a list: only the commit not yet recorded runs
+    assert "recorded 1 commit(s)" in capsys.readouterr().out
+    assert set(load_history(store)["commit_sha"]) == set(shas)
+
+
+def test_history_run_commits_bad_revision_is_one_line(tmp_path, capsys):
+    _repo_with_answers(tmp_path / "repo", [4096])
+    assert main(["history", "run", "--suite", "cpu", "--store", str(tmp_path / "h.sqlite"),
+                 "--repo", str(tmp_path / "repo"), "--commits", "nosuchrev"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nosuchrev" in err
+
+
+def test_a_simulator_that_stops_agreeing_with_the_measured_search_is_flagged(tmp_path, store, capsys):
+    rows = []
+    for day, (commit, disagreements) in enumerate((("a", []), ("b", [{"seq_len": 4608, "predicted": "oom",
+                                                                      "measured": "ok"}])), 1):
+        row = search_row(commit * 40, 4096, day=day)
+        row.update(guide="simulate", predicted_max_seq_len=4096 if not disagreements else 3584,
+                   guide_disagreements=disagreements)
+        rows.append(row)
+        record(tmp_path, commit, [row], store)
+    unguided = search_row("c" * 40, 4096, day=3)  # a plain search says nothing of the simulator
+    record(tmp_path, "c", [unguided], store)
+    history = load_history(store)
+    agrees = history[history["metric"] == "simulator_agrees"].set_index("commit_sha")["value"].to_dict()
+    assert agrees == {"a" * 40: 1.0, "b" * 40: 0.0}
+    table, _ = compare(history, base="aaaa", head="bbbb", threshold=0.05)
+    verdicts = table.set_index("metric")["verdict"].to_dict()
+    assert verdicts == {"max_seq_len": UNCHANGED, "simulator_agrees": REGRESSION}

@@ -355,3 +355,147 @@ def test_signal_to_autosp_search_ends_every_rank_and_records_interrupted(tmp_pat
     probe, row = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert probe["status"] == row["status"] == INTERRUPTED and row["kind"] == "search"
     assert f"interrupted by {sig.name}" in row["error"]
+
+
+# --- the guided search: a prediction first, bracketing only where a probe disagrees ---------------------------
+
+def _plain_and_guided(oracle_factory, predicted: int, g: int = 512, max_len: int = 1 << 20, budget=None):
+    from autosp.experiments.search import guided_search_max_length
+
+    plain_oracle, guided_oracle = oracle_factory(), oracle_factory()
+    plain = search_max_length(plain_oracle, granularity=g, min_len=g, max_len=max_len, budget=budget)
+    guided = guided_search_max_length(guided_oracle, predicted=predicted, granularity=g, min_len=g, max_len=max_len,
+                                      budget=budget)
+    return plain, guided, guided_oracle
+
+
+@pytest.mark.parametrize("limit", [512, 5000, 18_432, 99_999])
+def test_a_right_prediction_costs_exactly_two_measured_probes(limit: int) -> None:
+    answer = (limit // 512) * 512
+    plain, guided, oracle = _plain_and_guided(lambda: ThresholdOracle(limit), predicted=answer)
+    assert (guided.status, guided.max_seq_len, guided.first_oom_seq_len) == \
+        (plain.status, plain.max_seq_len, plain.first_oom_seq_len) == (FOUND, answer, answer + 512)
+    assert oracle.asked == [answer, answer + 512]
+    assert guided.disagreements == [] and guided.predicted_max_seq_len == answer
+
+
+@pytest.mark.parametrize("off_by", [0.7, 1.3])
+@pytest.mark.parametrize("with_peaks", [False, True])
+def test_a_prediction_30_percent_off_still_returns_the_measured_answer(off_by: float, with_peaks: bool) -> None:
+    budget, limit = 1 << 30, 18_432
+    factory = (lambda: LinearMemoryOracle(fixed=0, per_token=budget // limit, budget=budget)) if with_peaks \
+        else (lambda: ThresholdOracle(limit))
+    predicted = int(off_by * limit) // 512 * 512
+    plain, guided, oracle = _plain_and_guided(factory, predicted=predicted, budget=budget if with_peaks else None)
+    assert (guided.status, guided.max_seq_len, guided.first_oom_seq_len) == \
+        (plain.status, plain.max_seq_len, plain.first_oom_seq_len) == (FOUND, limit, limit + 512)
+    assert len(set(oracle.asked)) == len(oracle.asked), "a length was measured twice"
+    assert [n for n, _ in guided.probes] == oracle.asked
+    # the first probe that contradicted the prediction is on record: too low a prediction is found one step above
+    # it (predicted oom, measured ok), too high at the prediction itself (predicted ok, measured oom)
+    miss = {"seq_len": predicted + 512, "predicted": OOM, "measured": OK} if off_by < 1 \
+        else {"seq_len": predicted, "predicted": OK, "measured": OOM}
+    assert guided.disagreements == [miss]
+
+
+def test_a_prediction_at_the_ends_of_the_range_needs_one_probe() -> None:
+    from autosp.experiments.search import guided_search_max_length
+
+    oracle = ThresholdOracle(10**9)
+    out = guided_search_max_length(oracle, predicted=1 << 20, granularity=512, min_len=512, max_len=4096)
+    assert (out.status, out.max_seq_len, oracle.asked) == (NO_OOM_UP_TO_MAX, 4096, [4096])
+    oracle = ThresholdOracle(100)
+    out = guided_search_max_length(oracle, predicted=0, granularity=512, min_len=1024, max_len=8192)
+    assert (out.status, out.first_oom_seq_len, oracle.asked) == (OOM_AT_MIN, 1024, [1024])
+
+
+def test_a_failed_probe_stops_a_guided_search_with_what_was_measured() -> None:
+    from autosp.experiments.search import guided_search_max_length
+
+    oracle = ThresholdOracle(6000, broken={6144: ERROR})
+    out = guided_search_max_length(oracle, predicted=5632, granularity=512, min_len=512, max_len=1 << 16)
+    assert (out.status, out.max_seq_len, out.first_oom_seq_len) == (ERROR, 5632, None)
+    assert oracle.asked == [5632, 6144] and out.disagreements == []
+
+
+def _stub_prediction(value: int):
+    def predict(cfg, *, granularity: int, min_len: int, max_len: int) -> int:
+        predict.calls.append((cfg.method, granularity, min_len, max_len))
+        return value
+    predict.calls = []
+    predict.guide_name = "stub"
+    return predict
+
+
+def test_run_search_guided_by_a_right_prediction_measures_two_probes(tmp_path) -> None:
+    from autosp.experiments.search import run_search
+
+    plain = run_search(_cfg(), out=str(tmp_path / "plain.jsonl"), run=FakeRunner(per_token=(64 << 20) // 3000))
+    runner, predict = FakeRunner(per_token=(64 << 20) // 3000), _stub_prediction(2560)
+    row = run_search(_cfg(), out=str(tmp_path / "guided.jsonl"), run=runner, predict=predict)
+    assert predict.calls == [("ulysses", 512, 512, 1 << 20)]
+    assert [c.seq_len for c in runner.configs] == [2560, 3072] and row["num_probes"] == 2 < plain["num_probes"]
+    assert (row["max_seq_len"], row["first_oom_seq_len"]) == (plain["max_seq_len"], plain["first_oom_seq_len"])
+    assert (row["guide"], row["predicted_max_seq_len"], row["guide_disagreements"]) == ("stub", 2560, [])
+    assert row["predict_wall_s"] >= 0 and plain["guide"] == "off" and plain["predicted_max_seq_len"] is None
+
+
+def test_run_search_records_a_prediction_30_percent_off_and_returns_the_measured_answer(tmp_path) -> None:
+    from autosp.harness.records import load_records
+    from autosp.experiments.search import run_search
+
+    out = tmp_path / "t.jsonl"
+    runner = FakeRunner(per_token=(64 << 20) // 15_000)  # measured: 14,848 trains, 15,360 does not
+    row = run_search(_cfg(), out=str(out), run=runner, predict=_stub_prediction(int(1.3 * 14_848) // 512 * 512))
+    assert (row["status"], row["max_seq_len"], row["first_oom_seq_len"]) == (FOUND, 14_848, 15_360)
+    assert row["predicted_max_seq_len"] == 18_944
+    assert row["guide_disagreements"] == [{"seq_len": 18_944, "predicted": OK, "measured": OOM}]
+    saved = load_records(out)
+    assert saved.loc[saved["kind"] == "search", "predicted_max_seq_len"].tolist() == [18_944]
+    assert len(saved[saved["kind"].isna()]) == row["num_probes"] == len({c.seq_len for c in runner.configs})
+
+
+def test_run_search_without_a_prediction_runs_the_plain_search_and_says_why(tmp_path) -> None:
+    from autosp.experiments.search import run_search
+
+    def cannot(cfg, **_):
+        raise ConfigError("--method ulysses cannot be simulated: a reason")
+
+    runner = FakeRunner(per_token=(64 << 20) // 3000)
+    row = run_search(_cfg(), out=str(tmp_path / "t.jsonl"), run=runner, predict=cannot)
+    assert row["max_seq_len"] == 2560 and row["predicted_max_seq_len"] is None
+    assert row["guide"] == "off: no prediction (--method ulysses cannot be simulated: a reason)"
+    hinted = run_search(_cfg(), out=str(tmp_path / "h.jsonl"), run=FakeRunner(per_token=(64 << 20) // 3000),
+                        start_len=2560, predict=_stub_prediction(512))  # a given start length wins
+    assert hinted["guide"] == "off: a start length was given" and hinted["num_probes"] == 2
+
+
+def test_guided_search_is_the_cli_default_and_can_be_turned_off(monkeypatch, tmp_path) -> None:
+    from autosp.cli import main
+    from autosp.experiments import search
+
+    seen = []
+    monkeypatch.setattr(search, "run_search", lambda cfg, **kw: seen.append(kw["predict"]) or {
+        "status": FOUND, "max_seq_len": 512, "first_oom_seq_len": 1024, "floor_limit_seq_len": None,
+        "achieved_over_limit": None, "num_probes": 2, "wall_s": 0.0, "predicted_max_seq_len": 512,
+        "guide_disagreements": []})
+    for extra in ([], ["--guide", "off"]):
+        assert main([*SEARCH, *extra, "--out", str(tmp_path / "t.jsonl")]) == 0
+    from autosp.experiments.guided import simulated
+
+    assert seen == [simulated, None]
+
+
+@pytest.mark.parametrize("off_by", [0.7, 0.77, 1.3])
+def test_after_a_wrong_prediction_the_peaks_measured_lead_to_the_answer_in_few_probes(off_by: float) -> None:
+    """The two probes of a wrong prediction give the line through their peaks: two more probes at most (the answer
+    and one step above it), not a bracketing from scratch (ds-autosp hf:tiny: predicted 8,704, measured 11,264)."""
+    from autosp.experiments.search import guided_search_max_length
+
+    budget, g = 48 << 20, 512
+    oracle = LinearMemoryOracle(fixed=3 << 20, per_token=4200, budget=budget)
+    answer = (oracle.limit // g) * g
+    out = guided_search_max_length(oracle, predicted=int(off_by * answer) // g * g, granularity=g, min_len=g,
+                                   max_len=1 << 20, budget=budget)
+    assert (out.max_seq_len, out.first_oom_seq_len) == (answer, answer + g)
+    assert len(oracle.asked) <= 4, oracle.asked

@@ -52,12 +52,17 @@ def test_the_peak_slope_is_fitted_through_the_probes_that_ran() -> None:
     # 3 KiB per token plus 1 MiB through the probes that ran; the oom probe (cut short on a GPU) does not pull it
     probes = [{"seq_len": s, "peak_mem_bytes": MiB + 3072 * s, "status": "ok"} for s in (512, 4096, 6144)]
     records = pd.DataFrame([
-        {**search_row("autosp", 6144), "probes": probes + [{"seq_len": 6656, "peak_mem_bytes": MiB, "status": "oom"}]},
-        {**search_row("ulysses", 512), "probes": probes[:1]},  # one length: no slope
+        {**search_row("autosp", 6144), "device": "cuda",
+         "probes": probes + [{"seq_len": 6656, "peak_mem_bytes": MiB, "status": "oom"}]},
+        {**search_row("ulysses", 512), "device": "cuda", "probes": probes[:1]},  # one length: no slope
     ])
     t = trainability_table(records).set_index("method")
     assert t.loc["autosp", "peak_bytes_per_token"] == pytest.approx(3072)
     assert math.isnan(t.loc["ulysses", "peak_bytes_per_token"])
+    # under the CPU's emulated budget an oom probe ran its whole step: a guided search's two probes give the slope
+    guided = [probes[-1], {"seq_len": 6656, "peak_mem_bytes": MiB + 3072 * 6656, "status": "oom"}]
+    cpu = pd.DataFrame([{**search_row("autosp", 6144), "device": "cpu", "probes": guided}])
+    assert trainability_table(cpu).loc[0, "peak_bytes_per_token"] == pytest.approx(3072)
 
 
 def test_latest_search_supersedes_and_budgets_are_separate_settings() -> None:
