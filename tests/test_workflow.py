@@ -66,8 +66,8 @@ def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
     searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 2 --device cpu --dtype float32 "
                           r"--compile-backend (\S+) .*?--memory-budget (\S+)", plan)
     cells = {(m, model) for m, model, _, _ in searches}
-    assert len(searches) == len(cells) == 5 + 2  # tiny x 5 methods; the peer and autosp on hf:tiny
-    assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny")} <= cells
+    assert len(searches) == len(cells) == 5 + 3  # tiny x 5 methods; the peer, autosp and alst on hf:tiny
+    assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny"), ("alst", "hf:tiny")} <= cells
     assert {backend for _, _, backend, _ in searches} == {"inductor"}  # autosp as users run it
     for method in ("autosp", "ulysses", "ring"):  # like with like: the SP methods at ZeRO 3, as zero3 and fsdp
         assert re.search(rf"autosp search --method {method} --model tiny [^\n]*--zero 3 ", plan), method
@@ -184,10 +184,10 @@ def test_reduced_run_draws_every_figure_and_survives_a_failing_cell(tmp_path: Pa
 
 
 def test_searches_are_guided_by_the_simulator_unless_turned_off(tmp_path: Path) -> None:
-    guided = re.findall(r"Shell command: autosp search (.*)", dry_run(tmp_path, "figure_trainability", "--cores", "2"))
-    assert guided and all("--guide simulate " in flags for flags in guided)
-    plan = dry_run(tmp_path, "figure_trainability", "--cores", "2", "--config",
-                   "search_guide={default: simulate, ds-autosp: 'off'}")
-    guides = dict(re.findall(r"Shell command: autosp search --method (\S+) .*?--guide (\S+) ", plan))
+    pattern = r"Shell command: autosp search --method (\S+) .*?--guide (\S+) "
+    guides = dict(re.findall(pattern, dry_run(tmp_path, "figure_trainability", "--cores", "2")))
+    # the default settings: guided, but where the simulator is known off (ds-autosp) or cannot run (alst)
     assert guides == {"autosp": "simulate", "ulysses": "simulate", "zero3": "simulate", "fsdp": "simulate",
-                      "ring": "simulate", "ds-autosp": "off"}
+                      "ring": "simulate", "ds-autosp": "off", "alst": "off"}
+    plan = dry_run(tmp_path, "figure_trainability", "--cores", "2", "--config", "search_guide={default: 'off'}")
+    assert set(dict(re.findall(pattern, plan)).values()) == {"off"}
