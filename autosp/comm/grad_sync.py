@@ -40,6 +40,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 
 from autosp.comm import prefetch
 from autosp.comm.prefetch import GatherBucket, prefetch_gathers
+from autosp.comm.library import op_name
 from autosp.comm.sharding import fake_value, graph_call
 from autosp.compiler.sac import SacPartitioner, layer_of_path, module_path
 from autosp.errors import SequenceParallelError
@@ -124,7 +125,7 @@ def bucket_gradient_reduction(
 
 
 def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
-    """The `autosp::reduce_scatter_sum`s a shard's gradient is computed from (through the division by dp_size;
+    """The `autosp_sp::reduce_scatter_sum`s a shard's gradient is computed from (through the division by dp_size;
     a tied parameter is gathered once per use, so its gradient sums one reduce-scatter per use)."""
     found, stack, seen = [], [grad], set()
     while stack:
@@ -132,7 +133,7 @@ def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:
         if node in seen or node.op != "call_function":
             continue
         seen.add(node)
-        if str(node.target).startswith("autosp.reduce_scatter_sum"):
+        if op_name(node.target) == "reduce_scatter_sum":
             found.append(node)
         else:
             stack.extend(node.all_input_nodes)

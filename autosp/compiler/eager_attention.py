@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.comm.library import op
 from autosp.compiler import communicate
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
@@ -26,7 +27,7 @@ MATMULS = {torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm"}
 SOFTMAXES = {F.softmax, torch.softmax, "softmax"}
 DROPOUTS = {F.dropout, torch.dropout, "dropout"}
 _META = "autosp_eager_attention"
-ALL_TO_ALL = torch.ops.autosp.all_to_all.default
+ALL_TO_ALL = op("all_to_all").default
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autosp.comm.library import op_name
 from autosp.compiler.transients import nbytes
 from autosp.errors import ConfigError
 
@@ -67,8 +68,8 @@ ATTENTION_FORWARD_OPS: frozenset[Any] = frozenset(
 
 #: torch's namespaces whose every op communicates
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
-#: autosp's own custom ops (``torch.ops.autosp.<name>``) by what the policies may do with them. Every op of the
-#: namespace is in at least one list (tests/compiler/test_sac.py), and a forward op in any of them is never re-run
+#: autosp's own custom ops (``torch.ops.autosp_sp.<name>``, `autosp.comm.library`) by what the policies may do with
+#: them. Every op of the namespace is in at least one list (tests/compiler/test_sac.py), and a forward op in any of them is never re-run
 #: in backward by `sac`/`budget` (``full`` recomputes attention that does not communicate):
 #: collectives communicate (re-running one re-runs its communication; ZeRO-3's regather is the one exception, by
 #: design); the ring's attention is both a collective and attention.
@@ -79,6 +80,8 @@ AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
 #: in backward would redo the whole tiled computation; masked attention's backward is a backward op
 AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward"})
+#: the activation offload's copies (`autosp.compiler.offload`): inserted after partitioning, so no policy sees them
+AUTOSP_OFFLOAD_OPS = frozenset({"offload", "reload", "wait"})
 
 _LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
 _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]
@@ -164,10 +167,8 @@ def _packet(node: fx.Node) -> Any:
 
 
 def autosp_op_name(node: fx.Node) -> str | None:
-    """`name` of a call to ``torch.ops.autosp.<name>`` (through the RNG wrappers), else None."""
-    namespace, _, name = getattr(_packet(node) if node.op == "call_function" else None, "_qualified_op_name",
-                                 "").partition("::")
-    return name if namespace == "autosp" else None
+    """`name` of a call to one of the project's ops (``autosp_sp::<name>``, through the RNG wrappers), else None."""
+    return op_name(_packet(node)) if node.op == "call_function" else None
 
 
 def is_attention_forward(node: fx.Node) -> bool:
@@ -334,8 +335,8 @@ def _pin_attention_and_collectives(graph: fx.Graph, forward: set[fx.Node], *, at
 
 
 def is_regather(node: fx.Node) -> bool:
-    """A ZeRO-3 parameter gather (`autosp::all_gather_shard` with regather=True)."""
-    return (node.op == "call_function" and str(node.target).startswith("autosp.all_gather_shard")
+    """A ZeRO-3 parameter gather (`autosp_sp::all_gather_shard` with regather=True)."""
+    return (node.op == "call_function" and op_name(node.target) == "all_gather_shard"
             and bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("regather")))
 
 

@@ -7,7 +7,7 @@ gradient (Llama-3: ~0.5 MB per token in fp32). None of it needs to exist whole: 
 `tile_loss` finds, in Dynamo's Torch-IR graph (after the SP pass), a projection `linear(hidden, W)` whose only
 consumer is a token-wise `F.cross_entropy` (through casts, views/reshapes that keep the vocabulary as the last
 dim, and slices of the token dims: the project Llama and HF's ForCausalLMLoss), and replaces the chain with one
-opaque op, `autosp::linear_cross_entropy(hidden, W, target)`: tile by tile it makes the logits once, adds their
+opaque op, `autosp_sp::linear_cross_entropy(hidden, W, target)`: tile by tile it makes the logits once, adds their
 loss, turns them into their gradient in place and accumulates dhidden/dW for an upstream gradient of 1 (as
 Liger's fused linear cross-entropy); backward only scales those by the loss's gradient. So no logits are made
 twice (recomputing them in backward cost ~6% of a step's FLOPs on `small` at 1K tokens), and the step keeps dhidden
@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from autosp.comm.library import custom_op, op
 from autosp.compiler.transients import declare_transient_bytes, nbytes, numel
 from autosp.errors import ConfigError
 
@@ -94,7 +95,7 @@ def tiled_cross_entropy(
     return total.to(dtype), grad_hidden, grad_weight
 
 
-@torch.library.custom_op("autosp::linear_cross_entropy", mutates_args=())
+@custom_op("linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(
     hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype, tile_tokens: int,
     with_grads: bool,
@@ -115,7 +116,7 @@ def _tile_elements(hidden: Tensor, weight: Tensor, tile_tokens: int) -> int:
     return min(numel(hidden) // hidden.shape[-1], tile_tokens) * weight.shape[0]
 
 
-@declare_transient_bytes(torch.ops.autosp.linear_cross_entropy)
+@declare_transient_bytes(op("linear_cross_entropy"))
 def _scratch(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype,
              tile_tokens: int, with_grads: bool) -> int:
     """One tile's fp32 logits and logsumexp's temporary of their size (8 bytes per logit: every other moment of
@@ -306,7 +307,7 @@ def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) 
 
 
 def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
-    """Rewrite every tileable LM head + cross-entropy of `gm` into `autosp::linear_cross_entropy` (in place)."""
+    """Rewrite every tileable LM head + cross-entropy of `gm` into `autosp_sp::linear_cross_entropy` (in place)."""
     report = TilingReport()
     if not tiling.loss:
         return report
@@ -327,7 +328,7 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
             tile_tokens = tiling.tile_tokens or auto_tile_tokens(tokens, hidden_size, vocab)
             weight = head.linear.args[1]
             with_grads = _value(hidden).requires_grad or _value(weight).requires_grad
-            fused = _emit(graph, "call_function", torch.ops.autosp.linear_cross_entropy.default,
+            fused = _emit(graph, "call_function", op("linear_cross_entropy").default,
                           (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype, tile_tokens,
                            with_grads))
             loss = _emit(graph, "call_function", operator.getitem, (fused, 0))
@@ -358,7 +359,7 @@ def _loss_arguments(ce: fx.Node) -> tuple[str | None, dict]:
 
 
 def _is_loss(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (F.cross_entropy, torch.ops.autosp.linear_cross_entropy.default)
+    return node.op == "call_function" and node.target in (F.cross_entropy, op("linear_cross_entropy").default)
 
 
 def keep_only_loss(gm: fx.GraphModule) -> bool:

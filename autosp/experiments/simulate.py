@@ -126,7 +126,7 @@ class LiveStorageTracker(TorchDispatchMode):
     and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
     `peak()` is the highest.
 
-    Host memory apart: the outputs of `autosp_offload::offload` (offloaded activations, `autosp.compiler.offload`)
+    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`)
     live in host memory, so they are kept out of the device total; `host_peak` is their most bytes alive at once.
     """
 

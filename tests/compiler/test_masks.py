@@ -197,7 +197,7 @@ def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypa
     program = json.dumps(program)
     mask = masked_attention.run_program(program, rows)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    out = torch.ops.autosp.masked_attention(q, k, v, rows, program, None, True)
+    out = torch.ops.autosp_sp.masked_attention(q, k, v, rows, program, None, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):

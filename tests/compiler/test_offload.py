@@ -53,7 +53,7 @@ def test_offloaded_boundaries_are_exact_and_leave_the_device_peak():
     assert report.nbytes == (preset.num_layers + 1) * 2 * SEQ * preset.hidden_size * 4
     fw_module, bw_module = partitioners[0].inner.records[0].fw_module, partitioners[0].inner.records[0].bw_module
     targets = [str(n.target) for n in fw_module.graph.nodes] + [str(n.target) for n in bw_module.graph.nodes]
-    assert [targets.count(f"autosp_offload.{op}.default") for op in ("offload", "reload", "wait")] == [len(report.values)] * 3
+    assert [targets.count(f"autosp_sp.{op}.default") for op in ("offload", "reload", "wait")] == [len(report.values)] * 3
 
     # the meter books the host copies apart: exactly the offloaded bytes, and the device peak falls
     assert memory.detail["host_offloaded_bytes"] == report.nbytes

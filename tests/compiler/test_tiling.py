@@ -72,7 +72,7 @@ def test_tiled_loss_and_mlp_are_exact_on_hf_llama_with_tied_embeddings():
 
 
 # the tiled ops' own code, run under the meter so it sees their inner tensors too
-_OP_BODIES = {torch.ops.autosp.linear_cross_entropy.default: tiled_cross_entropy}
+_OP_BODIES = {torch.ops.autosp_sp.linear_cross_entropy.default: tiled_cross_entropy}
 
 
 class _LiveActivations(TorchDispatchMode):

@@ -283,9 +283,9 @@ def test_the_tracker_books_offloaded_copies_as_host_memory():
     with tracker:
         x = torch.ones(1000, dtype=torch.uint8)
         tracker.reset_peak()
-        host = torch.ops.autosp_offload.offload(x)
+        host = torch.ops.autosp_sp.offload(x)
         del x
-        back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))
+        back = torch.ops.autosp_sp.reload(host, torch.device("cpu"))
         del back
     assert tracker.host_peak == 1000
     assert sum(tracker.peak().sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them
