@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.comm.library import custom_op, op
-from autosp.compiler.transients import declare_transient_bytes, nbytes
+from autosp.comm.transients import declare_transient_bytes, nbytes
 
 
 @custom_op("all_to_all", mutates_args=())

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from autosp.comm.library import custom_op, fragment, op, qualified
-from autosp.compiler.sac import _is_view, assign_layers, node_nbytes
+from autosp.compiler.fx_nodes import node_nbytes
+from autosp.compiler.sac import _is_view, assign_layers
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations")
@@ -236,21 +236,3 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             if user is not loaded:
                 user.replace_input_with(placeholder, ready)
         previous_first_use = first_use
-
-
-class OffloadingPartitioner(CustomPartitionerFn):
-    """Wraps a partition function: partition as it decides, then offload the layer boundaries it saved."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.cacheable = getattr(inner, "cacheable", True)
-        self.reports: list[OffloadReport] = []
-
-    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
-                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        self.reports.append(offload_boundaries(fw_module, bw_module, num_fwd_outputs))
-        return fw_module, bw_module
-
-    def uuid(self) -> Any:
-        return ("offload", self.inner.uuid(), get_hash_for_files((__file__,)))

@@ -45,7 +45,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.comm.library import op_name
-from autosp.compiler.transients import nbytes
+from autosp.compiler.sizes import UNITS, split_size
+from autosp.compiler.fx_nodes import node_nbytes
 from autosp.errors import ConfigError
 
 aten = torch.ops.aten
@@ -69,8 +70,8 @@ ATTENTION_FORWARD_OPS: frozenset[Any] = frozenset(
 #: torch's namespaces whose every op communicates
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
 #: autosp's own custom ops (``torch.ops.autosp_sp.<name>``, `autosp.comm.library`) by what the policies may do with
-#: them. Every op of the namespace is in at least one list (tests/compiler/test_sac.py), and a forward op in any of them is never re-run
-#: in backward by `sac`/`budget` (``full`` recomputes attention that does not communicate):
+#: them. Every op of the namespace is in at least one list (tests/compiler/test_sac.py), and a forward op in any of
+#: them is never re-run in backward by `sac`/`budget` (``full`` recomputes attention that does not communicate):
 #: collectives communicate (re-running one re-runs its communication; ZeRO-3's regather is the one exception, by
 #: design); the ring's attention is both a collective and attention.
 AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_shard", "reduce_scatter_sum",
@@ -117,9 +118,6 @@ class Policy:
         return self.kind
 
 
-_BYTES = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]i?b|b)$")
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 POLICY_CHOICES = "off, sac, full, auto, budget=<fraction in [0, 1]> or budget=<bytes, e.g. 32MiB>"
 
 
@@ -137,9 +135,9 @@ def parse_policy(value: str | bool | Policy | None) -> Policy:
         return Policy(text)
     if text.startswith("budget="):
         raw = text.removeprefix("budget=").replace(" ", "")
-        size = _BYTES.match(raw)
-        if size:
-            return Policy(SacPolicy.AUTO, budget_bytes=int(float(size.group(1)) * _BYTE_UNITS[size.group(2)]))
+        size = split_size(raw)
+        if size is not None and size[1]:  # a unit: bytes (a bare number is a fraction)
+            return Policy(SacPolicy.AUTO, budget_bytes=int(size[0] * UNITS[size[1]]))
         try:
             fraction = float(raw)
         except ValueError:
@@ -246,12 +244,6 @@ def _is_tensor_or_tuple(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) or (
         isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
     )
-
-
-def node_nbytes(node: fx.Node) -> int:
-    """Bytes of a tensor-valued node from its fake value (symbolic sizes by their hint); 0 otherwise."""
-    val = node.meta.get("val")
-    return nbytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 # --------------------------------------------------------------------------------------------------- layers

@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from autosp.comm.library import custom_op, op
-from autosp.compiler.transients import declare_transient_bytes, nbytes, numel
+from autosp.comm.transients import declare_transient_bytes, nbytes, numel
+from autosp.compiler import fx_nodes
+from autosp.compiler.fx_nodes import DYNAMO
 from autosp.errors import ConfigError
 
 logger = logging.getLogger("autosp")
@@ -224,7 +226,7 @@ def _cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 
 def _value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+    return fx_nodes.fake_value(node, DYNAMO)
 
 
 def _keeps_last_dim(index: Any, ndim: int) -> bool:
@@ -278,22 +280,6 @@ def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
     return _Head(linear, list(reversed(steps)), dtype)
 
 
-def _fake_run(node: fx.Node) -> Any:
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    fake_mode = next(v.fake_mode for v in leaves if isinstance(v, torch._subclasses.FakeTensor))
-    with fake_mode:
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-
-
-def _emit(graph: fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    node = graph.create_node(op, target, args, kwargs or {})
-    node.meta["example_value"] = _fake_run(node)
-    return node
-
-
 def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) -> fx.Node:
     """Replay the token-wise shape ops on the head's input (vocabulary dim -> hidden dim)."""
     node = head.linear.args[0]
@@ -302,7 +288,7 @@ def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) 
         args[0] = node
         if step.target is not operator.getitem and args[-1] == vocab:
             args[-1] = hidden_size
-        node = _emit(graph, step.op, step.target, tuple(args), dict(step.kwargs))
+        node = fx_nodes.emit(graph, step.target, tuple(args), dict(step.kwargs), key=DYNAMO)
     return node
 
 
@@ -328,14 +314,14 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
             tile_tokens = tiling.tile_tokens or auto_tile_tokens(tokens, hidden_size, vocab)
             weight = head.linear.args[1]
             with_grads = _value(hidden).requires_grad or _value(weight).requires_grad
-            fused = _emit(graph, "call_function", op("linear_cross_entropy").default,
-                          (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype, tile_tokens,
-                           with_grads))
-            loss = _emit(graph, "call_function", operator.getitem, (fused, 0))
+            fused = fx_nodes.emit(graph, op("linear_cross_entropy").default,
+                                  (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype,
+                                   tile_tokens, with_grads), key=DYNAMO)
+            loss = fx_nodes.emit(graph, operator.getitem, (fused, 0), key=DYNAMO)
             if bound.get("reduction", "mean") == "mean":
-                valid = _emit(graph, "call_function", torch.ne, (bound["target"], bound.get("ignore_index", -100)))
-                count = _emit(graph, "call_function", torch.sum, (valid,))
-                loss = _emit(graph, "call_function", torch.div, (loss, count))
+                valid = fx_nodes.emit(graph, torch.ne, (bound["target"], bound.get("ignore_index", -100)), key=DYNAMO)
+                count = fx_nodes.emit(graph, torch.sum, (valid,), key=DYNAMO)
+                loss = fx_nodes.emit(graph, torch.div, (loss, count), key=DYNAMO)
         ce.replace_all_uses_with(loss)  # the head, its casts/views and the loss are dead now
         report.tiled.append({"tokens": int(tokens), "vocab": int(vocab), "tile_tokens": int(tile_tokens)})
     graph.eliminate_dead_code()
@@ -528,7 +514,7 @@ def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
     meta = block.result.meta
 
     def emit(target: Any, args: tuple) -> fx.Node:
-        node = _emit(graph, "call_function", target, args)
+        node = fx_nodes.emit(graph, target, args, key=DYNAMO)
         node.meta["nn_module_stack"] = meta.get("nn_module_stack")
         return node
 
@@ -541,7 +527,7 @@ def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
             env = {block.source: emit(operator.getitem, (pieces, i))}
             for node in block.nodes:
                 copy = graph.node_copy(node, lambda n: env.get(n, n))
-                copy.meta["example_value"] = _fake_run(copy)
+                copy.meta[DYNAMO] = fx_nodes.run_fake(copy, DYNAMO)
                 env[node] = copy
             outputs.append(env[block.result])
         joined = emit(torch.cat, (outputs, -2))

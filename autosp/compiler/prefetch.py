@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op_name
-from autosp.comm.sharding import fake_value, graph_call
+from autosp.compiler.fx_nodes import fake_value, graph_call
 from autosp.compiler.sac import layer_of_path, module_path
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
