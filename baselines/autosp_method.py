@@ -16,9 +16,9 @@ from torch import nn
 import autosp
 from autosp.compiler.offload import parse_offload
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.sac import Policy, SacPolicy, parse_policy
+from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
+from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
-from autosp.experiments.activations import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from autosp.comm.library import op
 from autosp.compiler import hybrid, padding
-from autosp.compiler.analysis import SDPA_PARAMS, attention_args
+from autosp.compiler.sdpa import SDPA_PARAMS, attention_args
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 

@@ -160,7 +160,7 @@ def _full_partner(ctx: SPContext, side: fx.Node, heads: int, per_rank: int, befo
     node = side
     for dim in (-1, -2):
         if len(shape) >= -dim and shape[dim] == ctx.seq_len:
-            node = padding.pad_dim(ctx, node, dim, padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len,
+            node = ctx.pad(node, dim, padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len,
                                    0, before)  # any finite value: `hide_padding_keys` decides what padding sees
     if len(shape) >= 3 and shape[-3] == heads and heads > 1:
         node = ctx.emit(before, "narrow", (node, len(shape) - 3, ctx.sp_rank * per_rank, per_rank))

@@ -14,7 +14,6 @@ import math
 import operator
 import os
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 

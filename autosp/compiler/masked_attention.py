@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autosp.comm.library import custom_op, op
+from autosp.comm import library
+from autosp.comm.library import custom_op
 
 BLOCK_ELEMENTS = 2**20  # scores per block of query rows (4 MiB in fp32)
 MIN_ROWS = 16
@@ -252,7 +253,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     query, key, value, *rows = ctx.saved_tensors
-    grads = op("masked_attention_backward")(grad_out, query, key, value, rows, ctx.program, ctx.scale,
+    grads = library.op("masked_attention_backward")(grad_out, query, key, value, rows, ctx.program, ctx.scale,
                                                        ctx.enable_gqa)
     return *grads, [None] * len(rows), None, None, None
 

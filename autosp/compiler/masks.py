@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from autosp.comm.library import op
 from autosp.compiler import masked_attention  # noqa: F401  (registers autosp_sp::masked_attention)
-from autosp.compiler.analysis import attention_args, is_attention
+from autosp.compiler.sdpa import attention_args, is_attention
 from autosp.compiler.spec import node_label
 
 _COMPARISONS = {operator.le: torch.le, operator.lt: torch.lt, operator.ge: torch.ge, operator.gt: torch.gt,

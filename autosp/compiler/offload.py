@@ -43,7 +43,8 @@ import torch.fx as fx
 
 from autosp.comm.library import custom_op, fragment, op, qualified
 from autosp.compiler.fx_nodes import node_nbytes
-from autosp.compiler.sac import _is_view, assign_layers
+from autosp.compiler.layers import assign_layers
+from autosp.compiler.node_kinds import _is_view
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations")

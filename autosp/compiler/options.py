@@ -15,7 +15,7 @@ import torch
 
 from autosp.comm.sharding import check_stage
 from autosp.compiler.offload import parse_offload
-from autosp.compiler.sac import Policy, parse_policy
+from autosp.compiler.sac_policy import Policy, parse_policy
 from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
 

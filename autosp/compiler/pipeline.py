@@ -10,7 +10,7 @@ one-line contract (what it requires, what it guarantees), run in this order by `
   partitioned passes  on the partitioned forward and backward graphs:
     gather_prefetch     ZeRO 2/3 parameter gathers bucketed per layer, issued one layer ahead
     offload             layer-boundary values kept in host memory between forward and backward
-  lowering            Inductor or aot_eager compiles both graphs (`autosp.compiler.sac.compile_with_partitioner`)
+  lowering            Inductor or aot_eager compiles both graphs (`autosp.compiler.lowering`)
 
 `AUTOSP_DUMP_GRAPHS=<dir>` writes every graph before and after every pass (and the partition) as readable
 text, one file each: `<graph>-<step>-<pass>-<before|after>[-forward|-backward].txt`, numbered in run order.
@@ -34,7 +34,8 @@ from autosp.compiler.grad_buckets import Bucket, GradientReduction, bucket_gradi
 from autosp.compiler.offload import OffloadReport, offload_boundaries
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.prefetch import GatherBucket, prefetch_gathers
-from autosp.compiler.sac import SacPartitioner, compile_with_partitioner, make_partition_fn
+from autosp.compiler.lowering import compile_with_partitioner
+from autosp.compiler.sac import SacPartitioner, make_partition_fn
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tiling import TilingReport, apply_tiling
 

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from autosp.comm.library import op_name
 from autosp.compiler.fx_nodes import fake_value, graph_call
-from autosp.compiler.sac import layer_of_path, module_path
+from autosp.compiler.layers import layer_of_path, module_path
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 

@@ -40,19 +40,10 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autosp.compiler.sac import (
-    _getitem_parent,
-    _is_view,
-    _regather_parameters,
-    _tag,
-    _tag_layers,
-    assign_layers,
-    forward_nodes,
-    is_attention_forward,
-    is_attention_value,
-    is_pinned_value,
-    saved_values,
-)
+from autosp.compiler.layers import assign_layers, forward_nodes
+from autosp.compiler.node_kinds import _getitem_parent, _is_view, is_attention_forward, is_attention_value, is_pinned_value
+from autosp.compiler.sac_records import saved_values
+from autosp.compiler.sac_tags import _regather_parameters, _tag, _tag_layers
 from autosp.comm.transients import nbytes, transient_bytes
 from autosp.compiler.fx_nodes import node_nbytes
 

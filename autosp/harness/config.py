@@ -13,22 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autosp.errors import ConfigError
+from autosp.models.data import DataConfig
 
 __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 
 #: RunConfig fields only some methods read; each method declares its own (`baselines.base.Strategy.options`) and
 #: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
 METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Synthetic token data (no dataset can be downloaded): seeded, reproducible on every rank."""
-
-    ignore_fraction: float = 0.0  # fraction of label positions set to -100, in uneven runs
-    packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
-    pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
-    pad_side: str = "right"  # right | left: where the padding of pad_fraction goes
 
 
 @dataclass(frozen=True)

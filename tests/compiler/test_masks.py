@@ -14,7 +14,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 from autosp.compiler import masked_attention
-from autosp.compiler.analysis import attention_args, is_attention
+from autosp.compiler.sdpa import attention_args, is_attention
 from autosp.compiler.masks import express_structured_masks, recognise_causal_masks
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.harness.config import DataConfig

@@ -158,7 +158,7 @@ def _auto_plan(budget: int | None) -> tuple[PartitionRecord, dict]:
 
 def _recomputed_categories(record: PartitionRecord) -> set[str]:
     """What backward re-runs: "sdpa" for an attention kernel, else the module category of a recomputed matmul."""
-    from autosp.experiments.activations import category_of_node
+    from autosp.compiler.saved_report import category_of_node
 
     return {"sdpa" if is_attention_forward(n) else category_of_node(n) for n in record.bw_module.graph.nodes
             if is_attention_forward(n) or (n.meta.get("partitioner_tag") == "is_forward"
