@@ -23,6 +23,11 @@ def fake_value(node: Any, key: str = ATEN) -> Any:
     return node.meta.get(key) if isinstance(node, fx.Node) else node
 
 
+def dynamo_value(node: Any) -> Any:
+    """`fake_value` in a Dynamo graph (`meta["example_value"]`)."""
+    return fake_value(node, DYNAMO)
+
+
 def evaluate(op: str, target: Any, args: tuple, kwargs: dict, fake_mode: Any = None) -> Any:
     """Run a `call_function`/`call_method` on fake arguments, under `fake_mode` (default: the arguments' own)."""
     if fake_mode is None:

@@ -15,8 +15,8 @@ from autosp.compiler.tiling import (
     apply_tiling,
     auto_tile_tokens,
     parse_tiling,
-    tiled_cross_entropy,
 )
+from autosp.compiler.tiled_loss_op import tiled_cross_entropy
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
