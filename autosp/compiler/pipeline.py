@@ -193,6 +193,11 @@ class Partitioner(CustomPartitionerFn):
             self.dump(step.name, "after", [("-forward", fw), ("-backward", bw)])
         return fw, bw
 
+    def __deepcopy__(self, memo: dict) -> Partitioner:
+        """Shared, not copied: Inductor deep-copies its config, partitioner included, for a repro string, and the
+        records this partitioner fills are the backend's (as `PartitionRecord.__deepcopy__`)."""
+        return self
+
     def uuid(self) -> Any:
         return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions, self.c.options.offloads,
                 get_hash_for_files((__file__, grad_buckets.__file__, prefetch.__file__, offload.__file__)))
