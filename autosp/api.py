@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autosp.comm.precision import cast_parameters
-from autosp.comm.sharding import check_stage, full_state, resolve_stage, shard_parameters
+from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
+from autosp.compiler.options import CompileOptions
 from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
 
@@ -52,40 +54,44 @@ class SequenceParallelModule(torch.nn.Module):
         return full_state(self.module, gradients=True)
 
     @property
+    def _compilation(self):
+        return self._backend.compilation
+
+    @property
     def tiling(self) -> str:
         """One line: what the compiler tiled (loss tiles) in each graph so far, and why anything was left whole."""
         from autosp.compiler.tiling import describe
 
-        return describe(getattr(self._backend, "tiling_reports", []))
+        return describe(self._compilation.tiling_reports)
 
     @property
     def tiling_reports(self) -> list:
         """One `autosp.compiler.tiling.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
-        return list(getattr(self._backend, "tiling_reports", []))
+        return list(self._compilation.tiling_reports)
 
     @property
     def partition_records(self) -> list:
         """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
-        return list(getattr(self._backend, "partition_fn").records)
+        return list(self._compilation.partition_fn.records)
 
     @property
     def offload_reports(self) -> list:
         """One `autosp.compiler.offload.OffloadReport` per compiled graph: the layer-boundary values kept in host
         memory between forward and backward, and their bytes (empty without offload)."""
-        return [p.reports[-1] for p in getattr(self._backend, "offload_partitioners", []) if p.reports]
+        return [g.offload_reports[-1] for g in self._compilation.graphs if g.offload_reports]
 
     @property
     def gradient_buckets(self) -> list:
-        """The `autosp.comm.grad_sync.Bucket`s of the last compiled graph: one gradient collective each."""
-        partitioners = getattr(self._backend, "gradient_partitioners", [])
-        return list(partitioners[-1].buckets) if partitioners else []
+        """The `autosp.compiler.grad_buckets.Bucket`s of the last compiled graph: one gradient collective each."""
+        graphs = self._compilation.graphs
+        return list(graphs[-1].buckets) if graphs else []
 
     @property
     def gather_buckets(self) -> tuple[list, list]:
-        """ZeRO 2/3: the `autosp.comm.prefetch.GatherBucket`s (forward, backward) of the last compiled graph: one
-        parameter all-gather each."""
-        partitioners = getattr(self._backend, "gradient_partitioners", [])
-        return partitioners[-1].gather_buckets if partitioners else ([], [])
+        """ZeRO 2/3: the `autosp.compiler.prefetch.GatherBucket`s (forward, backward) of the last compiled graph:
+        one parameter all-gather each."""
+        graphs = self._compilation.graphs
+        return graphs[-1].gather_buckets if graphs else ([], [])
 
     def forward(self, *args, **kwargs):
         try:
@@ -132,61 +138,45 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     *,
     sp_size: int | None = None,
     process_group: dist.ProcessGroup | None = None,
-    sac: str = "sac",
-    backend: str = "inductor",
-    zero: int | None = None,
-    compute_dtype: torch.dtype | None = None,
-    tiling: str = "off",
-    outputs: str = "all",
-    ulysses_size: int | None = None,
-    offload: str = "off",
+    options: CompileOptions | None = None,
+    **keywords: Any,
 ) -> SequenceParallelModule:
     """Make `model` sequence parallel (Ulysses) by compilation; the model's code stays single-device code.
 
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
-    consecutive-rank SP groups. process_group: an existing SP group instead. sac: activation checkpointing
-    policy (off | sac | full | budget=<fraction>). backend: inductor | aot_eager | eager (after the SP pass).
-    zero: ZeRO stage 0-3 of the model state over all ranks sharing it (SP x DP; `autosp.comm.sharding`); at
-    stages 2/3 the model's parameters become this rank's flat shards (build the optimizer with `make_optimizer`,
-    read full values with `full_parameters`/`full_gradients`). Default: 3, the longest trainable length at the
-    same correctness (0 where one rank holds the model, 1 on a backend without stages 2/3's collectives:
-    `sharding.resolve_stage`); the stage that runs is the module's `zero`. compute_dtype: mixed precision, the dtype the
-    model computes in over the parameters' own (fp32 master) dtype, e.g. bfloat16: parameters cast before they
-    are gathered (stages 2/3) or where they are used (stages 0/1, `autosp.comm.precision`), activations and
-    all-to-alls in that dtype, gradients (and their reduction) and optimizer state in the master dtype;
-    default: the parameters' own dtype.
-    tiling: off | loss | mlp | auto, optionally :<tokens per tile> — the LM head + cross-entropy (and token-wise
-    blocks such as the MLP) run over tiles of the local tokens, recomputed in backward (exact). outputs: all | loss
-    — `loss` returns None for every output but the loss; a model that returns its logits can have its loss tiled
-    only then. ulysses_size: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention
-    across the groups (default: the largest size the heads and the node allow; the SP degree whenever the heads
-    divide it). offload: off | activations — the values backward keeps at decoder-layer boundaries wait in host
-    memory between forward and backward (pinned buffers and a side stream on CUDA; `autosp.compiler.offload`)."""
-    if zero is not None:
-        check_stage(zero)  # before anything else: a bad stage is refused even without a process group
+    consecutive-rank SP groups. process_group: an existing SP group instead. The compiler's options, given as an
+    `options=CompileOptions(...)` object and/or as keywords (which override it): sac, backend, zero,
+    compute_dtype, tiling, outputs, ulysses_size, offload; each field's meaning, default and valid values are in
+    `autosp.compiler.options.CompileOptions`. At ZeRO stages 2/3 the model's parameters become this rank's flat
+    shards (build the optimizer with `make_optimizer`, read full values with `full_parameters`/`full_gradients`);
+    the stage that runs is the module's `zero`."""
+    options = CompileOptions.of(options, **keywords)  # every option checked, before anything else
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    zero = resolve_stage(zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group))
+    zero = resolve_stage(options.zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group))
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
-        shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3, compute_dtype=compute_dtype)
-    elif compute_dtype is not None:
-        cast_parameters(model, compute_dtype)
-    sp_backend = make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=backend, zero=zero,
-                              tiling=tiling, outputs=outputs, ulysses_size=ulysses_size, offload=offload)
+        shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3,
+                         compute_dtype=options.compute_dtype)
+    elif options.compute_dtype is not None:
+        cast_parameters(model, options.compute_dtype)
+    sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
 
 def backend(
-    *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None, sac: str = "sac",
-    inner: str = "inductor", model: torch.nn.Module | None = None, tiling: str = "off", outputs: str = "all",
-    ulysses_size: int | None = None, offload: str = "off",
+    *, sp_size: int | None = None, process_group: dist.ProcessGroup | None = None,
+    model: torch.nn.Module | None = None, options: CompileOptions | None = None, **keywords: Any,
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
-    Same semantics as `autosp.compile`; pass `model` only when sp_size < world size (to place the mesh)."""
+    Same options as `autosp.compile` (the parameters stay replicated: ZeRO stage 0, the model's own dtype); pass
+    `model` only when sp_size < world size (to place the mesh)."""
+    options = CompileOptions.of(options, **keywords)
+    if options.zero not in (None, 0) or options.compute_dtype is not None:
+        raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype); "
+                                    "use autosp.compile for zero= or compute_dtype=")
     if process_group is None and sp_size is not None and model is None and dist.is_initialized() \
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    return make_backend(sp_group, reduce_group=reduce_group, dp_size=dp_size, sac=sac, inner=inner,
-                        tiling=tiling, outputs=outputs, ulysses_size=ulysses_size, offload=offload)
+    return make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size)

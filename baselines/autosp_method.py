@@ -15,9 +15,10 @@ from torch import nn
 
 import autosp
 from autosp.compiler.offload import parse_offload
-from autosp.compiler.sac import Policy, SacPolicy, parse_policy
+from autosp.compiler.options import COMPILE_BACKENDS
+from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
+from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
-from autosp.experiments.activations import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register
@@ -119,8 +120,8 @@ class AutoSP(Strategy):
         if parse_offload(cfg.offload) and cfg.compile_backend == "eager":
             raise ConfigError("--offload activations rewrites the partitioned forward/backward graphs: use "
                               "--compile-backend aot_eager or inductor")
-        if cfg.compile_backend not in ("inductor", "aot_eager", "eager"):
-            raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose inductor, aot_eager or eager")
+        if cfg.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose {', '.join(COMPILE_BACKENDS)}")
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
         return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))

@@ -1,4 +1,4 @@
-"""Custom ops for the collectives the SP pass inserts.
+"""Custom ops (`autosp_sp::`, `autosp.comm.library`) for the collectives the SP pass inserts.
 
 Each op carries a fake kernel (so aot_autograd and inductor can trace shapes without communicating) and an
 autograd formula, so the backward graph gets the matching collective. The process group travels by name
@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autosp.compiler.transients import declare_transient_bytes, nbytes
+from autosp.comm.library import custom_op, op
+from autosp.comm.transients import declare_transient_bytes, nbytes
 
 
-@torch.library.custom_op("autosp::all_to_all", mutates_args=())
+@custom_op("all_to_all", mutates_args=())
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_size: int, group_name: str) -> torch.Tensor:
     """Split `x` into `group_size` chunks along `scatter_dim`, send chunk i to rank i, and concatenate the
     chunks received along `gather_dim` in rank order. Ulysses uses it as [B,H,S/P,D] -> [B,H/P,S,D] and back."""
@@ -33,7 +34,7 @@ def _all_to_all_fake(x, scatter_dim, gather_dim, group_size, group_name):
     return x.new_empty(shape)
 
 
-@declare_transient_bytes(torch.ops.autosp.all_to_all)
+@declare_transient_bytes(op("all_to_all"))
 def _all_to_all_scratch(x, scatter_dim, gather_dim, group_size, group_name):
     return 2 * nbytes(x)  # the stacked chunks sent and the chunks received, alive while the output is made
 
@@ -50,7 +51,7 @@ def _all_to_all_setup(ctx, inputs, output):
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
-@torch.library.custom_op("autosp::all_reduce_sum", mutates_args=())
+@custom_op("all_reduce_sum", mutates_args=())
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum of `x` over the group, returned on every rank.
 
@@ -74,7 +75,7 @@ def _all_reduce_sum_backward(ctx, grad):
 all_reduce_sum.register_autograd(_all_reduce_sum_backward)
 
 
-@torch.library.custom_op("autosp::all_gather_shard", mutates_args=())
+@custom_op("all_gather_shard", mutates_args=())
 def all_gather_shard(
     shard: torch.Tensor, group_size: int, group_name: str, dp_size: int, regather: bool, compute_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -110,7 +111,7 @@ def _all_gather_shard_setup(ctx, inputs, output):
 all_gather_shard.register_autograd(_all_gather_shard_backward, setup_context=_all_gather_shard_setup)
 
 
-@torch.library.custom_op("autosp::reduce_scatter_sum", mutates_args=())
+@custom_op("reduce_scatter_sum", mutates_args=())
 def reduce_scatter_sum(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Chunk i (of `group_size` equal chunks of the flat `x`) summed over the group, returned on rank i."""
     out = x.new_empty(x.numel() // group_size)

@@ -8,7 +8,7 @@ gradient reduction (`grad_sync`'s hooks, on the fp32 master) runs in fp32. Dynam
 model code: the casts are ordinary nodes of the one graph the SP pass rewrites, and the partitioner may recompute
 them in backward rather than keep the bf16 copies. This is the semantics of FSDP2's
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` and of the sharded stages' gather
-(`autosp::all_gather_shard`, which casts before communicating), without sharding.
+(`autosp_sp::all_gather_shard`, which casts before communicating), without sharding.
 
 Tied parameters stay tied: a parametrization without `right_inverse` keeps the very Parameter object as its
 `original`, so both modules' casts read one master and accumulate into one gradient.

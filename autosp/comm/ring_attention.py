@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autosp.comm.library import custom_op
+
 
 def zigzag_positions(seq_len: int, sp_size: int, sp_rank: int, device: torch.device | str = "cpu") -> Tensor:
     """Global token positions held by `sp_rank`: chunks r and 2P-1-r of 2P equal chunks, in that order."""
@@ -266,7 +268,7 @@ def _uses_flash(q: Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _flash_ring() is not None
 
 
-@torch.library.custom_op("autosp::ring_attention", mutates_args=())
+@custom_op("ring_attention", mutates_args=())
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                       group_name: str) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention of contiguous sequence blocks [B, H, S/R, D] over the ring `group_name`."""
@@ -285,7 +287,7 @@ def _ring_attention_fake(q, k, v, scale, causal, group_name):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulator_dtype(q.dtype))  # contiguous, as real
 
 
-@torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
+@custom_op("ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                                causal: bool, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     group = _resolve_process_group(group_name)

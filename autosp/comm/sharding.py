@@ -26,7 +26,6 @@ import re
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
@@ -39,7 +38,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 #: stage passes `autosp check` alike; README "Model state at scale" has the measured searches and peaks).
 DEFAULT_STAGE = 3
 #: Backends without the collectives stages 2/3 put into the graph: torch's ProcessGroupMPI and ProcessGroupUCC
-#: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.comm.prefetch`).
+#: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.compiler.prefetch`).
 NO_COALESCED_GATHER = ("mpi", "ucc")
 _PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
 
@@ -172,15 +171,3 @@ def full_state(model: nn.Module, *, gradients: bool) -> dict[str, torch.Tensor]:
         full = spec.unshard(value) if isinstance(spec, ShardedParameter) else value.detach()
         out[full_name(name)] = full.cpu().clone()
     return out
-
-
-def graph_call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    """A new node with its fake value (the partitioner and inductor read `meta["val"]`)."""
-    node = graph.call_function(target, args, kwargs)
-    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-    node.meta["val"] = target(*fake_args, **fake_kwargs)
-    return node
-
-
-def fake_value(node: fx.Node) -> torch.Tensor:
-    return node.meta["val"]

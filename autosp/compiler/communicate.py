@@ -13,12 +13,13 @@ import math
 import torch
 import torch.fx as fx
 
+from autosp.comm.library import op
 from autosp.compiler import hybrid, padding
-from autosp.compiler.analysis import SDPA_PARAMS, attention_args
+from autosp.compiler.sdpa import SDPA_PARAMS, attention_args
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
-ALL_TO_ALL = torch.ops.autosp.all_to_all.default
+ALL_TO_ALL = op("all_to_all").default
 
 
 def kv_replication(heads: int, kv_heads: int, sp_size: int) -> int:

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.comm.library import op
 from autosp.compiler import communicate
 from autosp.compiler.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
@@ -26,7 +27,7 @@ MATMULS = {torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm"}
 SOFTMAXES = {F.softmax, torch.softmax, "softmax"}
 DROPOUTS = {F.dropout, torch.dropout, "dropout"}
 _META = "autosp_eager_attention"
-ALL_TO_ALL = torch.ops.autosp.all_to_all.default
+ALL_TO_ALL = op("all_to_all").default
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def _full_partner(ctx: SPContext, side: fx.Node, heads: int, per_rank: int, befo
     node = side
     for dim in (-1, -2):
         if len(shape) >= -dim and shape[dim] == ctx.seq_len:
-            node = padding.pad_dim(ctx, node, dim, padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len,
+            node = ctx.pad(node, dim, padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len,
                                    0, before)  # any finite value: `hide_padding_keys` decides what padding sees
     if len(shape) >= 3 and shape[-3] == heads and heads > 1:
         node = ctx.emit(before, "narrow", (node, len(shape) - 3, ctx.sp_rank * per_rank, per_rank))

@@ -14,14 +14,14 @@ import math
 import operator
 import os
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autosp.comm.library import op
 from autosp.compiler.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
 
-RING = torch.ops.autosp.ring_attention.default
+RING = op("ring_attention").default
 _SUBGROUPS: dict[tuple[str, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 

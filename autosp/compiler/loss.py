@@ -14,11 +14,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.comm.library import op
 from autosp.compiler.padding import real_part
 from autosp.compiler.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
 
-ALL_REDUCE = torch.ops.autosp.all_reduce_sum.default
+ALL_REDUCE = op("all_reduce_sum").default
 _TOKEN_LOSSES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
 _SUMS = {torch.sum, "sum"}
 _MEANS = {torch.mean, "mean"}

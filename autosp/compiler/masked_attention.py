@@ -1,4 +1,4 @@
-"""`autosp::masked_attention`: attention under a mask given as O(S) rows and an elementwise program, never [S, S].
+"""`autosp_sp::masked_attention`: attention under a mask given as O(S) rows and an elementwise program, never [S, S].
 
 A structured mask (sliding window, packed documents, key padding, any mix of them) is a pointwise function
 mask[b, h, q, kv] = program(rows), where each row varies along the query or the key positions only (positions,
@@ -31,6 +31,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from autosp.comm import library
+from autosp.comm.library import custom_op
 
 BLOCK_ELEMENTS = 2**20  # scores per block of query rows (4 MiB in fp32)
 MIN_ROWS = 16
@@ -174,7 +177,7 @@ def _attended_blocks(query: Tensor, rows: Sequence[Tensor], program: str) -> Ite
         yield queries, slice(keys.start + first, keys.start + last), mask
 
 
-@torch.library.custom_op("autosp::masked_attention", mutates_args=())
+@custom_op("masked_attention", mutates_args=())
 def masked_attention(query: Tensor, key: Tensor, value: Tensor, rows: list[Tensor], program: str,
                      scale: float | None, enable_gqa: bool) -> Tensor:
     """Softmax attention of `query` over `key`/`value` under the mask `program(rows)` (no argument defaults: the
@@ -218,7 +221,7 @@ def _math_gradients(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
 BLOCK_GRADIENTS = {"cpu": _flash_cpu_gradients}
 
 
-@torch.library.custom_op("autosp::masked_attention_backward", mutates_args=())
+@custom_op("masked_attention_backward", mutates_args=())
 def masked_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rows: list[Tensor],
                               program: str, scale: float | None, enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Attention's gradient one block of query rows at a time, on the block's key span only (each block's
@@ -250,7 +253,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     query, key, value, *rows = ctx.saved_tensors
-    grads = torch.ops.autosp.masked_attention_backward(grad_out, query, key, value, rows, ctx.program, ctx.scale,
+    grads = library.op("masked_attention_backward")(grad_out, query, key, value, rows, ctx.program, ctx.scale,
                                                        ctx.enable_gqa)
     return *grads, [None] * len(rows), None, None, None
 

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp.compiler import masked_attention  # noqa: F401  (registers autosp::masked_attention)
-from autosp.compiler.analysis import attention_args, is_attention
+from autosp.comm.library import op
+from autosp.compiler import masked_attention  # noqa: F401  (registers autosp_sp::masked_attention)
+from autosp.compiler.sdpa import attention_args, is_attention
 from autosp.compiler.spec import node_label
 
 _COMPARISONS = {operator.le: torch.le, operator.lt: torch.lt, operator.ge: torch.ge, operator.gt: torch.gt,
@@ -236,7 +237,7 @@ def recognise_causal_masks(gm: fx.GraphModule, seq_len: int) -> int:
 
 
 def express_structured_masks(gm: fx.GraphModule, seq_len: int) -> int:
-    """Replace each SDPA whose [S, S] mask is an elementwise program of O(S) rows by `autosp::masked_attention`
+    """Replace each SDPA whose [S, S] mask is an elementwise program of O(S) rows by `autosp_sp::masked_attention`
     on those rows; drop the mask subgraph. Returns the count; a mask that stays dense gets a warning of its cost.
 
     Exact by construction: the program is the region's own ops in order, and elementwise broadcast ops commute
@@ -252,7 +253,7 @@ def express_structured_masks(gm: fx.GraphModule, seq_len: int) -> int:
         rows, program = programs[mask]
         with gm.graph.inserting_before(node):
             replacement = gm.graph.call_function(
-                torch.ops.autosp.masked_attention.default,
+                op("masked_attention").default,
                 (args["query"], args["key"], args["value"], rows, program, args["scale"], bool(args["enable_gqa"])))
         replacement.meta.update(node.meta)
         node.replace_all_uses_with(replacement)

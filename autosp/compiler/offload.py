@@ -7,10 +7,10 @@ GPU, ~450 GB/s) or any PCIe GPU with pinned buffers, the copy overlaps the next 
 
 The pass runs on the *partitioned* forward and backward graphs (after the SAC partitioner decided what is saved):
 - forward: each saved value produced inside a decoder layer and read by another layer (a layer boundary) gets
-  `autosp_offload::offload` right where it is made; the host copy replaces it among the saved values, so the
+  `autosp_sp::offload` right where it is made; the host copy replaces it among the saved values, so the
   device tensor dies at its last forward use;
-- backward: the saved host copy is brought back by `autosp_offload::reload` (issued one layer ahead: where the
-  previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_offload::wait` just
+- backward: the saved host copy is brought back by `autosp_sp::reload` (issued one layer ahead: where the
+  previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_sp::wait` just
   before its own first use.
 
 The ops, per device:
@@ -19,7 +19,7 @@ The ops, per device:
   `wait` makes the compute stream wait for the reload's event. Not run here (no GPU on the machines this was
   built on); written against torch's stream API as torch's own `ao::` offload ops are.
 - CPU: the device is host memory, so a device run is emulated: offload copies into a fresh buffer that the memory
-  meter books as *host* (allocations made inside `autosp_offload::offload`), reload copies back into device
+  meter books as *host* (allocations made inside `autosp_sp::offload`), reload copies back into device
   memory. The graph, the schedule and the bytes are those a GPU would run; only the copies are synchronous.
 - any other device: a one-line error.
 
@@ -40,16 +40,18 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.compiler.sac import _is_view, assign_layers, node_nbytes
+from autosp.comm.library import custom_op, fragment, op, qualified
+from autosp.compiler.fx_nodes import node_nbytes
+from autosp.compiler.layers import assign_layers
+from autosp.compiler.node_kinds import _is_view
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations")
 DEVICE_WINDOW = 2
 """Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
 (the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
-OFFLOAD_OP_NAME = "autosp_offload::offload"
+OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 
 
@@ -79,7 +81,7 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _side_streams[device]
 
 
-@torch.library.custom_op("autosp_offload::offload", mutates_args=())
+@custom_op("offload", mutates_args=())
 def offload(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of `tensor` (pinned, copied on the side stream on CUDA)."""
     check_device(tensor.device)
@@ -100,11 +102,11 @@ def _(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
 
 
-OFFLOAD_OP = torch.ops.autosp_offload.offload.default
+OFFLOAD_OP = op("offload").default
 """What the simulator's storage tracker books as host memory."""
 
 
-@torch.library.custom_op("autosp_offload::reload", mutates_args=())
+@custom_op("reload", mutates_args=())
 def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` back on `device`; on CUDA the copy is issued on the side stream and `wait` completes it."""
     check_device(device)
@@ -126,7 +128,7 @@ def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
-_library = torch.library.Library("autosp_offload", "FRAGMENT")
+_library = fragment()
 _library.define("wait(Tensor(a) tensor) -> Tensor(a)")
 
 
@@ -139,12 +141,12 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@torch.library.register_fake("autosp_offload::wait")
+@torch.library.register_fake(qualified("wait"))
 def _(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-fx.node.has_side_effect(torch.ops.autosp_offload.wait.default)
+fx.node.has_side_effect(op("wait").default)
 
 # ------------------------------------------------------------------------------------------------ the pass
 
@@ -201,7 +203,7 @@ def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num
         if node.name not in placeholders:
             raise SequenceParallelError(f"offload: saved value {node.name} has no backward input of that name")
         with fw_graph.inserting_after(node):
-            host = fw_graph.call_function(torch.ops.autosp_offload.offload.default, (node,))
+            host = fw_graph.call_function(op("offload").default, (node,))
         host.meta["val"] = node.meta["val"].to(torch.device("cpu"))
         host_of[node] = host
         report.values.append(node.name)
@@ -225,9 +227,9 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
     previous_first_use: fx.Node | None = None
     for first_use, placeholder, device in used:
         with graph.inserting_before(previous_first_use or first_use):
-            loaded = graph.call_function(torch.ops.autosp_offload.reload.default, (placeholder, device))
+            loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
-            ready = graph.call_function(torch.ops.autosp_offload.wait.default, (loaded,))
+            ready = graph.call_function(op("wait").default, (loaded,))
         loaded.meta.update(placeholder.meta)
         ready.meta.update(placeholder.meta)
         placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
@@ -235,21 +237,3 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             if user is not loaded:
                 user.replace_input_with(placeholder, ready)
         previous_first_use = first_use
-
-
-class OffloadingPartitioner(CustomPartitionerFn):
-    """Wraps a partition function: partition as it decides, then offload the layer boundaries it saved."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.cacheable = getattr(inner, "cacheable", True)
-        self.reports: list[OffloadReport] = []
-
-    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
-                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw_module, bw_module = self.inner(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        self.reports.append(offload_boundaries(fw_module, bw_module, num_fwd_outputs))
-        return fw_module, bw_module
-
-    def uuid(self) -> Any:
-        return ("offload", self.inner.uuid(), get_hash_for_files((__file__,)))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -28,29 +27,10 @@ def padded_length(seq_len: int, sp_size: int) -> int:
     return shard_length(seq_len, sp_size) * sp_size
 
 
-def padding_of(spec: ShardSpec) -> int:
-    """How many positions of this shard lie beyond the end of the sequence."""
-    return max(0, spec.start + spec.length - spec.global_len)
-
-
-def pad_dim(ctx: SPContext, node: fx.Node, dim: int, amount: int, fill: float | bool, before: fx.Node) -> fx.Node:
-    """`node` with `amount` positions of `fill` appended along `dim`."""
-    if not amount:
-        return node
-    ndim = ctx.current[node].dim()
-    return ctx.emit(before, F.pad, (node, [0, 0] * (ndim - 1 - dim % ndim) + [0, amount]), {"value": fill})
-
-
-def pad_full(ctx: SPContext, full: fx.Node, dim: int, spec: ShardSpec, fill: float, before: fx.Node) -> fx.Node:
-    """`full` (sequence of spec.global_len along `dim`) extended so this rank's [start, start + length) exists."""
-    amount = padding_of(spec)
-    return pad_dim(ctx, full, dim, amount, fill, before) if amount else full
-
-
 def real_part(ctx: SPContext, local: fx.Node, before: fx.Node) -> fx.Node:
     """The positions of a local value that lie inside the sequence (the value itself when none is padding)."""
     spec = ctx.spec(local)
-    amount = padding_of(spec)
+    amount = spec.padding
     if not amount:
         return local
     keep = max(0, spec.length - amount)
@@ -85,9 +65,9 @@ def attention_mask(ctx: SPContext, mask: fx.Node | None, is_causal: bool, before
         raise SequenceParallelError(
             f"attention {node_label(before)}: its mask of shape {tuple(shape)} broadcasts over the keys, so it cannot "
             f"hide the {amount} padding position(s); use a sequence length divisible by the SP degree {ctx.sp_size}")
-    mask = pad_dim(ctx, mask, -1, amount, hidden, before)
+    mask = ctx.pad(mask, -1, amount, hidden, before)
     if shape[-2] == seq_len:
-        mask = pad_dim(ctx, mask, -2, amount, visible, before)
+        mask = ctx.pad(mask, -2, amount, visible, before)
     return mask
 
 
@@ -110,7 +90,7 @@ def hide_padding_keys(ctx: SPContext, softmax: fx.Node) -> None:
 def trim_outputs(ctx: SPContext, output: fx.Node) -> None:
     """Outputs along the sequence come back without padded positions."""
     def trim(node: fx.Node) -> fx.Node:
-        if ctx.is_local(node) and isinstance(ctx.specs[node], ShardSpec) and padding_of(ctx.spec(node)):
+        if ctx.is_local(node) and isinstance(ctx.specs[node], ShardSpec) and ctx.spec(node).padding:
             return real_part(ctx, node, before=output)
         return node
 

@@ -21,7 +21,7 @@ Cost model, from the graph alone (no run):
   starts with the saved activations and tangents alive. Graph inputs (parameters, the batch) are resident model
   state that the caller subtracts from the budget. Buffers inside opaque kernels (the all-to-all's send and
   receive buffers, a tiled loss's tile) are added while their node runs, as each op declares them
-  (``autosp.compiler.transients``), and so are a multi-output op's outputs. It does not see Inductor's fusion
+  (``autosp.comm.transients``), and so are a multi-output op's outputs. It does not see Inductor's fusion
   and buffer reuse (which lower the real peak), nor anything outside the graph (the optimizer step). Measured
   against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
   of the step's peak increase at 512, 1K and 2K tokens.
@@ -40,21 +40,12 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autosp.compiler.sac import (
-    _getitem_parent,
-    _is_view,
-    _regather_parameters,
-    _tag,
-    _tag_layers,
-    assign_layers,
-    forward_nodes,
-    is_attention_forward,
-    is_attention_value,
-    is_pinned_value,
-    node_nbytes,
-    saved_values,
-)
-from autosp.compiler.transients import nbytes, transient_bytes
+from autosp.compiler.layers import assign_layers, forward_nodes
+from autosp.compiler.node_kinds import _getitem_parent, _is_view, is_attention_forward, is_attention_value, is_pinned_value
+from autosp.compiler.sac_records import saved_values
+from autosp.compiler.sac_tags import _regather_parameters, _tag, _tag_layers
+from autosp.comm.transients import nbytes, transient_bytes
+from autosp.compiler.fx_nodes import node_nbytes
 
 
 @dataclass(frozen=True)
@@ -202,7 +193,7 @@ def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
 def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, list[fx.Node]]:
     """(peak of the bytes alive while `gm` runs node by node, the values holding them at that moment; see the
     module doc): placeholders count only when named in `counted_inputs`; outputs are never freed. While a node
-    runs, the scratch its op declares (``autosp.compiler.transients``) and a multi-output op's outputs are alive
+    runs, the scratch its op declares (``autosp.comm.transients``) and a multi-output op's outputs are alive
     too: the peak minus the values' bytes is those bytes (booked as the running op's)."""
     nodes = list(gm.graph.nodes)
     owners: dict[fx.Node, fx.Node] = {}

@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.compiler import (communicate, dropout, eager_attention, hybrid, indices, loss, masks, padding, resize,
                              routing, shard)
-from autosp.compiler.analysis import analyze, is_attention
+from autosp.compiler.analysis import analyze
+from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 

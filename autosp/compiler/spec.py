@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from autosp.errors import SequenceParallelError
 
@@ -32,6 +33,11 @@ class ShardSpec:
     @property
     def local_extent(self) -> int:
         return self.outer * self.length * self.inner
+
+    @property
+    def padding(self) -> int:
+        """How many positions of this shard lie beyond the end of the sequence."""
+        return max(0, self.start + self.length - self.global_len)
 
     @property
     def merged(self) -> bool:
@@ -134,21 +140,30 @@ class SPContext:
             self.specs[node] = spec
         return node
 
+    def pad(self, node: fx.Node, dim: int, amount: int, fill: float | bool, before: fx.Node) -> fx.Node:
+        """`node` with `amount` positions of `fill` appended along `dim` (`autosp.compiler.padding`)."""
+        if not amount:
+            return node
+        ndim = self.current[node].dim()
+        return self.emit(before, F.pad, (node, [0, 0] * (ndim - 1 - dim % ndim) + [0, amount]), {"value": fill})
+
+    def pad_full(self, full: fx.Node, dim: int, spec: ShardSpec, fill: float, before: fx.Node) -> fx.Node:
+        """`full` (sequence of spec.global_len along `dim`) extended so this rank's [start, start + length) exists."""
+        return self.pad(full, dim, spec.padding, fill, before) if spec.padding else full
+
     def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node, fill: float = 0) -> fx.Node:
         """This rank's shard of a full value along `dim` (cached: one narrow per value and shard); positions past
         the end of the sequence (a padded shard) hold `fill`."""
-        from autosp.compiler.padding import pad_full
-
         key = (full, spec.at(dim), fill)
         if key not in self._localized:
             node = full
             if spec.merged:  # [.., outer*S*inner, ..] -> [.., outer, S, inner, ..], narrow S, merge back
                 node = self.emit(before, "unflatten", (node, dim, (spec.outer, spec.global_len, spec.inner)))
-                node = pad_full(self, node, dim + 1, spec, fill, before)
+                node = self.pad_full(node, dim + 1, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim + 1, spec.start, spec.length))
                 node = self.emit(before, "flatten", (node, dim, dim + 2), spec=spec.at(dim))
             else:
-                node = pad_full(self, node, dim, spec, fill, before)
+                node = self.pad_full(node, dim, spec, fill, before)
                 node = self.emit(before, "narrow", (node, dim, spec.start, spec.length), spec=spec.at(dim))
             self.full_of[node] = full
             self._localized[key] = node

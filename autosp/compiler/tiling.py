@@ -7,7 +7,7 @@ gradient (Llama-3: ~0.5 MB per token in fp32). None of it needs to exist whole: 
 `tile_loss` finds, in Dynamo's Torch-IR graph (after the SP pass), a projection `linear(hidden, W)` whose only
 consumer is a token-wise `F.cross_entropy` (through casts, views/reshapes that keep the vocabulary as the last
 dim, and slices of the token dims: the project Llama and HF's ForCausalLMLoss), and replaces the chain with one
-opaque op, `autosp::linear_cross_entropy(hidden, W, target)`: tile by tile it makes the logits once, adds their
+opaque op, `autosp_sp::linear_cross_entropy(hidden, W, target)`: tile by tile it makes the logits once, adds their
 loss, turns them into their gradient in place and accumulates dhidden/dW for an upstream gradient of 1 (as
 Liger's fused linear cross-entropy); backward only scales those by the loss's gradient. So no logits are made
 twice (recomputing them in backward cost ~6% of a step's FLOPs on `small` at 1K tokens), and the step keeps dhidden
@@ -32,113 +32,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import Tensor
 
-from autosp.compiler.transients import declare_transient_bytes, nbytes, numel
+from autosp.comm.library import op
+from autosp.compiler import fx_nodes
+from autosp.compiler.fx_nodes import DYNAMO, dynamo_value
+from autosp.compiler import tiled_loss_op  # noqa: F401  (defines the op the pass emits)
+from autosp.compiler.tiling_mlp import MIN_TILE_TOKENS, tile_token_wise_blocks
 from autosp.errors import ConfigError
 
 logger = logging.getLogger("autosp")
 
-#: fewest tokens per tile: below this a [T, d] x [d, V] matmul stops using the hardware well
-MIN_TILE_TOKENS = 256
 _LINEARS = {torch._C._nn.linear, F.linear}
 _CASTS = {"float", "to", "type"}
 _VIEWS = {"view", "reshape", "flatten"}
-
-
-# ------------------------------------------------------------------------------------------------ the ops
-
-
-def _tiles(num_tokens: int, tile_tokens: int) -> range:
-    return range(0, num_tokens, max(1, tile_tokens))
-
-
-def _tile_logits(hidden: Tensor, weight: Tensor, start: int, tile_tokens: int, dtype: torch.dtype) -> Tensor:
-    return (hidden[start:start + tile_tokens] @ weight.t()).to(dtype)
-
-
-def tiled_cross_entropy(
-    hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype, tile_tokens: int,
-    with_grads: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum over tokens of cross_entropy((hidden @ weight.T).to(dtype), target), its gradients d hidden and d weight
-    for an upstream gradient of 1): hidden [N, d], target [N]. One pass: each tile's logits are made once, give
-    their loss (logsumexp - target logit, in fp32) and are turned into their gradient in place (softmax - one_hot);
-    dW accumulates in fp32. Computing the gradients here, not in backward, means no tile's logits are ever made
-    twice: tiling costs no extra FLOPs (backward only scales them by the loss's gradient). Without `with_grads`
-    (nothing to differentiate) the gradients are empty."""
-    total = hidden.new_zeros((), dtype=torch.float32)
-    grad_hidden = torch.empty_like(hidden) if with_grads else hidden.new_empty(0)
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else weight.new_empty(0, dtype=torch.float32)
-    head = weight.to(hidden.dtype)
-    for start in _tiles(hidden.shape[0], tile_tokens):
-        tile_target = target[start:start + tile_tokens]
-        logits = _tile_logits(hidden, weight, start, tile_tokens, dtype)
-        logits = logits.float() if logits.dtype != torch.float32 else logits
-        valid = tile_target != ignore_index
-        rows = torch.arange(tile_target.shape[0], device=logits.device)
-        picked = tile_target.clamp(min=0) * valid
-        log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-        total += ((log_normalizer.squeeze(-1) - logits[rows, picked]) * valid).sum()
-        if not with_grads:
-            continue
-        logits.sub_(log_normalizer).exp_()  # softmax, in place
-        del log_normalizer
-        logits[rows, picked] -= valid.to(logits.dtype)
-        logits.mul_(valid.to(logits.dtype).unsqueeze(-1))
-        grad_logits = logits.to(hidden.dtype)
-        del logits
-        torch.mm(grad_logits, head, out=grad_hidden[start:start + tile_tokens])
-        grad_weight.addmm_(grad_logits.t().float(), hidden[start:start + tile_tokens].float())
-        del grad_logits
-    return total.to(dtype), grad_hidden, grad_weight
-
-
-@torch.library.custom_op("autosp::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype, tile_tokens: int,
-    with_grads: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return tiled_cross_entropy(hidden, weight, target, ignore_index, dtype, tile_tokens, with_grads)
-
-
-@linear_cross_entropy.register_fake
-def _(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype, tile_tokens: int,
-      with_grads: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if not with_grads:
-        return hidden.new_empty((), dtype=dtype), hidden.new_empty(0), weight.new_empty(0, dtype=torch.float32)
-    return (hidden.new_empty((), dtype=dtype), torch.empty_like(hidden),
-            torch.empty_like(weight, dtype=torch.float32))
-
-
-def _tile_elements(hidden: Tensor, weight: Tensor, tile_tokens: int) -> int:
-    return min(numel(hidden) // hidden.shape[-1], tile_tokens) * weight.shape[0]
-
-
-@declare_transient_bytes(torch.ops.autosp.linear_cross_entropy)
-def _scratch(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, dtype: torch.dtype,
-             tile_tokens: int, with_grads: bool) -> int:
-    """One tile's fp32 logits and logsumexp's temporary of their size (8 bytes per logit: every other moment of
-    a tile, the matmul result and its casts, holds at most as many), plus the weight in the hidden dtype when that
-    is not the weight itself. The gradients are the op's outputs, counted as such."""
-    recast = nbytes(weight) // weight.element_size() * hidden.element_size() if weight.dtype != hidden.dtype else 0
-    return _tile_elements(hidden, weight, tile_tokens) * 8 + recast
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, grad_hidden, grad_weight = output
-    ctx.save_for_backward(grad_hidden, grad_weight)
-    ctx.weight_dtype = inputs[1].dtype
-
-
-def _backward(ctx: Any, grad: Tensor, *_unused: Any) -> tuple:
-    """The gradients were made in forward for an upstream gradient of 1: scale them by the loss's gradient."""
-    grad_hidden, grad_weight = ctx.saved_tensors
-    return (grad_hidden * grad.to(grad_hidden.dtype), (grad_weight * grad.float()).to(ctx.weight_dtype),
-            None, None, None, None, None)
-
-
-linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------------------------- the options
@@ -222,10 +128,6 @@ def _cast_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
-
-
 def _keeps_last_dim(index: Any, ndim: int) -> bool:
     """A getitem index that slices/selects only leading (token) dims."""
     index = index if isinstance(index, tuple) else (index,)
@@ -247,7 +149,7 @@ def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
     """The LM head feeding `ce_input`, or the reason it cannot be tiled."""
     steps: list[fx.Node] = []
     node = ce_input
-    dtype = _value(ce_input).dtype
+    dtype = dynamo_value(ce_input).dtype
     below = ce_input  # the chain node consuming `node`
     while not (node.op == "call_function" and node.target in _LINEARS):
         if len(node.users) != 1:
@@ -256,7 +158,7 @@ def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
             pass
         elif _is_method(node, _VIEWS) or node.target in (torch.reshape, torch.flatten):
             steps.append(node)
-        elif node.target is operator.getitem and _keeps_last_dim(node.args[1], _value(node.args[0]).dim()):
+        elif node.target is operator.getitem and _keeps_last_dim(node.args[1], dynamo_value(node.args[0]).dim()):
             steps.append(node)
         else:
             return f"the loss input comes from {node.name} ({node.target}), not a linear LM head"
@@ -272,25 +174,9 @@ def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
         if others == [output]:
             return "the model returns its logits; compile with outputs='loss' to let AutoSP tile the loss"
         return f"the logits {linear.name} have other users ({', '.join(u.name for u in others)})"
-    if dtype not in (torch.float32, _value(linear).dtype):
+    if dtype not in (torch.float32, dynamo_value(linear).dtype):
         return f"the loss runs in {dtype}, a cast this pass does not follow"
     return _Head(linear, list(reversed(steps)), dtype)
-
-
-def _fake_run(node: fx.Node) -> Any:
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _value)
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    fake_mode = next(v.fake_mode for v in leaves if isinstance(v, torch._subclasses.FakeTensor))
-    with fake_mode:
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
-
-
-def _emit(graph: fx.Graph, op: str, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    node = graph.create_node(op, target, args, kwargs or {})
-    node.meta["example_value"] = _fake_run(node)
-    return node
 
 
 def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) -> fx.Node:
@@ -301,12 +187,12 @@ def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) 
         args[0] = node
         if step.target is not operator.getitem and args[-1] == vocab:
             args[-1] = hidden_size
-        node = _emit(graph, step.op, step.target, tuple(args), dict(step.kwargs))
+        node = fx_nodes.emit(graph, step.target, tuple(args), dict(step.kwargs), key=DYNAMO)
     return node
 
 
 def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
-    """Rewrite every tileable LM head + cross-entropy of `gm` into `autosp::linear_cross_entropy` (in place)."""
+    """Rewrite every tileable LM head + cross-entropy of `gm` into `autosp_sp::linear_cross_entropy` (in place)."""
     report = TilingReport()
     if not tiling.loss:
         return report
@@ -320,21 +206,21 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
         if reason is not None:
             report.skipped.append(f"{ce.name}: {reason}")
             continue
-        vocab, hidden_size = _value(head.linear).shape[-1], _value(head.linear.args[0]).shape[-1]
+        vocab, hidden_size = dynamo_value(head.linear).shape[-1], dynamo_value(head.linear.args[0]).shape[-1]
         with graph.inserting_before(ce):
             hidden = _hidden_through(graph, head, vocab, hidden_size)
-            tokens = _value(hidden).shape[0]
+            tokens = dynamo_value(hidden).shape[0]
             tile_tokens = tiling.tile_tokens or auto_tile_tokens(tokens, hidden_size, vocab)
             weight = head.linear.args[1]
-            with_grads = _value(hidden).requires_grad or _value(weight).requires_grad
-            fused = _emit(graph, "call_function", torch.ops.autosp.linear_cross_entropy.default,
-                          (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype, tile_tokens,
-                           with_grads))
-            loss = _emit(graph, "call_function", operator.getitem, (fused, 0))
+            with_grads = dynamo_value(hidden).requires_grad or dynamo_value(weight).requires_grad
+            fused = fx_nodes.emit(graph, op("linear_cross_entropy").default,
+                                  (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype,
+                                   tile_tokens, with_grads), key=DYNAMO)
+            loss = fx_nodes.emit(graph, operator.getitem, (fused, 0), key=DYNAMO)
             if bound.get("reduction", "mean") == "mean":
-                valid = _emit(graph, "call_function", torch.ne, (bound["target"], bound.get("ignore_index", -100)))
-                count = _emit(graph, "call_function", torch.sum, (valid,))
-                loss = _emit(graph, "call_function", torch.div, (loss, count))
+                valid = fx_nodes.emit(graph, torch.ne, (bound["target"], bound.get("ignore_index", -100)), key=DYNAMO)
+                count = fx_nodes.emit(graph, torch.sum, (valid,), key=DYNAMO)
+                loss = fx_nodes.emit(graph, torch.div, (loss, count), key=DYNAMO)
         ce.replace_all_uses_with(loss)  # the head, its casts/views and the loss are dead now
         report.tiled.append({"tokens": int(tokens), "vocab": int(vocab), "tile_tokens": int(tile_tokens)})
     graph.eliminate_dead_code()
@@ -352,13 +238,13 @@ def _loss_arguments(ce: fx.Node) -> tuple[str | None, dict]:
         bound.get(k) is not None for k in ("size_average", "reduce")
     ):
         return f"reduction {bound.get('reduction')!r}", bound
-    if _value(bound["input"]).dim() != 2 or not isinstance(bound["target"], fx.Node):
+    if dynamo_value(bound["input"]).dim() != 2 or not isinstance(bound["target"], fx.Node):
         return "the loss input is not [tokens, classes]", bound
     return None, bound
 
 
 def _is_loss(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (F.cross_entropy, torch.ops.autosp.linear_cross_entropy.default)
+    return node.op == "call_function" and node.target in (F.cross_entropy, op("linear_cross_entropy").default)
 
 
 def keep_only_loss(gm: fx.GraphModule) -> bool:
@@ -408,142 +294,3 @@ def describe(reports: Sequence[TilingReport]) -> str:
         parts.append(f"{len(blocks)} token-wise blocks tiled ({blocks[0]['module']}: {blocks[0]['tokens']} tokens "
                      f"in tiles of {blocks[0]['tile_tokens']})")
     return "; ".join(parts) or "nothing tiled"
-
-
-# ------------------------------------------------------------------------------ token-wise blocks (MLP)
-
-#: ops that act on each token independently (feature-dim matmuls, elementwise): a module made only of these
-#: can run over token tiles with identical results
-_TOKEN_WISE_FUNCTIONS = {
-    torch._C._nn.linear, F.linear, F.silu, F.gelu, F.relu, F.sigmoid, torch.sigmoid, torch.tanh, torch.nn.functional.tanh,
-    operator.mul, operator.add, operator.sub, torch.mul, torch.add, torch.sub,
-}
-_TOKEN_WISE_METHODS = {"mul", "add", "sub", "sigmoid", "tanh", "relu"}
-
-
-def _is_token_wise(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _TOKEN_WISE_FUNCTIONS
-    return node.op == "call_method" and node.target in _TOKEN_WISE_METHODS
-
-
-def _module_regions(graph: fx.Graph) -> dict[str, list[fx.Node]]:
-    """Ops of each module call, by module path (every level of Dynamo's nn_module_stack), in program order
-    (the module's lifted parameters, placeholders, are its inputs, not its ops)."""
-    regions: dict[str, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        for path, _cls in (node.meta.get("nn_module_stack") or {}).values():
-            regions.setdefault(str(path), []).append(node)
-    return regions
-
-
-@dataclass
-class _Block:
-    path: str
-    nodes: list[fx.Node]
-    source: fx.Node  # the one activation entering the block, [..., tokens, features]
-    result: fx.Node  # the one value leaving it
-    weights: list[fx.Node]  # ops inside the module that make its weights from parameters only (run once)
-
-
-def _weight_ops(nodes: list[fx.Node]) -> list[fx.Node]:
-    """Ops of a module call that read parameters only (graph inputs) or each other: the ZeRO-2/3 gather of a
-    sharded weight, a mixed-precision cast. They do not touch the tokens, so they run once, before the tiles."""
-    weights: list[fx.Node] = []
-    for node in nodes:
-        if all(arg.op == "placeholder" or arg in weights for arg in node.all_input_nodes):
-            weights.append(node)
-    return weights
-
-
-def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
-    """The module call as a tileable block: only token-wise ops on the tokens (weights made from parameters
-    aside), one activation in, one value out, and an intermediate larger than its input (else tiling saves
-    nothing)."""
-    weights = _weight_ops(nodes)
-    nodes = [n for n in nodes if n not in weights]
-    if not nodes:
-        return None
-    inside = set(nodes) | set(weights)
-    if not all(_is_token_wise(n) for n in nodes):
-        return None
-    sources = set()
-    for node in nodes:
-        weight = node.args[1] if node.target in (torch._C._nn.linear, F.linear) and len(node.args) > 1 else None
-        for arg in node.all_input_nodes:
-            if arg not in inside and arg is not weight and not (
-                node.target in (torch._C._nn.linear, F.linear) and arg in node.args[2:]
-            ):
-                sources.add(arg)
-    leaving = [n for n in nodes if any(u not in inside for u in n.users)]
-    if any(u not in inside for w in weights for u in w.users):
-        return None  # a weight also used outside the module (tied): left where it is
-    if len(sources) != 1 or len(leaving) != 1:
-        return None
-    (source,), (result,) = sources, leaving
-    value, out = _value(source), _value(result)
-    if not isinstance(value, Tensor) or not isinstance(out, Tensor) or value.dim() < 2:
-        return None
-    if out.shape[:-1] != value.shape[:-1] or out.numel() > value.numel() or any(u.op == "output" for u in result.users):
-        return None  # a block whose output outgrows its input (an LM head) is whole after the tiles anyway
-    biggest = max(_value(n).numel() for n in nodes if isinstance(_value(n), Tensor))
-    return _Block(path, nodes, source, result, weights) if biggest > value.numel() else None
-
-
-def auto_mlp_tile_tokens(num_tokens: int, features: int, intermediate: int) -> int:
-    """Tokens per block tile: one tile's intermediate no larger than the block's input, at least MIN_TILE_TOKENS."""
-    rows = math.ceil(num_tokens * features / intermediate)
-    return max(1, min(num_tokens, max(MIN_TILE_TOKENS, rows)))
-
-
-def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -> list[dict[str, Any]]:
-    """Run each token-wise module call (the MLPs) over tiles of its tokens: split the input along the token dim,
-    one copy of the block per tile, concatenate. Copies keep their module metadata, so SAC recomputes them tile
-    by tile in backward; the [tokens, intermediate] values never exist whole. Returns what was tiled."""
-    graph = gm.graph
-    regions = _module_regions(graph)
-    blocks = [b for path, nodes in regions.items() if (b := _token_wise_block(path, nodes)) is not None]
-    paths = {b.path for b in blocks}
-    tiled = []
-    for block in blocks:
-        if any(block.path.startswith(p + ".") for p in paths):  # the outermost token-wise module tiles
-            continue
-        source = _value(block.source)
-        tokens = source.shape[-2]
-        intermediate = max(_value(n).shape[-1] for n in block.nodes if isinstance(_value(n), Tensor))
-        size = min(tokens, tile_tokens or auto_mlp_tile_tokens(tokens, source.shape[-1], intermediate))
-        if size >= tokens:
-            continue
-        _tile_block(graph, block, size)
-        tiled.append({"module": block.path, "tokens": int(tokens), "tile_tokens": int(size)})
-    graph.lint()
-    gm.recompile()
-    return tiled
-
-
-def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
-    meta = block.result.meta
-
-    def emit(target: Any, args: tuple) -> fx.Node:
-        node = _emit(graph, "call_function", target, args)
-        node.meta["nn_module_stack"] = meta.get("nn_module_stack")
-        return node
-
-    for weight in block.weights:  # made once, ahead of every tile
-        block.nodes[0].prepend(weight)
-    with graph.inserting_before(block.nodes[0]):
-        pieces = emit(torch.split, (block.source, size, -2))
-        outputs = []
-        for i in range(len(_value(pieces))):
-            env = {block.source: emit(operator.getitem, (pieces, i))}
-            for node in block.nodes:
-                copy = graph.node_copy(node, lambda n: env.get(n, n))
-                copy.meta["example_value"] = _fake_run(copy)
-                env[node] = copy
-            outputs.append(env[block.result])
-        joined = emit(torch.cat, (outputs, -2))
-    block.result.replace_all_uses_with(joined)
-    for node in reversed(block.nodes):
-        graph.erase_node(node)

@@ -15,7 +15,7 @@ Four levers keep that number small; none changes a prediction (each probe is the
   `deepspeed.initialize` per depth and cell);
 - the first device's search starts at the analytic floor's limit (`floor.py`) instead of the minimum length;
 - cells run in `--jobs` worker processes (one simulation is single-threaded Python), costliest first so the workers
-  finish together, DeepSpeed's AutoSP last (`cell_order`).
+  finish together (`cell_order`).
 
 The Markdown table puts each cell's max length beside AutoSP's ratios to Ulysses, Ring and FSDP (ZeRO-3) and
 the paper's claimed ratios (`autosp/reference/paper_claims.csv`): 2.7x NVIDIA / 2.5x AMD vs Ulysses, 5.6x vs
@@ -96,16 +96,14 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
 #: every length; the eager baselines run each probe's step only (measured at c4116db: ~110-145, 36-124 and 30-41
 #: CPU-s a cell against 3-20)
 COST_RANK = {"ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
-#: methods whose library redefines this project's `autosp::` custom ops when it runs (DeepSpeed's AutoSP)
-NAMESPACE_CLASH = ("ds-autosp",)
 
 
 def cell_order(configs: list[RunConfig]) -> list[RunConfig]:
-    """Costliest first (the method's rank, then the model's depth), the `NAMESPACE_CLASH` methods' cells last."""
+    """Costliest first: the method's rank (`COST_RANK`), then the model's depth."""
     from autosp.models import get_preset
 
-    return sorted(configs, key=lambda cfg: (cfg.method not in NAMESPACE_CLASH, COST_RANK.get(cfg.method, 0),
-                                            get_preset(cfg.model).num_layers), reverse=True)
+    return sorted(configs, key=lambda cfg: (COST_RANK.get(cfg.method, 0), get_preset(cfg.model).num_layers),
+                  reverse=True)
 
 
 def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: int, out: str,
@@ -122,10 +120,8 @@ def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: i
             print(_summary(row), flush=True)
         rows.extend(cell_rows)
 
-    # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling), but
-    # DeepSpeed's AutoSP last: importing its compile passes redefines the `autosp::` custom ops (DeepSpeed registers
-    # its own `autosp::all_to_all` in the same namespace, another signature), so an autosp cell after it in the same
-    # worker fails. Queued last, a worker that takes one has nothing but those left.
+    # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling); any
+    # method may follow DeepSpeed's AutoSP in a worker (the project's ops have a namespace of their own)
     order = cell_order(configs)
     if jobs <= 1:
         for cfg in order:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autosp.errors import ConfigError
+from autosp.models.data import DataConfig
 
 __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 
@@ -21,16 +22,6 @@ __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac")
 #: `--ac`: the baselines' per-layer activation checkpointing (`baselines.checkpointing`)
 ACTIVATION_CHECKPOINTING = ("off", "layer")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Synthetic token data (no dataset can be downloaded): seeded, reproducible on every rank."""
-
-    ignore_fraction: float = 0.0  # fraction of label positions set to -100, in uneven runs
-    packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
-    pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
-    pad_side: str = "right"  # right | left: where the padding of pad_fraction goes
 
 
 @dataclass(frozen=True)

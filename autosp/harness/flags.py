@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
+from autosp.compiler.options import COMPILE_BACKENDS
 from autosp.harness.config import DataConfig, RunConfig
 from autosp.harness.measure import parse_size
 
@@ -36,7 +37,7 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--steps", type=int, default=d["steps"], help="timed steps")
     g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
     g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (least recompute that fits --memory-budget) | budget=<bytes>, e.g. budget=32MiB")
-    g.add_argument("--compile-backend", default=d["compile_backend"], help="inductor | aot_eager | eager")
+    g.add_argument("--compile-backend", default=d["compile_backend"], help=" | ".join(COMPILE_BACKENDS))
     g.add_argument("--memory-budget", default=None,
                    help="emulated device size, e.g. 512MiB or 2GiB: a higher peak ends the run as oom")
     g.add_argument("--timeout", "--timeout-s", dest="timeout_s", type=float, default=d["timeout_s"],

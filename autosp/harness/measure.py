@@ -32,7 +32,6 @@ Memory, per device kind:
 from __future__ import annotations
 
 import contextlib
-import re
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -42,28 +41,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from autosp.harness.config import ConfigError
+from autosp.compiler.sizes import parse_size  # noqa: F401  (the harness's sizes are read here)
 
 T = TypeVar("T")
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from '512MiB', '1.5GiB', '800MB', '4096' (binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.match(text)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ConfigError(f"cannot read the size {text!r}; write e.g. 512MiB, 1.5GiB, 800MB or a byte count")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ConfigError(f"a size must be positive, got {text!r}")
-    return value
-
 
 def format_size(num_bytes: float | None, digits: int = 2) -> str:
     """Human-readable binary size, e.g. 1.50 GiB."""

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autosp.compiler.sac import parse_policy
+from autosp.compiler.options import COMPILE_BACKENDS
+from autosp.compiler.sac_policy import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
 from autosp.harness.measure import apply_device_budget, format_sizes_apart, memory_meter, summarize_times, timed
@@ -33,7 +34,6 @@ from baselines.base import Strategy, TrainStep, get_strategy
 #: `--dtype` -> the dtype the model is built in: its state (master parameters) dtype; a mixed precision's compute
 #: dtype is applied by the method (`autosp.harness.precision`)
 DTYPES = {name: p.state for name, p in PRECISIONS.items()}
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def validate(cfg: RunConfig, extra_imports: Iterable[str] = ()) -> tuple[Strategy, int]:

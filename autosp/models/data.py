@@ -12,10 +12,20 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from autosp.harness.config import ConfigError, DataConfig
+from autosp.errors import ConfigError
 from autosp.models.llama import IGNORE_INDEX
 
 PAD_TOKEN_ID = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Synthetic token data (no dataset can be downloaded): seeded, reproducible on every rank."""
+
+    ignore_fraction: float = 0.0  # fraction of label positions set to -100, in uneven runs
+    packed_documents: int = 1  # >1: each row holds this many documents, position_ids restart per document
+    pad_fraction: float = 0.0  # fraction of each row that is right padding (attention_mask 0, labels -100)
+    pad_side: str = "right"  # right | left: where the padding of pad_fraction goes
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from autosp.harness.config import ConfigError
+from autosp.errors import ConfigError
 from autosp.models.presets import HFVariant, ModelPreset
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autosp.compiler import masked_attention  # noqa: F401  (registers autosp::masked_attention)
+from autosp.compiler import masked_attention  # the `autosp_sp::masked_attention` op
 from autosp.models.presets import ModelPreset
 
 IGNORE_INDEX = -100
@@ -127,7 +127,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-#: `build_attention_mask`'s mask as an `autosp::masked_attention` program over `attention_mask_rows`:
+#: `build_attention_mask`'s mask as an `autosp_sp::masked_attention` program over `attention_mask_rows`:
 #: (kv <= q) & (document[q] == document[kv]) & keep[kv]
 ATTENTION_MASK_PROGRAM = json.dumps([["le", ["row", 1], ["row", 0]], ["eq", ["row", 2], ["row", 3]],
                                      ["and", ["step", 0], ["step", 1]], ["and", ["step", 2], ["row", 4]]])
@@ -154,7 +154,7 @@ def attention_from_mask_rows(q: Tensor, k: Tensor, v: Tensor, rows: list[Tensor]
     what a hand-written sequence-parallel attention uses on the full sequence."""
     if rows is None:
         return sdpa_attention(q, k, v, None)
-    return torch.ops.autosp.masked_attention(q, k, v, rows, ATTENTION_MASK_PROGRAM, None, True)
+    return masked_attention.masked_attention(q, k, v, rows, ATTENTION_MASK_PROGRAM, None, True)
 
 
 class LlamaModel(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autosp.harness.config import ConfigError
+from autosp.errors import ConfigError
 
 HF_PREFIX = "hf:"
 # hf:<preset> (Llama), hf-mistral:<preset>, hf-qwen2:<preset>; -w<N> adds a sliding attention window of N tokens

@@ -13,7 +13,7 @@ def _all_to_all_rank() -> None:
     group = dist.group.WORLD.group_name
     full = torch.arange(2 * 4 * 6 * 3, dtype=torch.float64).reshape(2, 4, 6, 3)  # [B, H, S, D]
     shard = full.chunk(world, dim=2)[rank].clone().requires_grad_()  # this rank's S/P positions, all heads
-    gathered = torch.ops.autosp.all_to_all(shard, 1, 2, world, group)  # -> this rank's heads, all positions
+    gathered = torch.ops.autosp_sp.all_to_all(shard, 1, 2, world, group)  # -> this rank's heads, all positions
     assert torch.equal(gathered, full.chunk(world, dim=1)[rank])
     weight = torch.randn(gathered.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
     (gathered * weight).sum().backward()
@@ -22,13 +22,13 @@ def _all_to_all_rank() -> None:
     dist.all_gather(weights, weight)
     expected = torch.cat(weights, dim=1).chunk(world, dim=2)[rank]
     assert torch.equal(shard.grad, expected)
-    torch.library.opcheck(torch.ops.autosp.all_to_all.default, (shard.detach(), 1, 2, world, group))
+    torch.library.opcheck(torch.ops.autosp_sp.all_to_all.default, (shard.detach(), 1, 2, world, group))
 
 
 def _all_reduce_rank() -> None:
     rank = dist.get_rank()
     x = torch.tensor([1.0 + rank], requires_grad=True)
-    total = torch.ops.autosp.all_reduce_sum(x, dist.group.WORLD.group_name)
+    total = torch.ops.autosp_sp.all_reduce_sum(x, dist.group.WORLD.group_name)
     assert total.item() == 3.0
     total.backward()
     assert x.grad.item() == 1.0  # identity: each rank back-propagates its own share only

@@ -19,7 +19,7 @@ from autosp.harness.config import DataConfig
 def _ops_rank() -> None:
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
     shard = (torch.arange(3, dtype=torch.float32) + 10 * rank).requires_grad_()
-    full = torch.ops.autosp.all_gather_shard(shard, world, group, 2, True, torch.bfloat16)
+    full = torch.ops.autosp_sp.all_gather_shard(shard, world, group, 2, True, torch.bfloat16)
     assert full.dtype == torch.bfloat16 and full.tolist() == [0, 1, 2, 10, 11, 12]  # cast before the gather
     weight = torch.arange(6, dtype=torch.bfloat16) * (rank + 1)
     (full * weight).sum().backward()

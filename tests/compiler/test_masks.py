@@ -14,7 +14,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 from autosp.compiler import masked_attention
-from autosp.compiler.analysis import attention_args, is_attention
+from autosp.compiler.sdpa import attention_args, is_attention
 from autosp.compiler.masks import express_structured_masks, recognise_causal_masks
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.harness.config import DataConfig
@@ -197,7 +197,7 @@ def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypa
     program = json.dumps(program)
     mask = masked_attention.run_program(program, rows)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    out = torch.ops.autosp.masked_attention(q, k, v, rows, program, None, True)
+    out = torch.ops.autosp_sp.masked_attention(q, k, v, rows, program, None, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     grad = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):

@@ -2,11 +2,14 @@
 in backward just before their layer (single process, aot_eager), exactly."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
-from autosp.compiler.offload import OffloadingPartitioner, parse_offload
-from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
+from autosp.compiler.offload import parse_offload
+from autosp.compiler.options import CompileOptions
+from autosp.compiler.pipeline import Compilation, compile_static
 from autosp.harness.config import ConfigError
 from autosp.harness.measure import CpuAllocationMeter
 from autosp.models import build_model, get_preset
@@ -15,26 +18,22 @@ SEQ = 128
 
 
 def _compiled(model: torch.nn.Module, offload: bool):
-    partitioners: list = []
-
-    def backend(gm, example_inputs):
-        partition = make_partition_fn("sac")
-        partitioners.append(OffloadingPartitioner(partition) if offload else partition)
-        return compile_with_partitioner(gm, example_inputs, partition_fn=partitioners[-1], inner="aot_eager")
-
-    return torch.compile(model, backend=backend, fullgraph=True), partitioners
+    """Single process through the pipeline (no SP, no gradient reduction): (compiled, its Compilation records)."""
+    options = CompileOptions(sac="sac", backend="aot_eager", offload="activations" if offload else "off")
+    compilation = Compilation(options)
+    return torch.compile(model, backend=partial(compile_static, compilation), fullgraph=True), compilation
 
 
 def _measured_step(offload: bool, ids: torch.Tensor):
-    """(model after one step, partitioners, memory report of the second, measured, step)."""
+    """(model after one step, compilation, memory report of the second, measured, step)."""
     model = build_model("tiny")
-    compiled, partitioners = _compiled(model, offload)
+    compiled, compilation = _compiled(model, offload)
     compiled(input_ids=ids, labels=ids).loss.backward()  # compile outside the measured step
     model.zero_grad(set_to_none=True)
     meter = CpuAllocationMeter()
     with meter.session(), meter.measured_step():
         compiled(input_ids=ids, labels=ids).loss.backward()
-    return model, partitioners, meter.report()
+    return model, compilation, meter.report()
 
 
 def test_offloaded_boundaries_are_exact_and_leave_the_device_peak():
@@ -42,18 +41,18 @@ def test_offloaded_boundaries_are_exact_and_leave_the_device_peak():
     reference = build_model("tiny")
     reference(input_ids=ids, labels=ids).loss.backward()
     kept, _, kept_memory = _measured_step(False, ids)
-    model, partitioners, memory = _measured_step(True, ids)
+    model, compilation, memory = _measured_step(True, ids)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-    (report,) = partitioners[0].reports
+    (report,) = compilation.graphs[0].offload_reports
     preset = get_preset("tiny")
     # the embedding output and each layer's output: the residual stream entering every layer and the final norm
     assert len(report.values) == preset.num_layers + 1
     assert report.nbytes == (preset.num_layers + 1) * 2 * SEQ * preset.hidden_size * 4
-    fw_module, bw_module = partitioners[0].inner.records[0].fw_module, partitioners[0].inner.records[0].bw_module
+    fw_module, bw_module = compilation.partition_fn.records[0].fw_module, compilation.partition_fn.records[0].bw_module
     targets = [str(n.target) for n in fw_module.graph.nodes] + [str(n.target) for n in bw_module.graph.nodes]
-    assert [targets.count(f"autosp_offload.{op}.default") for op in ("offload", "reload", "wait")] == [len(report.values)] * 3
+    assert [targets.count(f"autosp_sp.{op}.default") for op in ("offload", "reload", "wait")] == [len(report.values)] * 3
 
     # the meter books the host copies apart: exactly the offloaded bytes, and the device peak falls
     assert memory.detail["host_offloaded_bytes"] == report.nbytes

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from autosp.compiler.sac import (
     AUTOSP_ATTENTION_OPS,
     AUTOSP_COLLECTIVE_OPS,
+    AUTOSP_OFFLOAD_OPS,
     AUTOSP_OPAQUE_OPS,
     PartitionRecord,
     Policy,
@@ -157,7 +158,7 @@ def _auto_plan(budget: int | None) -> tuple[PartitionRecord, dict]:
 
 def _recomputed_categories(record: PartitionRecord) -> set[str]:
     """What backward re-runs: "sdpa" for an attention kernel, else the module category of a recomputed matmul."""
-    from autosp.experiments.activations import category_of_node
+    from autosp.compiler.saved_report import category_of_node
 
     return {"sdpa" if is_attention_forward(n) else category_of_node(n) for n in record.bw_module.graph.nodes
             if is_attention_forward(n) or (n.meta.get("partitioner_tag") == "is_forward"
@@ -267,7 +268,7 @@ class _OpaqueOpsModel(nn.Module):
         from autosp.comm.ops import all_to_all
 
         h = all_to_all(self.proj(x).unsqueeze(0), 1, 2, 1, dist.group.WORLD.group_name).squeeze(0)
-        return torch.ops.autosp.linear_cross_entropy(h, self.head.weight, target, -100, torch.float32, 256, True)[0]
+        return torch.ops.autosp_sp.linear_cross_entropy(h, self.head.weight, target, -100, torch.float32, 256, True)[0]
 
 
 def test_estimated_peak_counts_the_scratch_inside_opaque_ops(one_rank_group) -> None:
@@ -353,10 +354,11 @@ def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_induct
 
 
 def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> None:
-    import autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.masked_attention, autosp.compiler.tiling  # noqa: F401,E401
+    import autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.masked_attention, autosp.compiler.offload, autosp.compiler.tiling  # noqa: F401,E401,E501
+    from autosp.comm.library import registered_names
 
-    ops = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("autosp::")}
-    assert ops == AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS, "classify every new autosp:: op"
+    assert registered_names() == (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS
+                                  | AUTOSP_OFFLOAD_OPS), "classify every new autosp_sp:: op"
 
 
 def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
@@ -364,11 +366,11 @@ def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
     g = torch.fx.Graph()
     q, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
     in_layer = {"layer": ("L['self'].layers.0.attn", nn.Module)}
-    nodes = {"attention": g.call_function(torch.ops.autosp.masked_attention.default, (q, q, q, [q], "p", None, False))}
+    nodes = {"attention": g.call_function(torch.ops.autosp_sp.masked_attention.default, (q, q, q, [q], "p", None, False))}
     nodes["activation"] = g.call_function(aten.relu.default, (nodes["attention"],))
-    nodes["loss"] = g.call_function(torch.ops.autosp.linear_cross_entropy.default,
+    nodes["loss"] = g.call_function(torch.ops.autosp_sp.linear_cross_entropy.default,
                                     (nodes["activation"], q, q, -100, torch.float32, 16, True))
-    nodes["all_to_all"] = g.call_function(torch.ops.autosp.all_to_all.default, (q, 1, 2, 2, "0"))
+    nodes["all_to_all"] = g.call_function(torch.ops.autosp_sp.all_to_all.default, (q, 1, 2, 2, "0"))
     for name, node in nodes.items():
         node.meta["val"] = torch.empty(1, 2, 4, 8)
         node.meta["nn_module_stack"] = in_layer if name != "loss" else {"head": ("L['self'].lm_head", nn.Linear)}

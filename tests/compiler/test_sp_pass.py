@@ -15,8 +15,8 @@ from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
 from tests.compiler.graphs import capture, count
 
-A2A = torch.ops.autosp.all_to_all.default
-ALL_REDUCE = torch.ops.autosp.all_reduce_sum.default
+A2A = torch.ops.autosp_sp.all_to_all.default
+ALL_REDUCE = torch.ops.autosp_sp.all_reduce_sum.default
 
 
 def _llama_graph(name="tiny", seq_len=64, batch_size=2, **data):
@@ -43,7 +43,7 @@ def test_four_all_to_alls_per_attention_layer_forward_and_backward(name):
         return graphs
 
     aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
-    a2a_packet = torch.ops.autosp.all_to_all
+    a2a_packet = torch.ops.autosp_sp.all_to_all
     for graph in graphs:  # forward, then backward: exactly the gradient all-to-alls of the forward ones
         assert sum(1 for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is a2a_packet) == 4 * layers
 
@@ -76,7 +76,7 @@ def test_kv_heads_fewer_than_sp_degree_are_replicated():
     assert len(repeats) == 2 * get_preset("tiny").num_layers and all(n.args[1] == 2 for n in repeats)
 
 
-RING = torch.ops.autosp.ring_attention.default
+RING = torch.ops.autosp_sp.ring_attention.default
 
 
 @pytest.mark.parametrize("sp_size, ulysses_size, a2as, rings", [

@@ -29,7 +29,7 @@ def test_bind_sizes_gives_a_static_graph_the_sp_pass_can_rewrite():
     assert tuple(embedding.meta["example_value"].shape) == (2, 64, 64)
     assert embedding.meta["example_value"].requires_grad
     rewritten = sequence_parallel_pass(static, sp_rank=1, sp_size=2, group_name="unused")
-    assert count(rewritten, torch.ops.autosp.all_to_all.default) == 8
+    assert count(rewritten, torch.ops.autosp_sp.all_to_all.default) == 8
 
 
 def _three_lengths_one_trace() -> tuple[float, int]:

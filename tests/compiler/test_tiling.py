@@ -15,8 +15,8 @@ from autosp.compiler.tiling import (
     apply_tiling,
     auto_tile_tokens,
     parse_tiling,
-    tiled_cross_entropy,
 )
+from autosp.compiler.tiled_loss_op import tiled_cross_entropy
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
@@ -72,7 +72,7 @@ def test_tiled_loss_and_mlp_are_exact_on_hf_llama_with_tied_embeddings():
 
 
 # the tiled ops' own code, run under the meter so it sees their inner tensors too
-_OP_BODIES = {torch.ops.autosp.linear_cross_entropy.default: tiled_cross_entropy}
+_OP_BODIES = {torch.ops.autosp_sp.linear_cross_entropy.default: tiled_cross_entropy}
 
 
 class _LiveActivations(TorchDispatchMode):

@@ -5,17 +5,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autosp.experiments.activations import (
+from autosp.compiler.saved_report import (
     UNATTRIBUTED,
-    SavedActivationRecorder,
-    breakdown_table,
     category_of_module,
     compiled_breakdown,
     peak_working_set,
     quadratic_saved_values,
     tiles_of,
-    working_set_table,
 )
+from autosp.experiments.activations import SavedActivationRecorder, breakdown_table, working_set_table
 from autosp.compiler.sac import sac_backend
 from autosp.compiler.sac_auto import estimated_peak
 from autosp.compiler.tiling import TilingReport

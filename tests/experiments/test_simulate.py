@@ -46,12 +46,12 @@ def test_zero3_stand_ins_are_configured_as_the_real_model_and_extrapolate_exactl
     import baselines.zero3
 
     monkeypatch.setattr(baselines.zero3, "DEFAULT_REDUCE_BUCKET", 1_200_000)  # small: 1.08M at 3 layers, 1.26M at 4
-    monkeypatch.setattr(sim, "NOT_LINEAR_IN_DEPTH", {})
+    monkeypatch.setattr(sim.extrapolate, "NOT_LINEAR_IN_DEPTH", {})
     cfg = sim.simulate_config(RunConfig(method="zero3", model="small", seq_len=256, world_size=2))
     linear = torch.nn.functional.linear
     whole = sim.simulate_rank(cfg, CPU)
     assert torch.nn.functional.linear is linear  # DeepSpeed's ZeRO-3 swaps it process-wide; the world puts it back
-    monkeypatch.setattr(sim, "EXACT_LAYERS", 1)
+    monkeypatch.setattr(sim.extrapolate, "EXACT_LAYERS", 1)
     extrapolated, how = sim.predict_peak(cfg, CPU)
     assert how["extrapolated"] and how["layers_simulated"] == [2, 3]
     assert extrapolated.peak_bytes == whole.peak_bytes
@@ -125,7 +125,7 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
         return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
 
     runs = {2: run(2, 55, "view"), 3: run(3, 71, "empty_like"), 4: run(4, 81, "empty_like")}
-    monkeypatch.setattr(sim, "_rank_peak", lambda cfg, device, layers=None: runs[layers])
+    monkeypatch.setattr(sim.extrapolate, "_rank_peak", lambda cfg, device, layers=None: runs[layers])
     peak, how = sim.predict_peak(RunConfig(method="autosp", model="llama-2-13b", seq_len=18432, world_size=8),
                                  get_device_model("mi250-gcd"))
     assert how["layers_simulated"] == [2, 3, 4] and how["extrapolated_from"] == [3, 4]
@@ -157,7 +157,7 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
                             saved_activation_bytes=0, transient_bytes=0, peak_op="mm", peak_phase="backward",
                             num_layers=layers or 28, ops=1, phases={"backward": sim.PhasePeak(1, 1, 1, 0, 0, 0, "mm")})
 
-    monkeypatch.setattr(sim, "_rank_peak", rank_peak)
+    monkeypatch.setattr(sim.extrapolate, "_rank_peak", rank_peak)  # the name predict_peak calls
     cfg = RunConfig(method="zero3", model="llama-3.2-3b", seq_len=12288, world_size=8, dtype="bfloat16")
     _, how = sim.predict_peak(cfg, get_device_model("a100-80gb"))
     assert depths == [None] and how["layers_simulated"] == [28] and "not linear in the depth" in how["note"]
@@ -283,9 +283,9 @@ def test_the_tracker_books_offloaded_copies_as_host_memory():
     with tracker:
         x = torch.ones(1000, dtype=torch.uint8)
         tracker.reset_peak()
-        host = torch.ops.autosp_offload.offload(x)
+        host = torch.ops.autosp_sp.offload(x)
         del x
-        back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))
+        back = torch.ops.autosp_sp.reload(host, torch.device("cpu"))
         del back
     assert tracker.host_peak == 1000
     assert sum(tracker.peak().sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them

@@ -58,15 +58,15 @@ def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_the_costliest_cells_start_first_and_deepspeeds_autosp_last():
-    """Longest-processing-time first so the workers finish together: ZeRO-3 (whole depth, deepest first), then
-    autosp's compiled cells, then the eager baselines (the table's cells at c4116db: 36-124 / 30-41 / 3-20 CPU-s);
-    DeepSpeed's AutoSP (110-145) last, as it redefines the `autosp::` ops in its worker's process."""
+def test_the_costliest_cells_start_first():
+    """Longest-processing-time first so the workers finish together: DeepSpeed's AutoSP, ZeRO-3 (whole depth,
+    deepest first), then autosp's compiled cells, then the eager baselines (the table's cells at c4116db: 110-145 /
+    36-124 / 30-41 / 3-20 CPU-s)."""
     from autosp.experiments.simulate_table import cell_configs, cell_order
 
     configs = cell_configs(["llama-3.2-1b", "llama-2-13b"], ["ulysses:0", "autosp:3", "zero3", "ds-autosp"],
                            world_size=8, dtype="bfloat16")
     order = [(cfg.method, cfg.model) for cfg in cell_order(configs)]
-    assert order[:2] == [("zero3", "llama-2-13b"), ("zero3", "llama-3.2-1b")]
-    assert [method for method, _ in order[2:4]] == ["autosp", "autosp"]
-    assert [method for method, _ in order[-4:]] == ["ulysses", "ulysses", "ds-autosp", "ds-autosp"]
+    assert order[:4] == [("ds-autosp", "hf:llama-2-13b"), ("ds-autosp", "hf:llama-3.2-1b"), ("zero3", "llama-2-13b"),
+                         ("zero3", "llama-3.2-1b")]
+    assert [method for method, _ in order[4:]] == ["autosp", "autosp", "ulysses", "ulysses"]

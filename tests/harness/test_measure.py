@@ -88,17 +88,17 @@ def test_sizes_compared_in_one_message_read_differently() -> None:
 
 
 def test_cpu_meter_books_offloaded_copies_as_host_memory() -> None:
-    """On CPU the device is host memory: what `autosp_offload::offload` allocates (and its free at that address)
+    """On CPU the device is host memory: what `autosp_sp::offload` allocates (and its free at that address)
     is booked apart from the emulated device's peak (autosp.compiler.offload)."""
     from autosp.compiler import offload  # noqa: F401  (registers the ops)
 
     meter = CpuAllocationMeter()
     with meter.session(), meter.measured_step():
         x = torch.empty(3000, dtype=torch.uint8)
-        host = torch.ops.autosp_offload.offload(x)  # host 3000
+        host = torch.ops.autosp_sp.offload(x)  # host 3000
         del x
         y = torch.empty(1000, dtype=torch.uint8)
-        back = torch.ops.autosp_offload.reload(host, torch.device("cpu"))  # device 1000 + 3000
+        back = torch.ops.autosp_sp.reload(host, torch.device("cpu"))  # device 1000 + 3000
         del host, back, y
         z = torch.empty(3500, dtype=torch.uint8)  # may reuse the host copy's address: device memory again
         del z

@@ -7,7 +7,7 @@ and their log-softmax. Measured on the CPU profiler (2 ranks, tiny, 512 tokens, 
 were the whole 22% the replay was short, and the step peaked inside the tiled loss's backward.
 
 So each op that has such scratch declares it here, next to its kernel, as a function of the op's arguments
-(fake tensors in place of nodes): ``@declare_transient_bytes(torch.ops.autosp.all_to_all)``. The replay adds
+(fake tensors in place of nodes): ``@declare_transient_bytes(op("all_to_all"))``. The replay adds
 that many bytes while the node runs, on top of its inputs and outputs.
 """
 from __future__ import annotations

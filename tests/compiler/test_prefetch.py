@@ -6,8 +6,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import autosp.comm.ops  # noqa: F401  (registers autosp::all_gather_shard)
-from autosp.comm.prefetch import GatherBucket, prefetch_gathers
+import autosp.comm.ops  # noqa: F401  (registers autosp_sp::all_gather_shard)
+from autosp.compiler.prefetch import GatherBucket, prefetch_gathers
 
 
 def _two_layer_graph(late_shard: bool = False) -> fx.GraphModule:
@@ -28,9 +28,9 @@ def _two_layer_graph(late_shard: bool = False) -> fx.GraphModule:
             shards[2] = late
         for i in (2 * layer, 2 * layer + 1):
             stack = {"m": (f"L['self'].layers.{layer}.proj{i}.parametrizations.weight", torch.nn.Linear)}
-            gather = graph.call_function(torch.ops.autosp.all_gather_shard.default,
+            gather = graph.call_function(torch.ops.autosp_sp.all_gather_shard.default,
                                          (shards[i], 2, "0", 1, True, torch.float32))
-            gather.meta.update(nn_module_stack=stack, val=torch.ops.autosp.all_gather_shard.default(
+            gather.meta.update(nn_module_stack=stack, val=torch.ops.autosp_sp.all_gather_shard.default(
                 shards[i].meta["val"], 2, "0", 1, True, torch.float32))
             use = graph.call_function(torch.ops.aten.sum.default, (gather,))
             use.meta["val"] = torch.ops.aten.sum.default(gather.meta["val"])
@@ -54,7 +54,7 @@ def test_each_layer_is_one_gather_issued_during_the_layer_before():
     issued = [i for i, t in enumerate(ops) if "all_gather_into_tensor" in t]
     waits = [i for i, t in enumerate(ops) if "wait_tensor" in t]
     sums = [i for i, t in enumerate(ops) if t == "aten.sum.default"]
-    assert not any("autosp.all_gather_shard" in t for t in ops)
+    assert not any("autosp_sp.all_gather_shard" in t for t in ops)
     assert len(issued) == 2 and len(waits) == 4  # one collective per layer, one wait per parameter
     # layer 1's gather is in flight before layer 0 waits for its own, and waited only after layer 0's compute
     assert issued[1] < waits[0] < sums[1] < waits[2] < sums[2]
@@ -79,7 +79,7 @@ def test_a_parameters_layer_is_found_in_a_walk_that_visits_each_node_once():
     every path took minutes)."""
     import time
 
-    from autosp.comm.grad_sync import _layer_of
+    from autosp.compiler.grad_buckets import _layer_of
 
     graph = fx.Graph()
     weight = node = graph.placeholder("w")

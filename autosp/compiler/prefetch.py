@@ -1,7 +1,7 @@
 """ZeRO stages 2/3: each decoder layer's parameters gathered in one collective, issued one layer ahead.
 
 After partitioning, the forward graph (and at stage 3 the backward graph, where the partitioner re-runs the
-gathers) holds one blocking `autosp::all_gather_shard` per parameter, where the parameter is used. This pass
+gathers) holds one blocking `autosp_sp::all_gather_shard` per parameter, where the parameter is used. This pass
 turns each layer's run of gathers into a *bucket*:
 
   issue   the layer's shards (cast to the compute dtype) all-gathered as one asynchronous coalesced functional
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autosp.comm.sharding import fake_value, graph_call
-from autosp.compiler.sac import layer_of_path, module_path
+from autosp.comm.library import op_name
+from autosp.compiler.fx_nodes import fake_value, graph_call
+from autosp.compiler.layers import layer_of_path, module_path
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-_GATHER = "autosp.all_gather_shard"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def prefetch_gathers(gm: fx.GraphModule) -> list[GatherBucket]:
     graph = gm.graph
     buckets: list[list[fx.Node]] = []
     for node in graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith(_GATHER):
+        if node.op == "call_function" and op_name(node.target) == "all_gather_shard":
             if buckets and _bucket_key(buckets[-1][0]) == _bucket_key(node):
                 buckets[-1].append(node)
             else:

@@ -1,0 +1,70 @@
+"""Which decoder layer a node belongs to, read from Dynamo's module stack (the first ``<name>.<int>`` /
+``<name>[<int>]`` in a module path, e.g. ``model.layers.3``); nodes without one (inserted by a pass) inherit their
+inputs' layer. Shared by the checkpointing tags, gradient buckets, gather prefetch and offload."""
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+_LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
+_DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]
+#: a parametrization's container (``torch.nn.utils.parametrize``: ``<module>.parametrizations.<param>.<i>``) belongs to
+#: the module it parametrizes; its list index is no layer index
+_PARAMETRIZATION = re.compile(r"(?:\.parametrizations|\['parametrizations'\]).*$")
+
+
+def module_path(node: fx.Node) -> str | None:
+    """Innermost module path of a node (Dynamo's nn_module_stack), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, _cls = list(stack.values())[-1]
+    return str(path)
+
+
+def module_class(node: fx.Node) -> type | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    _path, cls = list(stack.values())[-1]
+    return cls if isinstance(cls, type) else None
+
+
+def layer_of_path(path: str | None) -> str | None:
+    """``"L['self'].model.layers.3.mlp.up_proj"`` -> ``"L['self'].model.layers.3"``; None if not in a layer.
+    A parametrization (ZeRO 2/3's gather, mixed precision's cast) is in its module's layer: without that, the
+    ``ParametrizationList`` index made ``model.embed_tokens.parametrizations.weight.0`` a decoder layer."""
+    if path is None:
+        return None
+    path = _PARAMETRIZATION.sub("", path)
+    root = _DYNAMO_ROOT.match(path)
+    start = root.end() if root else 0
+    match = _LAYER_INDEX.search(path, start)
+    return path[: match.end()] if match else None
+
+
+def assign_layers(graph: fx.Graph, forward: set[fx.Node]) -> dict[fx.Node, str | None]:
+    """Layer of each forward node; nodes without module metadata inherit the layer of their inputs when
+    those agree (SP-pass inserted reshapes and collectives), else None (model-level code)."""
+    layers: dict[fx.Node, str | None] = {}
+    for node in graph.nodes:
+        if node not in forward:
+            continue
+        if node.meta.get("nn_module_stack"):
+            layers[node] = layer_of_path(module_path(node))
+            continue
+        parents = {layers.get(a) for a in node.all_input_nodes if a in forward and a.op != "placeholder"}
+        layers[node] = parents.pop() if len(parents) == 1 else None
+    return layers
+
+
+def forward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Joint-graph nodes that do not depend on a tangent (i.e. the forward part)."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangents" in str(node.target)) or any(
+            a in backward for a in node.all_input_nodes
+        ):
+            backward.add(node)
+    return {n for n in graph.nodes if n not in backward and n.op != "output"}

@@ -1,0 +1,94 @@
+"""What the compiler can be asked to do: one frozen, validated options object for `autosp.compile`, `autosp.backend`
+and `autosp.compiler.backend.make_backend`.
+
+Every field is checked once, when the object is made (`__post_init__`), with the same one-line messages the
+parsers give (`ConfigError` for a bad policy, tiling or offload value, `SequenceParallelError` for the rest); the
+parsed forms (`policy`, `tiling_options`, `offloads`) are kept beside the text a user wrote.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autosp.comm.sharding import check_stage
+from autosp.compiler.offload import parse_offload
+from autosp.compiler.sac_policy import Policy, parse_policy
+from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
+from autosp.errors import SequenceParallelError
+
+#: the torch.compile backends that lower the graphs after the SP pass (`compile_with_partitioner`); the one list
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in COMPILE_BACKENDS:
+        raise SequenceParallelError(f"unknown inner backend {backend!r}; choose one of {', '.join(COMPILE_BACKENDS)}")
+    return backend
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The compiler's options (the SP group itself is chosen by `sp_size`/`process_group`, not here)."""
+
+    #: activation checkpointing policy: off | sac | full | auto | budget=<fraction in [0, 1]> | budget=<bytes, e.g.
+    #: 32MiB> (`autosp.compiler.sac`); default sac
+    sac: str | Policy = "sac"
+    #: what lowers the graphs after the SP pass: inductor | aot_eager | eager (`COMPILE_BACKENDS`); default inductor
+    backend: str = "inductor"
+    #: ZeRO stage 0-3 of the model state over all ranks sharing it; None: the default stage
+    #: (`autosp.comm.sharding.resolve_stage`: 3, 0 where one rank holds the model, 1 on a backend without 2/3)
+    zero: int | None = None
+    #: mixed precision: the dtype the model computes in over the parameters' own (fp32 master) dtype, e.g.
+    #: torch.bfloat16: parameters cast before they are gathered (stages 2/3) or where they are used (stages 0/1,
+    #: `autosp.comm.precision`), activations and all-to-alls in that dtype, gradients (and their reduction) and
+    #: optimizer state in the master dtype; None: the parameters' own dtype
+    compute_dtype: torch.dtype | None = None
+    #: off | loss | mlp | auto, optionally :<tokens per tile>: the LM head + cross-entropy (and token-wise blocks
+    #: such as the MLP) run over tiles of the local tokens, recomputed in backward, exact (`autosp.compiler.tiling`);
+    #: default off
+    tiling: str | Tiling = "off"
+    #: all | loss: `loss` returns None for every output but the loss (a model returning logits has its loss tiled
+    #: only then); default all
+    outputs: str = "all"
+    #: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention across them; None: the
+    #: largest size the heads and the node allow (`autosp.compiler.hybrid`)
+    ulysses_size: int | None = None
+    #: off | activations: layer-boundary values wait in host memory between forward and backward
+    #: (`autosp.compiler.offload`); needs backend aot_eager or inductor; default off
+    offload: str = "off"
+
+    policy: Policy = field(init=False, repr=False, compare=False)
+    tiling_options: Tiling = field(init=False, repr=False, compare=False)
+    offloads: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
+        if self.zero is not None:
+            check_stage(self.zero)
+        if self.compute_dtype is not None and not (isinstance(self.compute_dtype, torch.dtype)
+                                                   and self.compute_dtype.is_floating_point):
+            raise SequenceParallelError(f"compute_dtype={self.compute_dtype!r}: give a floating-point torch.dtype, "
+                                        "e.g. torch.bfloat16, or None")
+        if self.ulysses_size is not None and (not isinstance(self.ulysses_size, int) or self.ulysses_size < 1):
+            raise SequenceParallelError(f"ulysses_size={self.ulysses_size!r}: give a positive rank count or None")
+        object.__setattr__(self, "policy", parse_policy(self.sac))
+        object.__setattr__(self, "tiling_options", parse_tiling(self.tiling))
+        check_outputs(self.outputs)
+        object.__setattr__(self, "offloads", parse_offload(self.offload))
+        if self.offloads and self.backend == "eager":
+            raise SequenceParallelError("offload=activations rewrites the partitioned forward/backward graphs; "
+                                        "use backend aot_eager or inductor, not eager")
+
+    @classmethod
+    def of(cls, options: CompileOptions | None = None, **changes: Any) -> CompileOptions:
+        """`options` (default: the defaults) with `changes` applied, validated; an unknown name is a TypeError."""
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(f"unknown AutoSP option {unknown[0]!r}; the options are {', '.join(names)}")
+        base = options if options is not None else cls()
+        return dataclasses.replace(base, **changes) if changes else base
+

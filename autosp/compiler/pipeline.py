@@ -1,0 +1,226 @@
+"""The compiler's pipeline, as data: the ordered passes every graph goes through, each a named function with a
+one-line contract (what it requires, what it guarantees), run in this order by `compile_static` and `Partitioner`.
+
+  graph passes        on Dynamo's Torch-IR graph of one rank (static shapes), before aot_autograd:
+    sequence_parallel   the SP rewrite (analysis, causal masks, the walk of `sp_pass`, structured masks)
+    tiling              LM head + loss (and token-wise blocks) over tiles of the local tokens
+  joint passes        on aot_autograd's joint forward+backward graph, before it is partitioned:
+    gradient_buckets    gradient collectives in buckets inside backward
+  partition           SAC/planner tags + torch's min-cut partitioner (`autosp.compiler.sac`): forward, backward
+  partitioned passes  on the partitioned forward and backward graphs:
+    gather_prefetch     ZeRO 2/3 parameter gathers bucketed per layer, issued one layer ahead
+    offload             layer-boundary values kept in host memory between forward and backward
+  lowering            Inductor or aot_eager compiles both graphs (`autosp.compiler.lowering`)
+
+`AUTOSP_DUMP_GRAPHS=<dir>` writes every graph before and after every pass (and the partition) as readable
+text, one file each: `<graph>-<step>-<pass>-<before|after>[-forward|-backward].txt`, numbered in run order.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from autosp.compiler import grad_buckets, offload, prefetch
+from autosp.compiler.grad_buckets import Bucket, GradientReduction, bucket_gradient_reduction
+from autosp.compiler.offload import OffloadReport, offload_boundaries
+from autosp.compiler.options import CompileOptions
+from autosp.compiler.prefetch import GatherBucket, prefetch_gathers
+from autosp.compiler.lowering import compile_with_partitioner
+from autosp.compiler.sac import SacPartitioner, make_partition_fn
+from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.tiling import TilingReport, apply_tiling
+
+DUMP_ENV = "AUTOSP_DUMP_GRAPHS"
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step of the pipeline: `run` and its contract (`requires` -> `guarantees`)."""
+
+    name: str
+    run: Callable[..., Any]
+    requires: str
+    guarantees: str
+
+
+@dataclass
+class GraphRecord:
+    """What the partition-time passes did to one compiled graph."""
+
+    param_positions: tuple[int, ...] = ()
+    buckets: list[Bucket] = field(default_factory=list)
+    gather_buckets: tuple[list[GatherBucket], list[GatherBucket]] = ([], [])  # (forward, backward)
+    offload_reports: list[OffloadReport] = field(default_factory=list)
+
+
+@dataclass
+class Compilation:
+    """One backend's options, groups and the records its passes leave (read by `SequenceParallelModule`)."""
+
+    options: CompileOptions
+    sp_rank: int = 0
+    sp_size: int = 1
+    group_name: str = ""
+    reduction: GradientReduction | None = None
+    hybrid_groups: Callable[[int], tuple[str, str]] | None = None
+    partition_fn: SacPartitioner = None  # type: ignore[assignment]
+    tiling_reports: list[TilingReport] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.partition_fn is None:
+            # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the
+            # records of what every graph saves exist on each run, not only on a cold cache
+            self.partition_fn = make_partition_fn(self.options.policy, cacheable=False)
+
+
+# ------------------------------------------------------------------------------------------- graph passes
+
+
+def sequence_parallel(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
+    if c.sp_size > 1:  # an SP degree of 1 is single-device training: only the checkpointing policy applies
+        gm = sequence_parallel_pass(gm, sp_rank=c.sp_rank, sp_size=c.sp_size, group_name=c.group_name,
+                                    ulysses_size=c.options.ulysses_size, hybrid_groups=c.hybrid_groups)
+    return gm
+
+
+def tiling(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
+    c.tiling_reports.append(apply_tiling(gm, c.options.tiling_options, loss_only=c.options.outputs == "loss"))
+    return gm
+
+
+GRAPH_PASSES: tuple[Pass, ...] = (
+    Pass("sequence_parallel", sequence_parallel,
+         "one rank's Dynamo graph of single-device code, static shapes",
+         "it computes single-device training on this rank's sequence shard (autosp_sp:: collectives; none at SP 1)"),
+    Pass("tiling", tiling,
+         "a Dynamo graph (after the SP rewrite: local tokens)",
+         "each tileable LM head + loss (and token-wise block, per the option) runs over tiles, exact; a report"),
+)
+
+# ------------------------------------------------------------------------------------------- joint passes
+
+
+def gradient_buckets(c: Compilation, record: GraphRecord, joint_gm: fx.GraphModule, num_fwd_outputs: int) -> None:
+    if c.reduction is not None:
+        record.buckets = bucket_gradient_reduction(joint_gm, num_fwd_outputs=num_fwd_outputs,
+                                                   param_positions=record.param_positions, reduction=c.reduction)
+
+
+JOINT_PASSES: tuple[Pass, ...] = (
+    Pass("gradient_buckets", gradient_buckets,
+         "the joint graph; the parameters' positions among its inputs",
+         "parameter gradients leave backward reduced over the ranks sharing them, one collective per bucket"),
+)
+
+# ------------------------------------------------------------------------------------- partitioned passes
+
+
+def gather_prefetch(c: Compilation, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule,
+                    num_fwd_outputs: int) -> None:
+    if c.reduction is not None and c.reduction.sharded:  # the stage-3 re-gathers are in the backward graph by now
+        record.gather_buckets = (prefetch_gathers(fw), prefetch_gathers(bw))
+
+
+def offload_activations(c: Compilation, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule,
+                        num_fwd_outputs: int) -> None:
+    if c.options.offloads:
+        record.offload_reports.append(offload_boundaries(fw, bw, num_fwd_outputs))
+
+
+PARTITIONED_PASSES: tuple[Pass, ...] = (
+    Pass("gather_prefetch", gather_prefetch,
+         "partitioned graphs with one autosp_sp::all_gather_shard per parameter use (ZeRO 2/3)",
+         "each layer's gathers are one asynchronous all-gather, issued during the previous layer"),
+    Pass("offload", offload_activations,
+         "partitioned graphs; what forward saves for backward decided",
+         "saved layer-boundary values wait in host memory between forward and backward; a report"),
+)
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+class _Dump:
+    """Writes graphs to `AUTOSP_DUMP_GRAPHS` (nothing when it is unset), numbered in run order."""
+
+    _graphs = itertools.count()
+
+    def __init__(self) -> None:
+        directory = os.environ.get(DUMP_ENV)
+        self.dir = Path(directory) if directory else None
+        self.graph = next(self._graphs) if self.dir else 0
+        self.step = 0
+
+    def __call__(self, name: str, when: str, graphs: Sequence[tuple[str, fx.GraphModule]]) -> None:
+        if self.dir is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for suffix, gm in graphs:
+            path = self.dir / f"{self.graph:03d}-{self.step:02d}-{name}-{when}{suffix}.txt"
+            path.write_text(gm.print_readable(print_output=False, include_stride=True, include_device=True))
+        if when == "after":
+            self.step += 1
+
+
+class Partitioner(CustomPartitionerFn):
+    """aot_autograd's partition function for one graph: `JOINT_PASSES`, the SAC partition, `PARTITIONED_PASSES`."""
+
+    def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None) -> None:
+        self.c, self.record, self.dump = c, record, dump or _Dump()
+        self.cacheable = c.partition_fn.cacheable
+
+    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
+                 **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        for step in JOINT_PASSES:
+            self.dump(step.name, "before", [("", joint_gm)])
+            step.run(self.c, self.record, joint_gm, num_fwd_outputs)
+            self.dump(step.name, "after", [("", joint_gm)])
+        self.dump("partition", "before", [("", joint_gm)])
+        fw, bw = self.c.partition_fn(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.dump("partition", "after", [("-forward", fw), ("-backward", bw)])
+        for step in PARTITIONED_PASSES:
+            self.dump(step.name, "before", [("-forward", fw), ("-backward", bw)])
+            step.run(self.c, self.record, fw, bw, num_fwd_outputs)
+            self.dump(step.name, "after", [("-forward", fw), ("-backward", bw)])
+        return fw, bw
+
+    def __deepcopy__(self, memo: dict) -> Partitioner:
+        """Shared, not copied: Inductor deep-copies its config, partitioner included, for a repro string, and the
+        records this partitioner fills are the backend's (as `PartitionRecord.__deepcopy__`)."""
+        return self
+
+    def uuid(self) -> Any:
+        return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions, self.c.options.offloads,
+                get_hash_for_files((__file__, grad_buckets.__file__, prefetch.__file__, offload.__file__)))
+
+
+def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    """One static Dynamo graph through the pipeline: `GRAPH_PASSES`, then (unless the backend is eager) lowered
+    with `Partitioner` as aot_autograd's partition function."""
+    dump = _Dump()
+    for step in GRAPH_PASSES:
+        dump(step.name, "before", [("", gm)])
+        gm = step.run(c, gm)
+        dump(step.name, "after", [("", gm)])
+    if c.options.backend == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
+        return gm.forward
+    positions = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad)
+    record = GraphRecord(param_positions=positions if c.reduction is not None else ())
+    c.graphs.append(record)
+    return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(c, record, dump),
+                                    inner=c.options.backend)
+
+
+def reduction_over(group: dist.ProcessGroup, dp_size: int, zero: int) -> GradientReduction | None:
+    """How gradients are reduced over `group` (every rank sharing the parameters); None for a group of one."""
+    size = dist.get_world_size(group)
+    return GradientReduction(group.group_name, size, dp_size, sharded=zero >= 2) if size > 1 else None

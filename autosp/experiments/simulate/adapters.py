@@ -1,0 +1,105 @@
+"""What the simulator sets around a program so it runs on fake tensors as it would on the device: the optimizer
+implementation the device would pick, DeepSpeed's inductor compile unfused, DeepSpeed's AutoSP per length, rank 0's
+answers to DeepSpeed's consistency checks, `Module.to` as the identity (each exact or stated in the record)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autosp.experiments.devices import DeviceModel
+from autosp.experiments.simulate.config import DIRECT_INDUCTOR_BACKEND, SimulationError
+
+@contextlib.contextmanager
+def _optimizer_implementation_of(device: DeviceModel) -> Iterator[None]:
+    """AdamW as the simulated device runs it. torch picks the implementation by the parameters' device: on a GPU
+    the multi-tensor (foreach) step, which holds a temporary as large as all of a rank's parameters in fp32 (the
+    square root of the second moments); on CPU, where the fake ranks run, a per-parameter loop with per-parameter
+    temporaries. Measured on an H200 (llama-3.2-1b, P=2, 32K tokens, tiled, bf16 mixed): the step's peak sat in
+    that temporary, 2.6 GiB above what the CPU implementation predicted."""
+    if device.vendor == "cpu":
+        yield
+        return
+    from unittest import mock
+
+    def gpu_choice(params: list, differentiable: bool, use_fused: bool = False) -> tuple[bool, bool]:
+        return False, not differentiable and not torch.jit.is_scripting()  # torch's default on CUDA/ROCm
+
+    with mock.patch("torch.optim.adam._default_to_fused_or_foreach", gpu_choice):
+        yield
+
+
+@contextlib.contextmanager
+def _inductor_compile_unfused() -> Iterator[None]:
+    """A method's own direct call of `torch._inductor.compile(gm, inputs)` (DeepSpeed's AutoSP backend) runs the
+    graph through `aot_eager_decomp_partition`: inductor's decompositions and min-cut partitioner (so DeepSpeed's
+    long-context checkpointing, spliced into that partitioner, decides what is saved), every op unfused, as the
+    compiled methods run through aot_eager. Inductor's kernels need real data."""
+    from unittest import mock
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def compile_unfused(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None) -> Any:
+        return lookup_backend(DIRECT_INDUCTOR_BACKEND)(gm, example_inputs)
+
+    with mock.patch("torch._inductor.compile", compile_unfused):
+        yield
+
+
+@contextlib.contextmanager
+def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
+    """A shared ds-autosp program compiles DeepSpeed's AutoSP backend per length on its one Dynamo trace
+    (`autosp.experiments.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
+    if not shared:
+        yield
+        return
+    from unittest import mock
+
+    from deepspeed.compile import init_sp
+
+    from autosp.experiments.deepspeed_per_length import per_length
+
+    backend_of = init_sp.init_autosp
+    with mock.patch.object(init_sp, "init_autosp", lambda config: per_length(backend_of(config))):
+        yield
+
+
+@contextlib.contextmanager
+def _deepspeed_rank0_answers(rank: int) -> Iterator[None]:
+    """DeepSpeed ZeRO-3's cross-rank consistency checks, answered exactly for the simulated rank 0.
+
+    `assert_ints_same_as_other_ranks` broadcasts host ints (parameter ids, the module order) from rank 0 in a tensor
+    and reads them back with `.item()`; under FakeTensorMode that tensor has no values. The simulated rank is rank
+    0, whose own list is what the broadcast delivers, so the answer is that list (lengths alike). Only while a
+    DeepSpeed engine was set up (its module is imported), else nothing is touched."""
+    import sys
+    from unittest import mock
+
+    utils = sys.modules.get("deepspeed.runtime.zero.utils")
+    if utils is None:
+        yield
+        return
+    if rank != 0:
+        raise SimulationError("DeepSpeed's engines are simulated as rank 0 only (their checks broadcast rank 0's lists)")
+    with mock.patch.object(utils, "get_lst_from_rank0", list), \
+            mock.patch.object(utils, "assert_lst_len_same_as_other_ranks", lambda lst: None):
+        yield
+
+
+def _identity_move(model: torch.nn.Module):  # noqa: ANN202
+    """`model.to(device)` onto the device the fake model already lives on: the identity, as it is for real tensors.
+
+    torch's `Module._apply` always swaps a FakeTensor parameter for a new one (`torch.utils.swap_tensors`), which
+    fails because FakeTensorMode's converter holds a weak reference to every fake parameter; DeepSpeed's engines
+    call `module.to(engine.device)` on the model they are given. Any other conversion is left to torch."""
+    move = type(model).to.__get__(model)
+
+    def to(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and device is not None and torch.device(device).type == "cpu":
+            return model
+        return move(*args, **kwargs)
+
+    return to

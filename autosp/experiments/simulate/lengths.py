@@ -1,0 +1,140 @@
+"""A simulated run's record (`simulate`) and the search for the longest length that fits a device
+(`simulated_search`, started from the peak-vs-length line of earlier probes: `curve_hint`)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+
+from autosp.experiments.devices import DeviceModel
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.measure import format_size
+from autosp.experiments.simulate.config import COMPONENTS, DIRECT_INDUCTOR_BACKEND, SIMULATED_BACKEND, SimulationError
+from autosp.experiments.simulate.extrapolate import predict_peak
+from autosp.experiments.simulate.programs import shared_rank_programs
+
+def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
+    """A `mode: simulated` record of `cfg` on `device`: predicted per-rank peak, status ok/oom/error."""
+    from autosp.harness.records import new_record
+    from autosp.harness.runner import validate
+
+    strategy, sp_size = validate(cfg.replace(device="cpu"))
+    record = new_record(cfg, sp_size=sp_size, mode="simulated", zero=strategy.zero_stage(cfg))
+    record.update(device=device.name, device_name=f"simulated {device.name}", memory_budget=device.usable_bytes)
+    started = time.monotonic()
+    try:
+        peak, how = predict_peak(cfg, device)
+    except SimulationError as exc:
+        record.update(status="error", error=str(exc))
+        record["extra"]["wall_s"] = round(time.monotonic() - started, 3)
+        return record
+    total = peak.peak_bytes + device.fixed_bytes
+    record.update(status="ok" if total <= device.usable_bytes else "oom", peak_mem_bytes=total,
+                  peak_mem_by_rank=[total])
+    if record["status"] == "oom":
+        record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
+    record["extra"].update(
+        simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
+        executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
+        fusion="none: every intermediate of the partitioned graphs is materialised (as aot_eager runs them)",
+        breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
+                   "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
+                   "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
+                   "peak_op": peak.peak_op, "peak_phase": peak.peak_phase,
+                   "host_offloaded_bytes": peak.host_offloaded_bytes},
+        **how)
+    return record
+
+
+def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> int | None:
+    """Where the line through the two simulated lengths whose peaks lie nearest `tensor_budget` crosses it.
+
+    `curve`: length -> allocator-charged tensor peak (no context) of earlier probes of the same configuration,
+    e.g. a search for another device type. Only a first length to probe: the statuses of the probes decide.
+    The second point lies at least an eighth of the length away when there is one: the slope between two
+    lengths one granularity step apart is dominated by allocator rounding (seen: 0.21 vs 0.31 GiB per 1K)."""
+    if len(curve) < 2:
+        return None
+    distance = lambda n: (abs(curve[n] - tensor_budget), n)  # noqa: E731
+    first = min(curve, key=distance)
+    far = [n for n in curve if abs(n - first) >= max(granularity, first // 8)]
+    second = min(far or [n for n in curve if n != first], key=distance)
+    (s1, p1), (s2, p2) = sorted((n, curve[n]) for n in (first, second))
+    if p2 <= p1:
+        return None
+    return max(granularity, int((s1 + (tensor_budget - p1) * (s2 - s1) / (p2 - p1)) // granularity) * granularity)
+
+
+def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | None = None,
+                     min_len: int | None = None, max_len: int = 1 << 20,
+                     curve: dict[int, int] | None = None) -> dict[str, Any]:
+    """Longest trainable length on `device` by `autosp search`'s own search, each probe a simulation.
+
+    The search starts where `curve` (the peaks simulated so far for this configuration, extended by this
+    search's probes) says the device's budget is reached, else at the analytic floor's limit: with peaks
+    close to linear in the length, a search for a second device type needs about two probes (the answer and
+    one granularity step above), and every probe already simulated at a length is reused (`predict_peak`)."""
+    from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
+
+    granularity = granularity or default_granularity(cfg.world_size)
+    curve = {} if curve is None else curve
+    probes: list[dict[str, Any]] = []
+    started = time.monotonic()
+    limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
+
+    def probe(seq_len: int) -> tuple[str, int | None, int | None]:
+        record = simulate(cfg.replace(seq_len=seq_len), device)
+        probes.append(record)
+        if record["status"] not in ("ok", "oom"):
+            return record["status"], None, None
+        breakdown = record["extra"]["breakdown"]
+        curve[seq_len] = breakdown["allocator_blocks_bytes"]
+        # model state at the peak is what was resident at the step's start: the line's value at length 0
+        return record["status"], record["peak_mem_bytes"], breakdown["model_state_bytes"] + device.fixed_bytes
+
+    start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
+    with shared_rank_programs():
+        outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity,
+                                    max_len=max_len, budget=device.usable_bytes, start_len=start)
+    best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
+    row = dict(best if best is not None else probes[-1])
+    row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
+               max_seq_len=outcome.max_seq_len, first_oom_seq_len=outcome.first_oom_seq_len,
+               granularity=granularity, num_probes=len(outcome.probes),
+               probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"]}
+                       for r in probes],
+               wall_s=round(time.monotonic() - started, 3))
+    row.update(floor_limit_seq_len=limit, floor=floor,
+               achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
+    if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
+        row["error"] = None
+    else:
+        row["error"] = probes[-1]["error"]
+    row["run_id"] = row["search_id"] = uuid.uuid4().hex
+    return row
+
+
+def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
+    """The analytic memory floor's longest length for the tensor budget (as `autosp search` reports it)."""
+    from autosp.experiments.floor import run_floor
+
+    try:
+        floor = run_floor(cfg)
+    except ConfigError:
+        return None, None
+    return floor.max_seq_len(budget, granularity), floor.to_dict()
+
+
+def _summary(record: dict[str, Any]) -> str:
+    head = f"{record['method']} {record['model']} P={record['world_size']} on {record['device']} (simulated)"
+    if record["status"] == "error":
+        return f"{head}: error: {record['error']}"
+    b = record["extra"].get("breakdown", {})
+    parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {format_size(b[k])}" for k in COMPONENTS if k in b)
+    detail = (f"peak {format_size(record['peak_mem_bytes'])} of {format_size(record['memory_budget'])} "
+              f"[{parts}; at {b.get('peak_op')} in {b.get('peak_phase')}]")
+    if record.get("kind") == "search":
+        return f"{head}: {record['status']}, max_seq_len={record['max_seq_len']} ({record['num_probes']} probes, " \
+               f"{record['wall_s']:.0f} s); at that length {detail}"
+    return f"{head} seq {record['seq_len']}: {record['status']}: {detail} ({record['extra']['wall_s']:.1f} s)"

@@ -1,0 +1,215 @@
+"""Rank r's program at one depth (`RankProgram`: model, method and AdamW state built once, stepped at any length),
+and the cache that lets a search's probes share it (`shared_rank_programs`)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from autosp.experiments.devices import DeviceModel
+from autosp.harness.config import RunConfig
+from autosp.experiments.simulate.adapters import (_deepspeed_autosp_per_length, _deepspeed_rank0_answers, _identity_move,
+                                                  _inductor_compile_unfused, _optimizer_implementation_of)
+from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
+from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world
+
+def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker) -> Any:
+    """The global batch as fake tensors; its valid-label count (data, not shape) read from the real one."""
+    from autosp.models.data import Batch
+
+    class CountedBatch(Batch):
+        def num_valid_labels(self) -> int:
+            return count
+
+    fields = {k: None if v is None else fake_mode.from_tensor(v) for k, v in real.model_kwargs().items()}
+    batch = CountedBatch(**fields)
+    for t in fields.values():
+        if t is not None:
+            tracker.track(t)
+    return batch
+
+
+def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0) -> RankPeak:
+    """Run rank `rank` of `cfg` on fake tensors; its peak over one measured step (after cfg.warmup >= 1 steps)."""
+    torch._dynamo.reset()  # every simulation compiles its own graphs (and stays under the recompile limit)
+    with fake_world(cfg.world_size, rank):
+        return RankProgram(cfg, device, num_layers=num_layers, rank=rank).measure(cfg)
+
+
+class RankProgram:
+    """Rank r's program at one depth: model, method and AdamW state built once, then stepped at any length.
+
+    `measure(cfg)` runs cfg.warmup >= 1 steps the first time (they create the optimizer states and compile), then
+    the measured step at cfg's length. Kept across lengths (`shared_rank_programs`), a later length runs only its
+    measured step on the same model and optimizer states: what a fresh program holds at the start of its measured
+    step (the previous length's activations are freed; compiling is outside the tracker, as it is in a fresh
+    program's warm-up). A compiled method's sequence dimension is traced symbolically there, so Dynamo traces
+    the model once and the backend specialises each length (`autosp.compiler.specialize`): the SP pass and the
+    partitioner still see the static graph of each length. Needs the process group of `fake_world` to be up."""
+
+    def __init__(self, cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0,
+                 shared: bool = False) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from autosp.harness.parallel import build_context
+        from autosp.harness.runner import DTYPES, validate
+        from autosp.models import build_model, get_preset
+
+        self.strategy, self.sp_size = validate(cfg)
+        self.rank, self.shared = rank, shared
+        self.layers = num_layers or get_preset(cfg.model).num_layers
+        self.tracker = tracker = LiveStorageTracker(device)
+        self.ctx = build_context(self.sp_size, torch.device("cpu"))
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.warmed = False
+        self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
+        with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"):
+            torch.manual_seed(cfg.seed)
+            self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
+            self.model.to = _identity_move(self.model)
+            self.step = self.strategy.setup(self.model, self.ctx, cfg)
+        _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
+
+    def measure(self, cfg: RunConfig) -> RankPeak:
+        """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
+        from autosp.harness.runner import global_batch
+
+        real_batch = global_batch(cfg, self.sp_size)
+        valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
+        tracker, step, model = self.tracker, self.step, self.model
+        ops, assumed_reads = tracker.ops, tracker.assumed_reads  # this call's counts, warm-up included
+        with self.fake_mode as fake_mode, tracker, contextlib.ExitStack() as stack:
+            if self.shared:  # one symbolic trace serves every length; past the recompile limit fail, never run eager
+                stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
+                stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+            stack.enter_context(_deepspeed_rank0_answers(self.rank))
+            stack.enter_context(_inductor_compile_unfused())
+            stack.enter_context(_optimizer_implementation_of(tracker.device))
+            batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker)
+            # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
+            # it); a fresh program at this length never had it, so it is not counted
+            for serial in self.earlier_inputs:
+                tracker.untrack(serial)
+            self.earlier_inputs = [tracker.track(t) for t in batch.model_kwargs().values()]
+            for _ in range(0 if self.warmed else max(cfg.warmup, 1)):
+                step.forward_backward(batch)
+                with tracker.assume_healthy_step():
+                    step.optimizer_step()
+            self.warmed = True
+            resident = set(tracker.sizes())
+            gradients: set[int] = set()
+            saved: set[int] = set()
+            hooks = [p.register_post_accumulate_grad_hook(
+                lambda p: gradients.add(tracker.track(_local(p.grad))))
+                for p in model.parameters() if p.requires_grad]
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                # the step's own tensors only: a shared program compiles a new length inside its measured step,
+                # and aot_autograd's tracing there saves tensors of its own fake mode
+                if getattr(_local(t), "fake_mode", None) is fake_mode:
+                    saved.add(tracker.track(_local(t)))
+                return t
+
+            tracker.phase = "forward"
+            tracker.reset_peak()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                step.forward_backward(batch)
+            tracker.phase = "optimizer"
+            with tracker.assume_healthy_step():
+                step.optimizer_step()
+            for hook in hooks:
+                hook.remove()
+            tracker.watching = False
+        charge = tracker.device.block_bytes
+
+        def breakdown(moment: PeakMoment) -> PhasePeak:
+            def part(keys: set[int]) -> int:
+                return sum(charge(n) for k, n in moment.sizes.items() if k in keys)
+
+            state = part(resident)
+            grads = part(gradients - resident)
+            acts = part(saved - resident - gradients)
+            return PhasePeak(peak_bytes=moment.charged, live_tensor_bytes=sum(moment.sizes.values()),
+                             model_state_bytes=state, gradient_bytes=grads, saved_activation_bytes=acts,
+                             transient_bytes=moment.charged - state - grads - acts, peak_op=moment.op)
+
+        phases = {phase: breakdown(moment) for phase, moment in tracker.moments.items()}
+        peak = tracker.peak()
+        peak_phase = next(phase for phase, moment in tracker.moments.items() if moment is peak)
+        return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
+                        ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
+                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases)
+
+
+#: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
+#: start of a measured step does not depend on the lengths stepped before (tests/experiments/test_simulate.py).
+#: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
+#: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
+#: Dynamo trace of a sequence dimension it marks dynamic itself, compiled by DeepSpeed's backend per length:
+#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length.
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
+#: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
+DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
+                                                                  "attention_mask"))
+
+
+class _SharedPrograms:
+    """The rank programs of one configuration (any length), by depth and allocator blocks, in one fake world."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.programs: dict[tuple[int, int, int], RankProgram] = {}
+        self.world = contextlib.ExitStack()
+
+    def get(self, cfg: RunConfig, device: DeviceModel, layers: int) -> RankProgram:
+        key = cfg.replace(seq_len=1).config_hash()
+        if key != self.key:  # another configuration: its own world and compiled graphs
+            self.close()
+            torch._dynamo.reset()
+            self.world.enter_context(fake_world(cfg.world_size))
+            self.key = key
+        slot = (layers, device.small_block_bytes, device.large_block_bytes)
+        if slot not in self.programs:
+            self.programs[slot] = RankProgram(cfg, device, num_layers=layers, shared=True)
+        return self.programs[slot]
+
+    def close(self) -> None:
+        self.programs.clear()
+        self.world.close()
+        self.key = None
+
+
+_SHARED: list[_SharedPrograms] = []  # the active scope of `shared_rank_programs`, if any
+
+
+@contextlib.contextmanager
+def shared_rank_programs() -> Iterator[None]:
+    """Inside, a method of `SHARED_PROGRAM_METHODS` keeps its rank programs across lengths: a search's later
+    probes skip building the model, the method's setup, the warm-up step and (compiled) Dynamo's trace.
+    Re-entrant: an inner scope (one device's search) shares the outer one's programs (every device's)."""
+    if _SHARED:
+        yield
+        return
+    _SHARED.append(_SharedPrograms())
+    try:
+        yield
+    finally:
+        _SHARED.pop().close()
+
+
+def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -> RankPeak:
+    """`simulate_rank`, or a shared program's next measured step inside `shared_rank_programs`."""
+    from autosp.models import get_preset
+
+    if _SHARED:
+        if cfg.method not in SHARED_PROGRAM_METHODS:
+            _SHARED[0].close()  # a fresh program needs a process without a (fake) process group
+        else:
+            try:
+                return _SHARED[0].get(cfg, device, layers or get_preset(cfg.model).num_layers).measure(cfg)
+            except BaseException:
+                _SHARED[0].close()  # a program stopped mid-step is not reused
+                raise
+    return simulate_rank(cfg, device, num_layers=layers)

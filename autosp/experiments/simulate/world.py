@@ -1,0 +1,57 @@
+"""A fake world: this process as rank r of a P-rank job (PyTorch's fake process group), and what a job's program
+changed process-wide undone when it ends."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as rank `rank` of a `world_size` job whose collectives only hallucinate outputs.
+
+    What a job's program changes process-wide ends with the world: DeepSpeed's ZeRO-3 replaces
+    `torch.nn.functional.linear` by its own autograd function ("this will persist unless manually reset") — part of
+    the zero3 program, but the next program in this process (a later cell of a `simulate-table` worker, another
+    test) would trace it too (autosp's compile then fails on it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate needs a process without a process group")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    linear = torch.nn.functional.linear
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_deepspeed_groups()
+        torch.nn.functional.linear = linear
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the process groups it derives in module globals; they die with this fake world, so the
+    next simulation in this process (e.g. the 3-layer one after the 2-layer one) must not find them."""
+    import importlib
+    import sys
+
+    if (groups := sys.modules.get("deepspeed.utils.groups")) is not None:
+        importlib.reload(groups)  # its globals back to their import-time values (None, {})
+    if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
+        registry.GROUP_REGISTRY.clear()
+    _keep_deepspeed_splice()
+
+
+def _keep_deepspeed_splice() -> None:
+    """DeepSpeed's AutoSP splices its long-context checkpointing into torch's min-cut partitioner from the
+    partitioner's source (process-wide, once: a second splice finds no source, `OSError: could not get source
+    code`); the splice made by the first engine stays, and a later engine (another depth of the same cell, or
+    the next simulation) registers nothing."""
+    import sys
+
+    if (init_sp := sys.modules.get("deepspeed.compile.init_sp")) is not None:
+        init_sp.register_long_context_checkpointing = lambda: None

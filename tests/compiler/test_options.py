@@ -1,0 +1,61 @@
+"""The compiler's options object: validated once, with one-line errors, shared by compile, backend and make_backend."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autosp
+from autosp.compiler.options import COMPILE_BACKENDS, CompileOptions
+from autosp.compiler.sac import Policy, SacPolicy
+from autosp.compiler.sizes import parse_size
+from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
+
+
+def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
+    options = CompileOptions()
+    assert (options.policy, options.tiling_options.enabled, options.offloads) == (Policy(SacPolicy.SAC), False, False)
+    assert CompileOptions(sac="budget=32MiB").policy == Policy(SacPolicy.AUTO, budget_bytes=32 * 2**20)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.sac = "off"  # type: ignore[misc]
+    assert COMPILE_BACKENDS == ("inductor", "aot_eager", "eager")
+
+
+@pytest.mark.parametrize("changes, error, text", [
+    (dict(backend="tvm"), SequenceParallelError, "unknown inner backend 'tvm'; choose one of inductor, aot_eager, eager"),
+    (dict(zero=4), SequenceParallelError, "zero=4: choose a ZeRO stage in [0, 1, 2, 3]"),
+    (dict(sac="most"), ConfigError, "unknown --sac policy 'most'"),
+    (dict(sac="budget=2"), ConfigError, "--sac budget='2': write a fraction in [0, 1]"),
+    (dict(tiling="loss:0"), ConfigError, "the tile size after ':' must be a positive token count"),
+    (dict(outputs="logits"), ConfigError, "outputs='logits'"),
+    (dict(offload="weights"), ConfigError, "unknown --offload 'weights'"),
+    (dict(offload="activations", backend="eager"), SequenceParallelError, "use backend aot_eager or inductor"),
+    (dict(ulysses_size=0), SequenceParallelError, "ulysses_size=0: give a positive rank count"),
+    (dict(compute_dtype=torch.int8), SequenceParallelError, "compute_dtype=torch.int8"),
+])
+def test_each_bad_value_is_one_line_naming_it(changes, error, text) -> None:
+    with pytest.raises(error) as caught:
+        CompileOptions(**changes)
+    assert text in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_compile_takes_an_options_object_and_keywords_over_it_before_anything_else() -> None:
+    """Checked before the process group is looked for: no torch.distributed here, and the option is what fails."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="unknown --sac policy"):
+        autosp.compile(model, options=CompileOptions(backend="aot_eager"), sac="most")
+    with pytest.raises(TypeError, match="unknown AutoSP option 'inner'"):
+        autosp.compile(model, inner="aot_eager")
+    with pytest.raises(SequenceParallelError, match="use autosp.compile for zero= or compute_dtype="):
+        autosp.backend(zero=3)
+    assert CompileOptions.of(CompileOptions(tiling="loss"), sac="off") == CompileOptions(tiling="loss", sac="off")
+
+
+def test_one_size_parser_for_the_compiler_and_the_harness() -> None:
+    from autosp.harness import measure
+
+    assert measure.parse_size is parse_size
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("800MB") == 800 * 10**6 and parse_size(4096) == 4096
+    with pytest.raises(AutoSPError, match="cannot read the size"):
+        parse_size("lots")
