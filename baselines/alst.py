@@ -34,7 +34,7 @@ from torch import nn
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.build import parameter_count
 from baselines.base import Strategy, TrainStep, register
-from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
+from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
 from baselines.zero3 import zero3_config
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def shard_like_the_adapter(batch: "Batch", sp_rank: int, sp_size: int) -> dict[s
             "shift_labels": shift_labels[:, mine].contiguous()}
 
 
-class AlstStep(TrainStep):
+class AlstStep(DeepSpeedZeroStep):
     implementation = "alst (deepspeed ulysses_sp + zero3)"
 
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
@@ -171,19 +171,6 @@ class AlstStep(TrainStep):
             logged /= ctx.dp_size
         return logged
 
-    def optimizer_step(self) -> None:
-        self.engine.step()  # also zeroes the gradients
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_grad
-
-        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return {n: safe_get_full_fp32_param(p).detach().cpu().clone()
-                for n, p in self.engine.module.named_parameters()}
 
 
 @register

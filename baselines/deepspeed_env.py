@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import importlib.util
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from autosp.harness.config import ConfigError
 from autosp.harness.precision import precision_of
+from baselines.base import TrainStep
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 SHM_COMM_OP = "deepspeed_shm_comm"
 
@@ -63,3 +68,24 @@ def precision_config(dtype: str, method: str, *, pure_bf16: bool = False) -> dic
         return {"bf16": {"enabled": True}}
     raise ConfigError(f"--method {method} has no {precision.label} training: DeepSpeed's bf16 keeps fp32 master "
                       "weights and its fp16 scales the loss; use --dtype bfloat16 (mixed) or float32")
+
+
+class DeepSpeedZeroStep(TrainStep):
+    """A step around a DeepSpeed ZeRO engine (`self.engine`): its step also zeroes the gradients; full gradients and
+    fp32 master parameters come from DeepSpeed's safe getters (collective under ZeRO-3)."""
+
+    engine: "DeepSpeedEngine"
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_grad
+
+        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().cpu().clone()
+                for n, p in self.engine.module.named_parameters()}

@@ -22,7 +22,7 @@ from autosp.models.build import parameter_count
 from baselines.base import Strategy, TrainStep, register
 from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
-from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
+from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -54,7 +54,7 @@ def zero3_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
     return {**config, **precision_config(cfg.dtype, "zero3")}
 
 
-class Zero3Step(TrainStep):
+class Zero3Step(DeepSpeedZeroStep):
     implementation = "deepspeed-zero3"
 
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
@@ -72,20 +72,6 @@ class Zero3Step(TrainStep):
         self.engine.backward(loss * self.ctx.dp_size)
         return total
 
-    def optimizer_step(self) -> None:
-        self.engine.step()  # also zeroes the gradients
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_grad
-
-        return {n: safe_get_full_grad(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        return {
-            n: safe_get_full_fp32_param(p).detach().cpu().clone() for n, p in self.engine.module.named_parameters()
-        }
 
 
 @register
