@@ -33,6 +33,7 @@ from torch import nn
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.build import parameter_count
+from autosp.models.llama import IGNORE_INDEX
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
 from baselines.zero3 import zero3_config
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
 
-IGNORE_INDEX = -100
 #: ArcticTraining's logits shard: about this many bytes of fp32 logits per TiledFusedLogitsLoss shard
 LOGITS_SHARD_BYTES = 2**30
 
