@@ -10,6 +10,8 @@ produce, on every rank, the loss of the whole global batch as single-process tra
 """
 from __future__ import annotations
 
+import importlib
+
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,14 +155,19 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def get_strategy(name: str) -> Strategy:
-    import baselines  # noqa: F401  (imports every adapter module, which registers itself)
+    from baselines import BUILTIN_MODULES
 
+    if name not in _REGISTRY and name in BUILTIN_MODULES:
+        importlib.import_module(BUILTIN_MODULES[name])  # registers it
     if name not in _REGISTRY:
-        raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(sorted(_REGISTRY))}")
+        raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
     return _REGISTRY[name]()
 
 
 def method_names() -> list[str]:
-    import baselines  # noqa: F401
+    """Every registered method: the built-in ones (imported here) and any out-of-tree one already imported."""
+    from baselines import BUILTIN_MODULES
 
+    for module in sorted(set(BUILTIN_MODULES.values())):
+        importlib.import_module(module)
     return sorted(_REGISTRY)

@@ -24,11 +24,12 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from autosp.harness.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "error", "interrupted")
@@ -242,6 +243,8 @@ def load_records(paths: str | os.PathLike | Iterable[str | os.PathLike], *,
     A line that is not a record is an error too, unless `skip_bad_lines`: then it is left out and listed in
     `df.attrs["skipped_lines"]`.
     """
+    import pandas as pd  # here, not at the top: every rank imports this module, and pandas costs a second
+
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     rows: list[dict[str, Any]] = []
