@@ -515,7 +515,7 @@ def add_search_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("search", help="maximum trainable sequence length of one method (OOM search)")
     add_run_config_arguments(p, varied=("seq_len",))
-    p.set_defaults(steps=1)
+    p.set_defaults(steps=0)  # a probe needs its peak (the warm-up and the measured step), not a timed step
     p.add_argument("--granularity", type=int, default=None, help="length step (default 2*P*128)")
     p.add_argument("--min-len", type=int, default=None, help="shortest length tried (default: the granularity)")
     p.add_argument("--max-len", type=int, default=1 << 20, help="longest length tried")

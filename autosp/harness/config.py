@@ -38,7 +38,7 @@ class RunConfig:
     device: str = "cpu"  # cpu | cuda (ROCm builds of torch report cuda too)
     seed: int = 0
     lr: float = 1e-3
-    steps: int = 3
+    steps: int = 3  # timed steps after the measured one; 0: measure the peak only (a search probe)
     warmup: int = 1
     sac: str = "sac"  # autosp only: off | sac | full | budget=<fraction> | auto | budget=<bytes>
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (for methods that compile)
@@ -54,9 +54,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""
-        for name in ("seq_len", "batch_size", "world_size", "steps"):
+        for name in ("seq_len", "batch_size", "world_size"):
             _check_integer(name, getattr(self, name), low=1)
-        _check_integer("warmup", self.warmup, low=0)
+        for name in ("steps", "warmup"):
+            _check_integer(name, getattr(self, name), low=0)
         _check_integer("seed", self.seed, low=0, below=2**32)
         if self.sp_size is not None:
             _check_integer("sp_size", self.sp_size, low=1)

@@ -34,7 +34,7 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--device", default=d["device"], help="cpu | cuda (ROCm builds of torch use cuda too)")
     g.add_argument("--seed", type=int, default=d["seed"])
     g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
-    g.add_argument("--steps", type=int, default=d["steps"], help="timed steps")
+    g.add_argument("--steps", type=int, default=d["steps"], help="timed steps after the measured one (0: measure the peak only)")
     g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
     g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (least recompute that fits --memory-budget) | budget=<bytes>, e.g. budget=32MiB")
     g.add_argument("--compile-backend", default=d["compile_backend"], help=" | ".join(COMPILE_BACKENDS))

@@ -223,5 +223,6 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
         # sleeps): unlike the wall time it hardly moves when other jobs share the cores
         record["extra"]["cpu_time_s"] = summarize_times([max(r["cpu_samples"][i] for r in results)
                                                          for i in range(cfg.steps)])
-    tokens = record["dp_size"] * cfg.batch_size * cfg.seq_len
-    record["tokens_per_s"] = tokens / record["iter_time_s"]["median"]
+    if cfg.steps:
+        tokens = record["dp_size"] * cfg.batch_size * cfg.seq_len
+        record["tokens_per_s"] = tokens / record["iter_time_s"]["median"]
