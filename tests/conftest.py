@@ -1,6 +1,9 @@
 """Suite-wide fixtures."""
 from __future__ import annotations
 
+import resource
+import time
+
 import pytest
 import torch
 
@@ -11,3 +14,62 @@ def fresh_dynamo():
     (the same model forward compiled with many backends) and silently fall back to eager at its recompile limit."""
     torch._dynamo.reset()
     yield
+
+
+# --- CPU-seconds per test: what a test costs on a shared machine, where wall time is noise --------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="also run the long profile (tests marked `long`: the costliest variants of checks whose "
+                          "cheaper variants run by default; docs/testing.md lists them)")
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that took the most CPU-seconds (this process and its reaped children)")
+    parser.addoption("--cpu-durations-file", default=None, metavar="CSV",
+                     help="append test,cpu_s,wall_s for every test to this file as it finishes")
+
+
+def _cpu_seconds() -> float:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_COSTS: dict[str, tuple[float, float]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    cost = (_cpu_seconds() - cpu, time.perf_counter() - wall)
+    _CPU_COSTS[item.nodeid] = cost
+    path = item.config.getoption("--cpu-durations-file")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{item.nodeid},{cost[0]:.1f},{cost[1]:.1f}\n")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    deselected = getattr(config, "_autosp_long_deselected", 0)
+    if deselected:
+        terminalreporter.write_line(f"long profile: {deselected} tests not run (pytest --long runs them too)")
+    n = config.getoption("--cpu-durations")
+    if not n:
+        return
+    terminalreporter.section(f"{n} costliest tests in CPU-seconds (with their children)")
+    for nodeid, (cpu, wall) in sorted(_CPU_COSTS.items(), key=lambda kv: -kv[1][0])[:n]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:8.1f} s  {nodeid}")
+    terminalreporter.write_line(f"{sum(c for c, _ in _CPU_COSTS.values()):8.1f} CPU-s in all")
+
+
+# --- the long profile: deselected by default, named in the summary so nothing is dropped silently ------------------
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--long"):
+        return
+    long, kept = [], []
+    for item in items:
+        (long if item.get_closest_marker("long") else kept).append(item)
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = kept
+        config._autosp_long_deselected = len(long)
