@@ -59,15 +59,26 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     agreed by every rank (ZeRO-3 gathers must match)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    seqlen, hidden = x.shape[-2:]
-    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
-    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
-
     def mlp_forward(module: nn.Module, x_shard: torch.Tensor) -> torch.Tensor:
         return module.down_proj(module.act_fn(module.gate_proj(x_shard)) * module.up_proj(x_shard))
 
     params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-    return TiledMLP.apply(mlp_forward, mlp, x, int(shards.item()), params)
+    return TiledMLP.apply(mlp_forward, mlp, x, agreed_mlp_shards(x), params)
+
+
+def agreed_mlp_shards(x: torch.Tensor) -> int:
+    """TiledMLP's shard count: ceil(S_local / hidden), the maximum over the ranks (a read of data: the simulator
+    answers it from the shapes, `autosp.experiments.simulate.adapters`)."""
+    seqlen, hidden = x.shape[-2:]
+    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
+    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+    return int(shards.item())
+
+
+def no_valid_labels(labels: torch.Tensor) -> bool:
+    """ArcticTraining's `all(shift_labels == -100)` for one logits tile (a read of data: the simulator answers it
+    from the real labels it built the batch from)."""
+    return bool((labels == IGNORE_INDEX).all())
 
 
 def host_booked_checkpoint(function, *args, **kwargs):
@@ -151,9 +162,9 @@ class AlstStep(DeepSpeedZeroStep):
 
         def loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # SFTTrainer.loss's fn
             logits = module.lm_head(x)
-            good = (y != IGNORE_INDEX).sum()
-            if good == 0:
+            if no_valid_labels(y):  # cross-entropy would be nan; the gradients are still set (zero)
                 return (logits.sum() * 0.0).float()
+            good = (y != IGNORE_INDEX).sum()
             return module.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=y) * good
 
         total = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, shift_labels, None, shards,
