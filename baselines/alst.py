@@ -128,11 +128,12 @@ class AlstStep(DeepSpeedZeroStep):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         self.ctx = ctx
+        # at SP degree 1 (one GPU) DeepSpeed registers nothing and returns no mpu: attention stays HF's own
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=ctx.sp_size,
             micro_batch_size=cfg.batch_size, seq_length=cfg.seq_len, seq_length_is_variable=True)
-        # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA over the gathered sequence)
-        transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
+        if ctx.sp_size > 1:  # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA, gathered sequence)
+            transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
         for module in model.modules():
             if type(module).__name__.endswith("MLP") and hasattr(module, "gate_proj"):
                 module.forward = MethodType(tiled_mlp_forward, module)
@@ -190,6 +191,7 @@ class AlstStrategy(Strategy):
     description = ("Arctic Long Sequence Training (DeepSpeed's ulysses_sp: Ulysses attention, TiledMLP, tiled "
                    "logits+loss, checkpoint offload; ZeRO-3) on hf:<preset> models, as ArcticTraining runs it")
     sequence_parallel = True
+    distributed = False  # one rank is ALST's single-GPU recipe (500K tokens on one H100): no Ulysses, the rest alike
     zero_stages = (3,)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
