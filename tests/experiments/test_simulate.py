@@ -295,6 +295,7 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
     """alst reads data three times (TiledMLP's shard count, a logits tile with no valid label, the tiled loss's
     incoming gradient); on fake tensors each is answered as the real run would: the shard count from the shapes,
     the label test by alst's own function on the real labels behind the fake tile (any rank, any tile)."""
+    import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401 - as an alst program's setup imports it
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import baselines.alst as alst

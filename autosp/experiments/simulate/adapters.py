@@ -138,7 +138,8 @@ def real_values() -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
-    """The three reads of data in alst's step, answered as the real run would (only if alst was imported):
+    """The three reads of data in alst's step, answered as the real run would (only once an alst program was set up:
+    its setup imports DeepSpeed's `ulysses_sp`):
 
     - `agreed_mlp_shards` (TiledMLP's shard count, ceil(S_local / hidden) all-reduced to the maximum over ranks
       and read with `.item()`): ceil(S_local / hidden) from the shapes. Exact: `shard_like_the_adapter` cuts the
@@ -155,7 +156,8 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
     from unittest import mock
 
     alst = sys.modules.get("baselines.alst")
-    if alst is None:
+    ulysses_sp = sys.modules.get("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    if alst is None or ulysses_sp is None:
         yield
         return
     shard, no_valid = alst.shard_like_the_adapter, alst.no_valid_labels
@@ -175,8 +177,7 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
         with real_values():
             return no_valid(twins.real(labels))
 
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-
+    TiledFusedLogitsLoss = ulysses_sp.TiledFusedLogitsLoss  # noqa: N806 - DeepSpeed's class
     loss_backward = TiledFusedLogitsLoss.backward
 
     def loss_backward_answered(ctx: Any, *grads: torch.Tensor) -> Any:
