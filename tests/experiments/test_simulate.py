@@ -167,7 +167,8 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
 
 @pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
                                                     ("zero3", None, "tiny", "bfloat16"),
-                                                    ("ds-autosp", None, "hf:tiny", "bfloat16")])
+                                                    ("ds-autosp", None, "hf:tiny", "bfloat16"),
+                                                    ("alst", None, "hf:tiny", "float32")])
 def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero, model, dtype):
     """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace; DeepSpeed:
     one engine, its ZeRO optimizer under mixed bf16) gives the peaks and breakdowns of a fresh program at a length

@@ -154,8 +154,9 @@ class RankProgram:
 #: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
 #: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
 #: Dynamo trace of a sequence dimension it marks dynamic itself, compiled by DeepSpeed's backend per length:
-#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length.
-SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
+#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length; alst's too (ZeRO-3, and Ulysses
+#: registered for a variable length).
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp", "alst")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
 DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
                                                                   "attention_mask"))
