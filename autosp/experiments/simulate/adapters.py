@@ -150,8 +150,8 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
       twin, so each fake tile of the shifted labels has real values.
     - DeepSpeed's `TiledFusedLogitsLoss.backward` asks `grads[0] != 1.0` (whether to scale the hidden states'
       gradient, in place): the gradient reaching alst's summed loss is 1 / (valid labels of the SP group's
-      sequence), so the answer is True unless exactly one label of the batch is valid. Either answer allocates
-      nothing (an in-place multiply)."""
+      sequence), so the answer is True unless exactly one label of the whole batch is valid (a data-parallel
+      replica's own count is not read). Either answer allocates nothing (an in-place multiply)."""
     import sys
     from unittest import mock
 
