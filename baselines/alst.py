@@ -59,15 +59,26 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     agreed by every rank (ZeRO-3 gathers must match)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    seqlen, hidden = x.shape[-2:]
-    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
-    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
-
     def mlp_forward(module: nn.Module, x_shard: torch.Tensor) -> torch.Tensor:
         return module.down_proj(module.act_fn(module.gate_proj(x_shard)) * module.up_proj(x_shard))
 
     params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-    return TiledMLP.apply(mlp_forward, mlp, x, int(shards.item()), params)
+    return TiledMLP.apply(mlp_forward, mlp, x, agreed_mlp_shards(x), params)
+
+
+def agreed_mlp_shards(x: torch.Tensor) -> int:
+    """TiledMLP's shard count: ceil(S_local / hidden), the maximum over the ranks (a read of data: the simulator
+    answers it from the shapes, `autosp.experiments.simulate.adapters`)."""
+    seqlen, hidden = x.shape[-2:]
+    shards = torch.tensor(math.ceil(seqlen / hidden), device=x.device)
+    dist.all_reduce(shards, op=dist.ReduceOp.MAX)
+    return int(shards.item())
+
+
+def no_valid_labels(labels: torch.Tensor) -> bool:
+    """ArcticTraining's `all(shift_labels == -100)` for one logits tile (a read of data: the simulator answers it
+    from the real labels it built the batch from)."""
+    return bool((labels == IGNORE_INDEX).all())
 
 
 def host_booked_checkpoint(function, *args, **kwargs):
@@ -117,11 +128,12 @@ class AlstStep(DeepSpeedZeroStep):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         self.ctx = ctx
+        # at SP degree 1 (one GPU) DeepSpeed registers nothing and returns no mpu: attention stays HF's own
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=ctx.sp_size,
             micro_batch_size=cfg.batch_size, seq_length=cfg.seq_len, seq_length_is_variable=True)
-        # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA over the gathered sequence)
-        transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
+        if ctx.sp_size > 1:  # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA, gathered sequence)
+            transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
         for module in model.modules():
             if type(module).__name__.endswith("MLP") and hasattr(module, "gate_proj"):
                 module.forward = MethodType(tiled_mlp_forward, module)
@@ -151,9 +163,9 @@ class AlstStep(DeepSpeedZeroStep):
 
         def loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # SFTTrainer.loss's fn
             logits = module.lm_head(x)
-            good = (y != IGNORE_INDEX).sum()
-            if good == 0:
+            if no_valid_labels(y):  # cross-entropy would be nan; the gradients are still set (zero)
                 return (logits.sum() * 0.0).float()
+            good = (y != IGNORE_INDEX).sum()
             return module.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=y) * good
 
         total = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, shift_labels, None, shards,
@@ -179,6 +191,7 @@ class AlstStrategy(Strategy):
     description = ("Arctic Long Sequence Training (DeepSpeed's ulysses_sp: Ulysses attention, TiledMLP, tiled "
                    "logits+loss, checkpoint offload; ZeRO-3) on hf:<preset> models, as ArcticTraining runs it")
     sequence_parallel = True
+    distributed = False  # one rank is ALST's single-GPU recipe (500K tokens on one H100): no Ulysses, the rest alike
     zero_stages = (3,)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:

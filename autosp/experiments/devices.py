@@ -14,7 +14,11 @@ The simulator counts live tensor storage bytes; a GPU holds more than that. Per 
   rows: 500 MiB, a documented order of magnitude for CUDA 12 / ROCm 6 with lazy module loading (not measured).
   Neither is fitted to any paper number;
 - ``workspace_mib``: the BLAS library workspace torch allocates per handle (cuBLAS: 8 MiB before Hopper,
-  32 MiB on Hopper; hipBLASLt alike), outside the tensor allocator statistics.
+  32 MiB on Hopper; hipBLASLt alike), outside the tensor allocator statistics;
+- ``host_gib_per_node``: the host memory of one node of such GPUs (vendor figures, each cited in ``host_source``;
+  a DIMM's or LPDDR package's "GB" is binary, so 2 TB is 2048 GiB), the bound of what the node's ranks offload
+  (`autosp.harness.measure.node_host_bytes`); empty where no figure is cited (then only --host-memory-budget
+  bounds it).
 
 The ``cpu`` device is the validation device: what `autosp run`'s CPU meter (profiler replay of the CPU
 allocator) counts — live tensor bytes, no rounding, no context; its size is the run's --memory-budget.
@@ -49,6 +53,7 @@ class DeviceModel:
     workspace_bytes: int
     gpus_per_node: int
     note: str = ""
+    host_bytes_per_node: int | None = None  # None: no cited figure (only --host-memory-budget bounds the host)
 
     @property
     def usable_bytes(self) -> int:
@@ -59,6 +64,10 @@ class DeviceModel:
     def fixed_bytes(self) -> int:
         """Memory taken before any tensor: context and library workspaces."""
         return self.context_bytes + self.workspace_bytes
+
+    def ranks_per_node(self, world_size: int) -> int:
+        """Ranks of a `world_size` job on one node: every rank of a CPU run is on this machine."""
+        return world_size if self.vendor == "cpu" else min(world_size, self.gpus_per_node)
 
     def block_bytes(self, nbytes: int) -> int:
         """What the allocator reserves for one storage of `nbytes` (see the module docstring)."""
@@ -84,7 +93,8 @@ def device_catalogue() -> dict[str, DeviceModel]:
             usable_fraction=float(row["usable_fraction"]), small_block_bytes=int(row["small_block_bytes"]),
             large_block_bytes=int(row["large_block_bytes"]), context_bytes=int(float(row["context_mib"]) * MIB),
             workspace_bytes=int(float(row["workspace_mib"]) * MIB), gpus_per_node=int(row["gpus_per_node"]),
-            note=row["note"])
+            note=row["note"],
+            host_bytes_per_node=int(float(row["host_gib_per_node"]) * GIB) if row["host_gib_per_node"] else None)
     return devices
 
 

@@ -47,8 +47,9 @@ RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "train
           ("zero3", {"nvidia": "trainability_vs_zero3"}),
           ("fsdp", {"nvidia": "trainability_vs_zero3"}))
 #: methods simulated on HF's LlamaForCausalLM (`hf:<preset>`): DeepSpeed's AutoSP pass shards only that form
-#: (on the project Llama its compile fails, as it does when measured; README "DeepSpeed's AutoSP")
-HF_MODEL_METHODS = ("ds-autosp",)
+#: (on the project Llama its compile fails, as it does when measured; README "DeepSpeed's AutoSP"); ALST patches
+#: HF's attention and MLP classes
+HF_MODEL_METHODS = ("ds-autosp", "alst")
 
 
 def parse_method(spec: str) -> tuple[str, int | None]:

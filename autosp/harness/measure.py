@@ -67,6 +67,18 @@ def format_sizes_apart(*sizes: float) -> list[str]:
     return [f"{int(v)} B" for v in sizes]
 
 
+def node_host_bytes(rank_host_bytes: int, ranks_per_node: int) -> int:
+    """Host memory one node's ranks hold, what a host budget bounds: the largest rank's host bytes (offloaded
+    activations, optimizer state) times the ranks on the node. Measured runs and the simulator both charge this."""
+    return rank_host_bytes * ranks_per_node
+
+
+def host_over_budget_error(node_bytes: int, budget_bytes: int, budget_name: str) -> str:
+    """The one-line error of a run whose node offloads more than its host budget."""
+    host, budget = format_sizes_apart(node_bytes, budget_bytes)
+    return f"host memory: the node's ranks offload {host}, over {budget_name} {budget}"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so a wall-clock interval covers the work done in it."""
     if device.type == "cuda":

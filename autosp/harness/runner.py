@@ -23,7 +23,8 @@ from autosp.compiler.options import COMPILE_BACKENDS
 from autosp.compiler.sac_policy import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
-from autosp.harness.measure import apply_device_budget, format_sizes_apart, memory_meter, summarize_times, timed
+from autosp.harness.measure import (apply_device_budget, format_sizes_apart, host_over_budget_error, memory_meter,
+                                    node_host_bytes, summarize_times, timed)
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
 from autosp.harness.parallel import build_context
@@ -117,7 +118,7 @@ def _node_host_bytes(rank_host_bytes: int, device: torch.device) -> int:
         return rank_host_bytes
     per_node = dist.get_world_size() if device.type == "cpu" else int(
         os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    return _max_over_ranks(rank_host_bytes) * per_node
+    return node_host_bytes(_max_over_ranks(rank_host_bytes), per_node)
 
 
 def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -208,8 +209,8 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
     if any(r["status"] == "oom" for r in results):
         record["status"] = "oom"
         if first.get("oom_in") == "host":
-            host, budget = format_sizes_apart(first["node_host"], cfg.host_memory_budget)
-            record["error"] = f"host memory: the node's ranks offload {host}, over --host-memory-budget {budget}"
+            record["error"] = host_over_budget_error(first["node_host"], cfg.host_memory_budget,
+                                                    "--host-memory-budget")
         else:
             peak, budget = format_sizes_apart(max(peaks), cfg.memory_budget)
             record["error"] = f"rank {worst_rank}: peak {peak} exceeds the memory budget {budget}"

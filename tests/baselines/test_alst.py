@@ -6,14 +6,17 @@ from autosp.harness.config import ConfigError, RunConfig
 from baselines.base import get_strategy
 
 
-def test_alst_is_exact_but_for_its_lm_head_gradient_which_tiled_loss_scales_by_the_tokens_per_rank() -> None:
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_alst_is_exact_but_for_its_lm_head_gradient_which_tiled_loss_scales_by_the_tokens_per_rank(
+        world_size: int) -> None:
     """`TiledFusedLogitsLoss` runs backward inside forward with an incoming gradient of 1 and later rescales only
     the hidden states' gradient by the real incoming one; the lm_head weight's gradient keeps the unnormalised sum
     (ArcticTraining divides the loss by the valid tokens afterwards), averaged over the P ranks: Σ valid / P times
-    the true gradient. Everything else equals single-process training."""
+    the true gradient. Everything else equals single-process training. One rank is ALST's single-GPU recipe (no
+    Ulysses; tiled MLP and loss, checkpoint offload, ZeRO-3)."""
     import deepspeed
 
-    seq_len, world_size = 256, 2
+    seq_len = 256
     report = check(RunConfig("alst", "hf:tiny", seq_len, world_size=world_size, timeout_s=300), steps=1)
     assert report.status == "ok", report.error
     assert max(report.loss_errors) < 1e-6

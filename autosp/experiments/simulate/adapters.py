@@ -103,3 +103,89 @@ def _identity_move(model: torch.nn.Module):  # noqa: ANN202
         return move(*args, **kwargs)
 
     return to
+
+
+class RealTwins:
+    """The real tensors behind fake ones: the simulator makes the batch fake from a real batch, and a program's own
+    pure function of it can be run on the real twin too. A view of a fake tensor is answered with the same view
+    (size, strides, storage offset) of its twin, so data a method reads off its inputs comes from the real values
+    they stand for. Keyed by storage, held weakly: a twin never keeps a fake tensor (and its bytes) alive."""
+
+    def __init__(self) -> None:
+        self.twins: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        import weakref
+
+        storage = fake.untyped_storage()
+        self.twins[id(storage)] = (weakref.ref(storage), real)
+
+    def real(self, fake: torch.Tensor) -> torch.Tensor:
+        """The real values of `fake` (a view of a tensor added here); call it under `real_values()`."""
+        storage = fake.untyped_storage()
+        ref, real = self.twins.get(id(storage), (None, None))
+        if ref is None or ref() is not storage:
+            raise SimulationError("a data-dependent read of a tensor that is not a view of the simulated batch")
+        return real.as_strided(fake.shape, fake.stride(), fake.storage_offset())
+
+
+def real_values() -> contextlib.AbstractContextManager:
+    """Ops on real tensors as on real tensors: the fake mode and the storage tracker off (neither sees them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+@contextlib.contextmanager
+def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
+    """The three reads of data in alst's step, answered as the real run would (only once an alst program was set up:
+    its setup imports DeepSpeed's `ulysses_sp`):
+
+    - `agreed_mlp_shards` (TiledMLP's shard count, ceil(S_local / hidden) all-reduced to the maximum over ranks
+      and read with `.item()`): ceil(S_local / hidden) from the shapes. Exact: `shard_like_the_adapter` cuts the
+      sequence into equal chunks, so every rank holds the same S_local and the maximum is this rank's value (the
+      real run's 8-byte count tensor is not allocated here).
+    - `no_valid_labels` (ArcticTraining's `all(shift_labels == -100)` per logits tile): alst's own test on the
+      real labels of that tile. `shard_like_the_adapter` runs on the fake batch, as alst runs it, and on its real
+      twin, so each fake tile of the shifted labels has real values.
+    - DeepSpeed's `TiledFusedLogitsLoss.backward` asks `grads[0] != 1.0` (whether to scale the hidden states'
+      gradient, in place): the gradient reaching alst's summed loss is 1 / (valid labels of the SP group's
+      sequence), so the answer is True unless exactly one label of the whole batch is valid (a data-parallel
+      replica's own count is not read). Either answer allocates nothing (an in-place multiply)."""
+    import sys
+    from unittest import mock
+
+    alst = sys.modules.get("baselines.alst")
+    ulysses_sp = sys.modules.get("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    if alst is None or ulysses_sp is None:
+        yield
+        return
+    shard, no_valid = alst.shard_like_the_adapter, alst.no_valid_labels
+
+    def shard_with_twins(batch: Any, sp_rank: int, sp_size: int) -> dict[str, torch.Tensor]:
+        from autosp.models.data import Batch
+
+        fake = shard(batch, sp_rank, sp_size)
+        with real_values():
+            real = shard(Batch(**{k: None if v is None else twins.real(v) for k, v in batch._fields().items()}),
+                         sp_rank, sp_size)
+        for name, tensor in fake.items():
+            twins.add(tensor, real[name])
+        return fake
+
+    def no_valid_real(labels: torch.Tensor) -> bool:
+        with real_values():
+            return no_valid(twins.real(labels))
+
+    TiledFusedLogitsLoss = ulysses_sp.TiledFusedLogitsLoss  # noqa: N806 - DeepSpeed's class
+    loss_backward = TiledFusedLogitsLoss.backward
+
+    def loss_backward_answered(ctx: Any, *grads: torch.Tensor) -> Any:
+        with tracker.known_boolean_reads(valid_labels != 1):
+            return loss_backward(ctx, *grads)
+
+    with mock.patch.object(alst, "agreed_mlp_shards", lambda x: -(-x.shape[-2] // x.shape[-1])), \
+            mock.patch.object(alst, "no_valid_labels", no_valid_real), \
+            mock.patch.object(alst, "shard_like_the_adapter", shard_with_twins), \
+            mock.patch.object(TiledFusedLogitsLoss, "backward", staticmethod(loss_backward_answered)):
+        yield

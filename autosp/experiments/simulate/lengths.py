@@ -9,7 +9,7 @@ from typing import Any
 
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import ConfigError, RunConfig
-from autosp.harness.measure import format_size
+from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
 from autosp.experiments.simulate.config import COMPONENTS, DIRECT_INDUCTOR_BACKEND, SIMULATED_BACKEND, SimulationError
 from autosp.experiments.simulate.extrapolate import predict_peak
 from autosp.experiments.simulate.programs import shared_rank_programs
@@ -30,10 +30,15 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         record["extra"]["wall_s"] = round(time.monotonic() - started, 3)
         return record
     total = peak.peak_bytes + device.fixed_bytes
+    host_budget, node_host = _host_budget(cfg, device), node_host_bytes(peak.host_offloaded_bytes,
+                                                                         device.ranks_per_node(cfg.world_size))
     record.update(status="ok" if total <= device.usable_bytes else "oom", peak_mem_bytes=total,
                   peak_mem_by_rank=[total])
     if record["status"] == "oom":
         record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
+    elif host_budget is not None and node_host > host_budget[0]:
+        record.update(status="oom", error=host_over_budget_error(node_host, *host_budget))
+        record["extra"]["oom_in"] = "host"
     record["extra"].update(
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
         executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
@@ -43,8 +48,18 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
                    "context_bytes": device.context_bytes, "workspace_bytes": device.workspace_bytes,
                    "peak_op": peak.peak_op, "peak_phase": peak.peak_phase,
                    "host_offloaded_bytes": peak.host_offloaded_bytes},
-        **how)
+        node_host_bytes=node_host, host_budget_bytes=host_budget and host_budget[0], **how)
     return record
+
+
+def _host_budget(cfg: RunConfig, device: DeviceModel) -> tuple[int, str] | None:
+    """The host memory a node may hold and where the bound comes from: --host-memory-budget, else the catalogue's
+    node (`devices.py`), else none."""
+    if cfg.host_memory_budget is not None:
+        return cfg.host_memory_budget, "--host-memory-budget"
+    if device.host_bytes_per_node is not None:
+        return device.host_bytes_per_node, f"a {device.name} node's host memory"
+    return None
 
 
 def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> int | None:

@@ -10,13 +10,15 @@ import torch
 
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import RunConfig
-from autosp.experiments.simulate.adapters import (_deepspeed_autosp_per_length, _deepspeed_rank0_answers, _identity_move,
-                                                  _inductor_compile_unfused, _optimizer_implementation_of)
+from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
+                                                  _deepspeed_rank0_answers, _identity_move, _inductor_compile_unfused,
+                                                  _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
-from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world
+from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world, keep_hf_registries
 
-def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker) -> Any:
-    """The global batch as fake tensors; its valid-label count (data, not shape) read from the real one."""
+def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
+    """The global batch as fake tensors, each with its real twin; its valid-label count (data, not shape) read from
+    the real one."""
     from autosp.models.data import Batch
 
     class CountedBatch(Batch):
@@ -25,9 +27,10 @@ def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTrack
 
     fields = {k: None if v is None else fake_mode.from_tensor(v) for k, v in real.model_kwargs().items()}
     batch = CountedBatch(**fields)
-    for t in fields.values():
+    for name, t in fields.items():
         if t is not None:
             tracker.track(t)
+            twins.add(t, getattr(real, name))
     return batch
 
 
@@ -69,6 +72,7 @@ class RankProgram:
             torch.manual_seed(cfg.seed)
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
+            keep_hf_registries()
             self.step = self.strategy.setup(self.model, self.ctx, cfg)
         _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
@@ -87,7 +91,9 @@ class RankProgram:
             stack.enter_context(_deepspeed_rank0_answers(self.rank))
             stack.enter_context(_inductor_compile_unfused())
             stack.enter_context(_optimizer_implementation_of(tracker.device))
-            batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker)
+            twins = RealTwins()
+            stack.enter_context(_alst_data_answers(twins, tracker, valid_labels))
+            batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)
             # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
             # it); a fresh program at this length never had it, so it is not counted
             for serial in self.earlier_inputs:
@@ -148,8 +154,9 @@ class RankProgram:
 #: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
 #: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
 #: Dynamo trace of a sequence dimension it marks dynamic itself, compiled by DeepSpeed's backend per length:
-#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length.
-SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp")
+#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length; alst's too (ZeRO-3, and Ulysses
+#: registered for a variable length).
+SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp", "alst")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
 DYNAMIC_SEQUENCE_SOURCES = ",".join(f"L['{name}']:1" for name in ("input_ids", "labels", "position_ids",
                                                                   "attention_mask"))

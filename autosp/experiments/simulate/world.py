@@ -25,12 +25,41 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     os.environ.setdefault("LOCAL_RANK", "0")
     linear = torch.nn.functional.linear
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _RESTORE.append([])
     try:
         yield
     finally:
+        for restore in reversed(_RESTORE.pop()):
+            restore()
         dist.destroy_process_group()
         _forget_deepspeed_groups()
         torch.nn.functional.linear = linear
+
+
+_RESTORE: list[list] = []  # per active fake world: what to put back when it ends (`keep_hf_registries`)
+
+
+def keep_hf_registries() -> None:
+    """transformers' attention and mask registries as they are now, put back when the fake world ends: alst's setup
+    replaces their `sdpa` entries process-wide (DeepSpeed's Ulysses wrapper, no mask under SP), which a later
+    program in this process (another depth, another cell, a test) would otherwise run through, or wrap again.
+    Called before a method's setup, when transformers is loaded (an HF model was built)."""
+    import sys
+
+    if not _RESTORE or "transformers.masking_utils" not in sys.modules:
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
+        saved = dict(type(registry)._global_mapping), dict(registry._local_mapping)
+
+        def restore(registry=registry, saved=saved) -> None:
+            for mapping, before in zip((type(registry)._global_mapping, registry._local_mapping), saved):
+                mapping.clear()
+                mapping.update(before)
+
+        _RESTORE[-1].append(restore)
 
 
 def _forget_deepspeed_groups() -> None:
@@ -41,6 +70,8 @@ def _forget_deepspeed_groups() -> None:
 
     if (groups := sys.modules.get("deepspeed.utils.groups")) is not None:
         importlib.reload(groups)  # its globals back to their import-time values (None, {})
+    if (sequence_parallel := sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")) is not None:
+        importlib.reload(sequence_parallel)  # ALST's SP groups (`UlyssesSPAttentionHF.register_with_transformers`)
     if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
         registry.GROUP_REGISTRY.clear()
     _keep_deepspeed_splice()
