@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_name
@@ -42,6 +44,24 @@ class TrainStep(ABC):
         """Apply AdamW and zero the gradients."""
 
     @abstractmethod
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """After backward, before `optimizer_step`: (parameter name, this rank's gradient or its shard of it, None
+        where it has none) for every parameter in the model's order, the same names on every rank, without copies.
+        What the harness checks for non-finite values in the step that made them (`first_nonfinite`)."""
+
+    def first_nonfinite(self) -> tuple[int, list[str]]:
+        """(index of the first parameter whose local gradient holds an inf or nan, or the parameter count when none
+        does; every parameter's name in order). One isfinite reduction per tensor, one host sync for them all."""
+        names, checked, flags = [], [], []
+        for index, (name, grad) in enumerate(self.local_gradients()):
+            names.append(name)
+            if grad is not None:
+                checked.append(index)
+                flags.append(torch.isfinite(grad).all())
+        finite = torch.stack(flags).tolist() if flags else []
+        return next((i for i, ok in zip(checked, finite) if not ok), len(names)), names
+
+    @abstractmethod
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter's full (unsharded) gradient on CPU, keyed like `model.named_parameters()`."""
 
@@ -52,6 +72,14 @@ class TrainStep(ABC):
     def metrics(self) -> dict[str, Any]:
         """Method-specific numbers for the record's `extra` (e.g. bytes saved for backward); read after the steps."""
         return {}
+
+
+def module_gradients(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """`TrainStep.local_gradients` of a module holding its own gradients: `.grad` as it is (a sharded parameter's
+    gradient is its shard), an FSDP2 DTensor's local shard; named by the model's unsharded names."""
+    for name, p in model.named_parameters():
+        grad = p.grad
+        yield full_name(name), grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def compute_dtype(cfg: RunConfig) -> torch.dtype | None:
@@ -78,6 +106,9 @@ class ReplicatedTrainStep(TrainStep):
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return module_gradients(self.model)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return {full_name(n): (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().clone()

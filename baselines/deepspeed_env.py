@@ -13,6 +13,7 @@ on nccl (GPUs) the table is left alone.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,16 @@ def precision_config(dtype: str, method: str, *, pure_bf16: bool = False) -> dic
                       "weights and its fp16 scales the loss; use --dtype bfloat16 (mixed) or float32")
 
 
+def engine_gradients(engine: "DeepSpeedEngine") -> Iterator[tuple[str, torch.Tensor | None]]:
+    """`TrainStep.local_gradients` of a DeepSpeed engine, from its safe getters: a ZeRO-3 parameter's local fp32
+    gradient partition; otherwise the full gradient (`.grad`, or at ZeRO 1/2 and under bf16 the fp32 one
+    assembled from the partitions: then collective, in the same parameter order on every rank)."""
+    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad
+
+    for name, p in engine.module.named_parameters():
+        yield name, safe_get_local_grad(p) if hasattr(p, "ds_id") else safe_get_full_grad(p)
+
+
 class DeepSpeedZeroStep(TrainStep):
     """A step around a DeepSpeed ZeRO engine (`self.engine`): its step also zeroes the gradients; full gradients and
     fp32 master parameters come from DeepSpeed's safe getters (collective under ZeRO-3)."""
@@ -78,6 +89,9 @@ class DeepSpeedZeroStep(TrainStep):
 
     def optimizer_step(self) -> None:
         self.engine.step()
+
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return engine_gradients(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad

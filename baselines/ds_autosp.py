@@ -21,6 +21,7 @@ logs: the mean over ranks of each rank's `outputs.loss`.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 from baselines.base import Strategy, TrainStep, register
-from baselines.deepspeed_env import import_deepspeed, precision_config, require_deepspeed
+from baselines.deepspeed_env import engine_gradients, import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
     from autosp.models.data import Batch
@@ -94,6 +95,9 @@ class DeepSpeedAutoSPStep(TrainStep):
 
     def optimizer_step(self) -> None:
         self.engine.step()  # also zeroes the gradients
+
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return engine_gradients(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad

@@ -5,13 +5,14 @@ The wrapping (one FSDP unit per decoder layer, gradients summed) is `baselines.f
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from autosp.harness.config import RunConfig
-from baselines.base import Strategy, TrainStep, compute_dtype, register
+from baselines.base import Strategy, TrainStep, compute_dtype, module_gradients, register
 from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.fsdp_sharding import full, shard_llama
@@ -36,6 +37,9 @@ class FSDPStep(TrainStep):
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        return module_gradients(self.model)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return {name: full(p.grad, p) for name, p in self.model.named_parameters()}

@@ -75,17 +75,22 @@ def build_train_step(cfg: RunConfig, strategy: Strategy, sp_size: int) -> tuple[
 
 
 class DivergedError(RuntimeError):
-    """A non-finite loss: the run is an `error`, never a measurement (a search must not call it a fit)."""
+    """A non-finite loss or gradient: the run is an `error`, never a measurement (a search must not call it a fit)."""
+
+
+DIVERGED_HINT = "training diverged; use --dtype float32 or bfloat16, or a lower --lr"
 
 
 def train_step(step: TrainStep, batch: Batch, number: int = 0) -> float:
-    """One full step: forward, backward, AdamW. Returns the global loss; DivergedError if it is not finite.
-
-    A non-finite gradient shows up here too, one step later: AdamW turns it into non-finite parameters."""
+    """One full step: forward, backward, AdamW. Returns the global loss; DivergedError if the loss or a gradient is
+    not finite, raised on every rank together before AdamW would spread it into the parameters."""
     loss = float(step.forward_backward(batch))
     if not math.isfinite(loss):
-        raise DivergedError(f"loss is {loss} at step {number}: training diverged (non-finite loss or gradients); "
-                            "use --dtype float32 or bfloat16, or a lower --lr")
+        raise DivergedError(f"loss is {loss} at step {number}: {DIVERGED_HINT}")
+    index, names = step.first_nonfinite()
+    index = _reduce_over_ranks(index, dist.ReduceOp.MIN)  # every rank names the same parameter and raises
+    if index < len(names):
+        raise DivergedError(f"gradient of {names[index]} is not finite at step {number}: {DIVERGED_HINT}")
     step.optimizer_step()
     return loss
 
@@ -103,11 +108,11 @@ def device_name(device: torch.device | str) -> str:
     return platform.processor() or platform.machine()
 
 
-def _max_over_ranks(value: int) -> int:
+def _reduce_over_ranks(value: int, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> int:
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 
@@ -118,7 +123,7 @@ def _node_host_bytes(rank_host_bytes: int, device: torch.device) -> int:
         return rank_host_bytes
     per_node = dist.get_world_size() if device.type == "cpu" else int(
         os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    return node_host_bytes(_max_over_ranks(rank_host_bytes), per_node)
+    return node_host_bytes(_reduce_over_ranks(rank_host_bytes), per_node)
 
 
 def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -143,7 +148,7 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
         # All ranks decide together (max over ranks) so none is left waiting in a collective.
         measured = meter.report()
         over = None
-        if device_budget is not None and _max_over_ranks(measured.peak_bytes) > device_budget:
+        if device_budget is not None and _reduce_over_ranks(measured.peak_bytes) > device_budget:
             over = "device"
         host = _node_host_bytes(measured.detail.get("host_offloaded_bytes", 0), device)
         if over is None and cfg.host_memory_budget is not None and host > cfg.host_memory_budget:
