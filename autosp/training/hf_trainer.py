@@ -11,25 +11,29 @@ accelerate has no plug-in point for a compiler backend's sequence parallelism):
 The rest is the Trainer's: the loss the model computes (divided by the accumulated window's label count, equal to
 the single-device loss on every rank), gradient accumulation, the LR schedule, logging. `bf16=True` means AutoSP's
 mixed precision (bf16 compute, fp32 master weights, gradients and AdamW state), as `--dtype bfloat16`.
-`save_model` exports the full weights (`autosp.training.checkpoint.export`; `from_pretrained` loads them).
+The Trainer's checkpoints (`save_steps`, `train(resume_from_checkpoint=...)`) hold the model and optimizer sharded
+(`autosp.training.checkpoint`, resumable at another world size) and the full weights (`save_model` exports them;
+`from_pretrained` loads them).
 
 What does not compose is refused in one line: fp16, torch_compile, gradient_checkpointing (AutoSP's `sac` does
-it), DeepSpeed/FSDP, an SP degree below the world size, ZeRO stage 1, and the Trainer's own checkpoints
-(`save_strategy`, `resume_from_checkpoint`: use `autosp.training.checkpoint`).
+it), DeepSpeed/FSDP and ZeRO stage 1 (ZeroRedundancyOptimizer does not take the Trainer's parameter groups).
 """
 from __future__ import annotations
 
-import math
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer
 
 import autosp
 from autosp.compiler.options import CompileOptions
 from autosp.errors import SequenceParallelError
 from autosp.training import checkpoint
+from autosp.training.gradients import clip_grad_norm_
+
+#: where in a Trainer checkpoint (`checkpoint-N/`) the sharded model and optimizer state go
+SHARDED_DIR = "autosp"
 
 
 class AutoSPTrainer(Trainer):
@@ -74,26 +78,37 @@ class AutoSPTrainer(Trainer):
             use_stateful_dataloader=acc.use_stateful_dataloader)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return self._global_norm(clip_to=self.args.max_grad_norm)
+        return clip_grad_norm_(self.sp_model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
-        return super()._get_grad_norm(model, self._global_norm(math.inf) if grad_norm is None else grad_norm)
-
-    def _global_norm(self, clip_to: float) -> torch.Tensor:
-        """The 2-norm of the whole model's gradient (ZeRO 2/3: each rank's shards' squares summed over the ranks;
-        the shards' padding has no gradient), and every gradient scaled by min(1, clip_to / norm) as torch does."""
-        params = [p for p in self.sp_model.parameters() if p.grad is not None]
-        squares = torch.stack([p.grad.detach().float().pow(2).sum() for p in params]).sum()
-        if self.sp_model.zero >= 2 and dist.get_world_size(self.sp_model.reduce_group) > 1:
-            dist.all_reduce(squares, group=self.sp_model.reduce_group)
-        norm = squares.sqrt()
-        if clip_to != math.inf:
-            torch.nn.utils.clip_grads_with_norm_(params, clip_to, norm)
-        return norm
+        return super()._get_grad_norm(model, clip_grad_norm_(self.sp_model) if grad_norm is None else grad_norm)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: the full weights (and an HF config) in `output_dir`, written by rank 0."""
         checkpoint.export(output_dir or self.args.output_dir, self.sp_model)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's checkpoint: model and optimizer sharded (`autosp.training.checkpoint`), the schedule's
+        counters beside them; it resumes at any world size."""
+        numbers = {f"lr_scheduler.{k}": v for k, v in self.lr_scheduler.state_dict().items()
+                   if isinstance(v, (bool, int, float))}
+        checkpoint.save(Path(output_dir) / SHARDED_DIR, self.sp_model, _unwrapped(self.optimizer), extra=numbers)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Nothing here: the model is loaded with the optimizer, from the sharded checkpoint."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:
+            return
+        extra = checkpoint.load(Path(checkpoint_dir) / SHARDED_DIR, self.sp_model, _unwrapped(self.optimizer))
+        state = self.lr_scheduler.state_dict()
+        state.update({k.removeprefix("lr_scheduler."): v for k, v in extra.items() if k.startswith("lr_scheduler.")})
+        self.lr_scheduler.load_state_dict(state)
+        self.lr_scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the optimizer
 
 
 def _refuse_what_does_not_compose(args) -> None:
@@ -104,13 +119,7 @@ def _refuse_what_does_not_compose(args) -> None:
                                   "autosp_options={'sac': 'full'} (or the default 'sac')",
         "deepspeed": "deepspeed: AutoSP shards the model state itself; use autosp_options={'zero': 3}",
         "fsdp": "fsdp: AutoSP shards the model state itself; use autosp_options={'zero': 3}",
-        "resume_from_checkpoint": "resume_from_checkpoint: the Trainer's checkpoints hold unsharded optimizer state; "
-                                  "resume with autosp.training.checkpoint.load",
     }
     for field, message in refusals.items():
         if getattr(args, field, None):
             raise SequenceParallelError(f"AutoSPTrainer: {message}")
-    if str(getattr(args, "save_strategy", "no")) not in ("no", "SaveStrategy.NO"):
-        raise SequenceParallelError("AutoSPTrainer: save_strategy other than 'no': the Trainer's checkpoints hold "
-                                    "unsharded optimizer state; save with autosp.training.checkpoint.save (a callback "
-                                    "or your loop) and call trainer.save_model() for the full weights")

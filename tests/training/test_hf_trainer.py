@@ -84,7 +84,7 @@ def test_parameters_after_the_last_step_equal_the_single_process_trainer(runs):
 
 
 @pytest.mark.parametrize("field,value", [("fp16", True), ("torch_compile", True), ("gradient_checkpointing", True),
-                                         ("save_strategy", "steps")])
+                                         ("deepspeed", "ds.json")])
 def test_what_does_not_compose_is_refused_in_one_line(field, value):
     from autosp.training.hf_trainer import _refuse_what_does_not_compose
 
