@@ -17,41 +17,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import autosp
 from autosp.training import checkpoint
 from autosp.training.gradients import clip_grad_norm_
-from packed_data import batch, packed_blocks
+from common import arguments, batch, build_model, packed_blocks
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="an HF config.json: the model with seeded weights")
-    source.add_argument("--weights", help="a local directory from_pretrained loads")
-    p.add_argument("--data", required=True, help="a .jsonl ({'text': ...} per line) or text file (a document a line)")
-    p.add_argument("--tokenizer", help="a local tokenizer directory (default: bytes)")
-    p.add_argument("--out", required=True, help="checkpoints (step-N/) and the exported model (final/)")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p = arguments(__doc__.split("\n\n")[0])
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--save-every", type=int, default=0, help="a sharded checkpoint every N steps (0: none)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
-    p.add_argument("--tiling", default="auto")
     return p.parse_args()
-
-
-def build(args: argparse.Namespace) -> torch.nn.Module:
-    torch.manual_seed(args.seed)  # the same weights on every rank
-    if args.weights:
-        return AutoModelForCausalLM.from_pretrained(args.weights, attn_implementation="sdpa")
-    config = AutoConfig.from_pretrained(args.config)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def newest_checkpoint(out: Path) -> Path | None:
@@ -66,7 +42,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = autosp.compile(build(args).to(device), zero=3, compute_dtype=torch.bfloat16, tiling=args.tiling,
+    model = autosp.compile(build_model(args).to(device), zero=3, compute_dtype=torch.bfloat16, tiling=args.tiling,
                            outputs="loss", backend=args.backend)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     blocks = packed_blocks(args.data, args.seq_len, args.tokenizer)

@@ -12,30 +12,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 
 from autosp.training.hf_trainer import AutoSPTrainer
-from packed_data import packed_blocks
+from common import arguments, build_model, packed_blocks
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="an HF config.json: the model with seeded weights")
-    source.add_argument("--weights", help="a local directory from_pretrained loads")
-    p.add_argument("--data", required=True, help="a .jsonl ({'text': ...} per line) or text file (a document a line)")
-    p.add_argument("--tokenizer", help="a local tokenizer directory (default: bytes)")
-    p.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoint-N/) and final/")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=1)
+    p = arguments(__doc__.split("\n\n")[0])
     p.add_argument("--grad-accumulation", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--save-every", type=int, default=500)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
-    p.add_argument("--tiling", default="auto")
     return p.parse_args()
 
 
@@ -45,13 +30,10 @@ def main() -> None:
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accumulation, learning_rate=args.lr, weight_decay=0.1,
         lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 20), max_grad_norm=1.0, bf16=True,
-        logging_steps=1, save_steps=args.save_every, report_to=[], seed=args.seed, disable_tqdm=True,
+        logging_steps=1, save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 1,
+        report_to=[], seed=args.seed, disable_tqdm=True,
         use_cpu=not torch.cuda.is_available())  # TrainingArguments starts torch.distributed under torchrun
-    torch.manual_seed(args.seed)  # the same weights on every rank
-    if args.weights:
-        model = AutoModelForCausalLM.from_pretrained(args.weights, attn_implementation="sdpa")
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), attn_implementation="sdpa")
+    model = build_model(args)
     blocks = packed_blocks(args.data, args.seq_len, args.tokenizer)
     dataset = [{"input_ids": ids, "labels": ids.clone()} for ids in blocks]
     trainer = AutoSPTrainer(model=model, args=training, train_dataset=dataset,

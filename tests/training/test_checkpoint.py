@@ -24,16 +24,19 @@ def _batch(step: int) -> dict:
     return make_batch(DataConfig(), batch_size=1, seq_len=SEQ, vocab_size=512, seed=1000 + step).model_kwargs()
 
 
-def _train(zero: int, start: int, load_from: str | None, save_to: str | None, export_to: str | None) -> dict:
-    """Steps [start, STEPS) of AdamW on `MODEL` compiled at `zero`; loads `load_from` first, saves at SAVE_AT."""
+def _train(zero: int, start: int, load_from: str | None, save_to: str | None, export_to: str | None,
+           stop: int = STEPS) -> dict:
+    """Steps [start, stop) of AdamW on `MODEL` compiled at `zero`; loads `load_from` first, saves at SAVE_AT."""
     model = autosp.compile(build_model(MODEL, seed=0), backend="aot_eager", zero=zero)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     if load_from:
         assert checkpoint.load(load_from, model, optimizer) == {"step": start}
     losses = {}
-    for step in range(start, STEPS):
+    for step in range(start, stop + 1):
         if step == SAVE_AT and save_to:
             checkpoint.save(save_to, model, optimizer, extra={"step": step})
+        if step == stop:
+            break
         loss = model(**_batch(step)).loss
         loss.backward()
         optimizer.step()
@@ -69,6 +72,19 @@ def test_resume_at_another_world_size_continues_the_same_training(uninterrupted,
         assert loss == pytest.approx(reference["losses"][step], rel=1e-5), step
     for name, value in reference["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("saved,resumed", [((1, 2), (2, 4)), ((2, 2), (1, 4))])
+def test_resume_at_another_zero_stage(uninterrupted, tmp_path, saved, resumed):
+    """ZeRO 1 keeps each parameter's optimizer state on one rank, ZeRO 2 every parameter's shard on each: a
+    checkpoint of either resumes at the other (and on 4 ranks), continuing the stage-3 run's training."""
+    _, reference = uninterrupted
+    (save_zero, save_world), (resume_zero, resume_world) = saved, resumed
+    assert _run(save_world, save_zero, 0, None, str(tmp_path / "ckpt"), None, SAVE_AT)["zero"] == save_zero
+    run = _run(resume_world, resume_zero, SAVE_AT, str(tmp_path / "ckpt"), None, None)
+    assert run["zero"] == resume_zero
+    for step, loss in run["losses"].items():
+        assert loss == pytest.approx(reference["losses"][step], rel=1e-5), step
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(uninterrupted):

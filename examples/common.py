@@ -1,4 +1,5 @@
-"""Packed training data from a local JSONL (one {"text": ...} per line) or plain-text file (one document per line).
+"""What both examples share: their common options, the model (an HF config with seeded weights, or local weights),
+and packed training data from a local JSONL (one {"text": ...} per line) or plain-text file (a document a line).
 
 Documents are tokenized (a local HF tokenizer, or bytes: token = byte value, EOS = 256, so no download is needed),
 joined with EOS and cut into blocks of `seq_len` tokens, as HF's run_clm example packs them; labels are the inputs
@@ -7,6 +8,7 @@ batch.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -49,3 +51,34 @@ def batch(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> dict[s
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed + epoch))
     ids = blocks[order[index * batch_size:(index + 1) * batch_size]]
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options both examples take; each adds its own."""
+    p = argparse.ArgumentParser(description=description)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="an HF config.json: the model with seeded weights")
+    source.add_argument("--weights", help="a local directory from_pretrained loads")
+    p.add_argument("--data", required=True, help="a .jsonl ({'text': ...} per line) or text file (a document a line)")
+    p.add_argument("--tokenizer", help="a local tokenizer directory (default: bytes)")
+    p.add_argument("--out", required=True, help="checkpoints and the exported model (final/)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--save-every", type=int, default=0, help="a sharded checkpoint every N steps (0: none)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--tiling", default="auto")
+    return p
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The same weights on every rank: seeded from `--seed`, or loaded from `--weights`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    if args.weights:
+        return AutoModelForCausalLM.from_pretrained(args.weights, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config), attn_implementation="sdpa")
