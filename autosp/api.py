@@ -103,6 +103,14 @@ class SequenceParallelModule(torch.nn.Module):
                 f"AutoSP needs the whole forward as one graph, but Dynamo broke it: {reason} "
                 "(remove the data-dependent Python control flow or unsupported call it names)"
             ) from e
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            limit = torch._dynamo.config.recompile_limit
+            raise SequenceParallelError(
+                f"Dynamo's recompile limit (torch._dynamo.config.recompile_limit={limit}) was hit: the model was "
+                f"compiled {limit} times because its inputs' static sizes or guards kept changing; past the limit it "
+                "would run unsharded on every rank, so AutoSP stops (sequence lengths recompile only once; keep "
+                "other input sizes to a few values, or raise the limit)"
+            ) from None
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(e.inner_exception, SequenceParallelError):
                 raise e.inner_exception from None
@@ -159,7 +167,9 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     elif options.compute_dtype is not None:
         cast_parameters(model, options.compute_dtype)
     sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero)
-    compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=False)
+    # dynamic=None: a size that changes between calls (the sequence length) makes Dynamo trace once more with that
+    # size symbolic; the backend then specialises the one trace per length (`specialize.per_length`)
+    compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=None)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
 
 

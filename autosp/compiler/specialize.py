@@ -4,10 +4,14 @@ Dynamo hands a graph whose sizes are SymInt placeholders. Sharding decisions (wh
 where a shard starts) are made on concrete sizes, so the backend binds the SymInts to the values of each call,
 re-propagates fake shapes, and compiles that static graph once per length. Dynamo traces the model only once and
 never recompiles (or hits its recompile limit) when a length search or a data loader changes the length.
+`autosp.compile` gets the symbolic trace without `mark_dynamic` too: a length that differs from the first call's
+makes Dynamo retrace once with the length symbolic (automatic dynamic shapes). Each specialisation is logged
+(logger `autosp`, INFO) with the count so far.
 """
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
+
+logger = logging.getLogger("autosp")
 
 
 def is_symbolic(example_inputs: list[Any]) -> bool:
@@ -54,6 +60,8 @@ def per_length(gm: fx.GraphModule, compile_static: Callable[[fx.GraphModule, lis
         if key not in compiled:  # compiling is no part of the step: unseen by the caller's dispatch modes, as
             with _disable_current_modes():  # Dynamo's own compile is (e.g. a memory tracker's, autosp simulate)
                 compiled[key] = compile_static(bind_sizes(gm, list(args)), list(args))
+            logger.info("autosp: compiled the graph for sizes %s (%d specialisations of one trace)", key,
+                        len(compiled))
         return compiled[key](*args)
 
     return run
