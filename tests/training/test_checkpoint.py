@@ -74,6 +74,7 @@ def test_resume_at_another_world_size_continues_the_same_training(uninterrupted,
         torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.long  # the default profile resumes ZeRO 3 at other world sizes (above); this adds stages 1 <-> 2
 @pytest.mark.parametrize("saved,resumed", [((1, 2), (2, 4)), ((2, 2), (1, 4))])
 def test_resume_at_another_zero_stage(uninterrupted, tmp_path, saved, resumed):
     """ZeRO 1 keeps each parameter's optimizer state on one rank, ZeRO 2 every parameter's shard on each: a
