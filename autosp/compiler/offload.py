@@ -239,8 +239,9 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
             ready = graph.call_function(op("wait").default, (loaded,))
-        loaded.meta.update(placeholder.meta)
-        ready.meta.update(placeholder.meta)
+        meta = {k: v for k, v in placeholder.meta.items() if k != "partitioner_tag"}  # no recomputed forward op
+        loaded.meta.update(meta)
+        ready.meta.update(meta)
         placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
         for user in list(placeholder.users):
             if user is not loaded:

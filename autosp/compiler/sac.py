@@ -120,11 +120,12 @@ def make_partition_fn(policy: str | Policy = SacPolicy.SAC, *, cacheable: bool =
 
 
 def sac_backend(
-    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True
+    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True, **planner: Any
 ) -> Callable[..., Any]:
     """A ``torch.compile`` backend applying ``policy`` (no SP pass): single-process SAC; the backend's
-    ``partition_fn`` attribute exposes the partition records."""
-    partition_fn = make_partition_fn(policy, cacheable=cacheable)
+    ``partition_fn`` attribute exposes the partition records; ``planner``: `make_partition_fn`'s offload and
+    host_budget."""
+    partition_fn = make_partition_fn(policy, cacheable=cacheable, **planner)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
