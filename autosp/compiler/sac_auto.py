@@ -1,7 +1,11 @@
-"""Budgeted SAC (``--sac auto`` / ``budget=<bytes>``): per compiled graph, the least recomputation that fits.
+"""The memory planner (``--sac auto`` / ``budget=<bytes>``, the compiler's default): per compiled graph, the least
+added step time that fits the device.
 
-Recomputing costs time, so it is only worth doing where memory is short. The planner walks a ladder of plans
-ordered by recompute cost and takes the first whose estimated peak fits the per-rank byte budget:
+Each value backward needs is kept on the device, moved to host memory, or recomputed. Recomputing costs time;
+a move to host memory costs none where its copy hides behind the compute (a side stream on GPUs,
+`autosp.compiler.offload`) but holds host memory. So the planner walks a ladder of plans ordered by recompute
+cost and takes the first whose estimated peak fits the per-rank byte budget (given, or the device's free memory
+at compile time; no limit on CPU unless given):
 
 1. save everything (attention and collectives pinned, the rest left to torch's min-cut, which only re-runs
    what is free to re-run) — no layer is recomputed;
@@ -10,9 +14,15 @@ ordered by recompute cost and takes the first whose estimated peak fits the per-
 3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
    layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``).
 
+On every rung that does not fit as it is, the layer-boundary values (`offload.boundary_values`) move to host
+memory before the next rung is tried (``offload=auto``), if their bytes fit the host budget: host memory is
+spent before recompute. ``offload=activations`` moves them on every rung, ``off`` never. With room to spare the
+first rung fits: nothing recomputed, nothing moved.
+
 Collectives are never re-run by any rung (their outputs stay pinned; ZeRO-3 parameter gathers excepted, as in
 every policy). Within a phase the saved bytes fall as k grows, so the smallest fitting k is found by bisection:
-a graph is partitioned about 1 + 2 log2(N) times, each on a copy of the joint graph.
+a graph is partitioned about 1 + 2 log2(N) times (up to twice as often where host memory is tried), each on a
+copy of the joint graph.
 
 Cost model, from the graph alone (no run):
 * memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
@@ -26,7 +36,8 @@ Cost model, from the graph alone (no run):
   against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
   of the step's peak increase at 512, 1K and 2K tokens.
 * time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
-  one per output element for the others (memory-bound ops), reported for the chosen plan.
+  one per output element for the others (memory-bound ops), and the bytes moved to host memory (each way, per
+  step), reported for the chosen plan; values in host memory are not device bytes in the replay.
 """
 from __future__ import annotations
 
