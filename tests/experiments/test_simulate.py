@@ -303,3 +303,14 @@ def test_the_tracker_books_offloaded_copies_as_host_memory():
         del back
     assert tracker.host_peak == 1000
     assert sum(tracker.peak().sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them
+
+
+def test_the_memory_planner_is_simulated_at_full_depth():
+    """autosp's planner (`--sac auto`) plans every layer against the whole device, so a 2- and 3-layer program
+    keeps what the full depth recomputes or moves: no depth extrapolation for it, as for ZeRO-3."""
+    from autosp.experiments.simulate.extrapolate import _planned
+
+    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="auto"))
+    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="budget=1GiB"))
+    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="sac")) is None
+    assert _planned(RunConfig(method="ulysses", model="tiny", seq_len=256, sac="auto")) is None
