@@ -21,6 +21,8 @@ from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
 from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.launch import current_device
+from autosp.harness.measure import ranks_on_this_node
 from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                                        backend=cfg.compile_backend,
                                        zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
                                        ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg),
-                                       offload=cfg.offload)
+                                       offload=cfg.offload, host_budget=_host_budget_per_rank(cfg))
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else "")
@@ -125,3 +127,10 @@ class AutoSP(Strategy):
 
     def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
         return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))
+
+
+def _host_budget_per_rank(cfg: RunConfig) -> int | None:
+    """The planner's share of `--host-memory-budget` (a node's): the node's budget over the ranks sharing it."""
+    if cfg.host_memory_budget is None:
+        return None
+    return cfg.host_memory_budget // ranks_on_this_node(current_device(cfg.device))

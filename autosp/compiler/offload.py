@@ -47,7 +47,7 @@ from autosp.compiler.layers import assign_layers
 from autosp.compiler.node_kinds import _is_view
 from autosp.errors import ConfigError, SequenceParallelError
 
-OFFLOAD_CHOICES = ("off", "activations")
+OFFLOAD_CHOICES = ("off", "activations", "auto")
 DEVICE_WINDOW = 2
 """Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
 (the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
@@ -55,12 +55,18 @@ OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 
 
-def parse_offload(value: str | None) -> bool:
-    """`off | activations` -> whether the layer-boundary activations are offloaded."""
+def offload_mode(value: str | None) -> str:
+    """`off | activations | auto` (None: off), checked: `auto` leaves the choice to the memory planner
+    (`autosp.compiler.sac_auto`; under any other checkpointing policy it is `off`)."""
     text = "off" if value is None else str(value).strip().lower()
     if text not in OFFLOAD_CHOICES:
-        raise ConfigError(f"unknown --offload {value!r}; choose {' or '.join(OFFLOAD_CHOICES)}")
-    return text == "activations"
+        raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}")
+    return text
+
+
+def parse_offload(value: str | None) -> bool:
+    """`off | activations | auto` -> whether the layer-boundary activations are always offloaded (`activations`)."""
+    return offload_mode(value) == "activations"
 
 
 def check_device(device: torch.device) -> None:
@@ -126,6 +132,9 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 @reload.register_fake
 def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+
+RELOAD_OP = op("reload").default
 
 
 _library = fragment()
@@ -230,8 +239,9 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
             ready = graph.call_function(op("wait").default, (loaded,))
-        loaded.meta.update(placeholder.meta)
-        ready.meta.update(placeholder.meta)
+        meta = {k: v for k, v in placeholder.meta.items() if k != "partitioner_tag"}  # no recomputed forward op
+        loaded.meta.update(meta)
+        ready.meta.update(meta)
         placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
         for user in list(placeholder.users):
             if user is not loaded:

@@ -80,7 +80,9 @@ class Compilation:
         if self.partition_fn is None:
             # cacheable=False: aot_autograd re-partitions (inductor still reuses its compiled kernels), so the
             # records of what every graph saves exist on each run, not only on a cold cache
-            self.partition_fn = make_partition_fn(self.options.policy, cacheable=False)
+            self.partition_fn = make_partition_fn(self.options.policy, cacheable=False,
+                                                  offload=self.options.offload_mode,
+                                                  host_budget=self.options.host_budget)
 
 
 # ------------------------------------------------------------------------------------------- graph passes
@@ -133,7 +135,11 @@ def gather_prefetch(c: Compilation, record: GraphRecord, fw: fx.GraphModule, bw:
 
 def offload_activations(c: Compilation, record: GraphRecord, fw: fx.GraphModule, bw: fx.GraphModule,
                         num_fwd_outputs: int) -> None:
-    if c.options.offloads:
+    if c.partition_fn.plans_offload:  # the planner decided (and rewrote the graphs) while partitioning
+        planned = c.partition_fn.records[-1].offload
+        if planned is not None:
+            record.offload_reports.append(planned)
+    elif c.options.offloads:
         record.offload_reports.append(offload_boundaries(fw, bw, num_fwd_outputs))
 
 
@@ -142,7 +148,7 @@ PARTITIONED_PASSES: tuple[Pass, ...] = (
          "partitioned graphs with one autosp_sp::all_gather_shard per parameter use (ZeRO 2/3)",
          "each layer's gathers are one asynchronous all-gather, issued during the previous layer"),
     Pass("offload", offload_activations,
-         "partitioned graphs; what forward saves for backward decided",
+         "partitioned graphs; what forward saves for backward decided (under sac auto: also what it offloads)",
          "saved layer-boundary values wait in host memory between forward and backward; a report"),
 )
 
@@ -199,7 +205,7 @@ class Partitioner(CustomPartitionerFn):
         return self
 
     def uuid(self) -> Any:
-        return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions, self.c.options.offloads,
+        return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions, self.c.options.offload_mode,
                 get_hash_for_files((__file__, grad_buckets.__file__, prefetch.__file__, offload.__file__)))
 
 

@@ -14,9 +14,11 @@ Policies (``parse_policy``):
   budget=<f>     attention and collectives pinned, then torch's ``activation_memory_budget`` = f;
   full           per-layer full checkpointing: only layer outputs and collectives saved, attention included
                  in the recomputation;
-  auto           budgeted (``autosp.compiler.sac_auto``): the cheapest mix of the above per layer whose estimated
+  auto           the memory planner (``autosp.compiler.sac_auto``), the compiler's default: per layer, the cheapest mix
+                 of keeping, moving layer boundaries to host memory and the above recomputation whose estimated
                  peak fits a per-rank byte budget (``budget=<bytes>``, e.g. ``budget=32MiB``; plain ``auto``:
-                 the device's free memory at compile time, no limit on CPU) — nothing recomputed when all fits.
+                 the device's free memory at compile time, no limit on CPU) — nothing recomputed or moved when all
+                 fits.
 
 Layers are found from Dynamo's ``nn_module_stack`` (the first ``<name>.<int>`` / ``<name>[<int>]`` in a module
 path, e.g. ``model.layers.3``); nodes without one (inserted by the SP pass) inherit their inputs' layer.
@@ -65,10 +67,17 @@ class SacPartitioner(CustomPartitionerFn):
     cache skips partitioning (no record); ``cacheable=False`` makes ``compile_with_partitioner`` bypass that
     cache so the records are always there."""
 
-    def __init__(self, policy: Policy, *, cacheable: bool = True) -> None:
+    def __init__(self, policy: Policy, *, cacheable: bool = True, offload: str = "auto",
+                 host_budget: int | None = None) -> None:
         self.policy = policy
         self.cacheable = cacheable
+        self.offload, self.host_budget = offload, host_budget  # the planner's (policy auto) host-memory lever
         self.records: list[PartitionRecord] = []
+
+    @property
+    def plans_offload(self) -> bool:
+        """Whether this partition function decides the offload (policy auto), not the pipeline's offload pass."""
+        return self.policy.kind == SacPolicy.AUTO
 
     def __call__(
         self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int, **kwargs: Any
@@ -76,10 +85,12 @@ class SacPartitioner(CustomPartitionerFn):
         if self.policy.kind == SacPolicy.AUTO:
             from autosp.compiler.sac_auto import plan_partition
 
-            fw_module, bw_module, plan = plan_partition(
-                joint_gm, joint_inputs, self.policy.budget_bytes, num_fwd_outputs=num_fwd_outputs, **kwargs
+            fw_module, bw_module, plan, offloaded = plan_partition(
+                joint_gm, joint_inputs, self.policy.budget_bytes, num_fwd_outputs=num_fwd_outputs,
+                offload=self.offload, host_budget_bytes=self.host_budget, **kwargs
             )
-            self.records.append(PartitionRecord(str(self.policy), fw_module, bw_module, num_fwd_outputs, plan))
+            self.records.append(PartitionRecord(str(self.policy), fw_module, bw_module, num_fwd_outputs, plan,
+                                                offload=offloaded))
             return fw_module, bw_module
         tag_joint_graph(joint_gm, self.policy)
         budget = (
@@ -96,21 +107,25 @@ class SacPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         # Never None: Inductor would then key the artifact like the stock partitioner's.
-        return (str(self.policy), get_hash_for_files(tuple(str(Path(__file__).with_name(f"{name}.py")) for name in
-                                                           ("sac", "sac_auto", "sac_tags", "node_kinds", "layers"))))
+        return (str(self.policy), self.offload, self.host_budget,
+                get_hash_for_files(tuple(str(Path(__file__).with_name(f"{name}.py")) for name in
+                                         ("sac", "sac_auto", "sac_tags", "node_kinds", "layers", "offload"))))
 
 
-def make_partition_fn(policy: str | Policy = SacPolicy.SAC, *, cacheable: bool = True) -> SacPartitioner:
-    """Partition function for ``aot_autograd(..., partition_fn=...)`` implementing ``policy``."""
-    return SacPartitioner(parse_policy(policy), cacheable=cacheable)
+def make_partition_fn(policy: str | Policy = SacPolicy.SAC, *, cacheable: bool = True, offload: str = "auto",
+                      host_budget: int | None = None) -> SacPartitioner:
+    """Partition function for ``aot_autograd(..., partition_fn=...)`` implementing ``policy`` (under ``auto`` also
+    the host-memory lever: ``offload`` and ``host_budget``, `autosp.compiler.sac_auto.plan_partition`)."""
+    return SacPartitioner(parse_policy(policy), cacheable=cacheable, offload=offload, host_budget=host_budget)
 
 
 def sac_backend(
-    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True
+    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True, **planner: Any
 ) -> Callable[..., Any]:
     """A ``torch.compile`` backend applying ``policy`` (no SP pass): single-process SAC; the backend's
-    ``partition_fn`` attribute exposes the partition records."""
-    partition_fn = make_partition_fn(policy, cacheable=cacheable)
+    ``partition_fn`` attribute exposes the partition records; ``planner``: `make_partition_fn`'s offload and
+    host_budget."""
+    partition_fn = make_partition_fn(policy, cacheable=cacheable, **planner)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)

@@ -1,7 +1,11 @@
-"""Budgeted SAC (``--sac auto`` / ``budget=<bytes>``): per compiled graph, the least recomputation that fits.
+"""The memory planner (``--sac auto`` / ``budget=<bytes>``, the compiler's default): per compiled graph, the least
+added step time that fits the device.
 
-Recomputing costs time, so it is only worth doing where memory is short. The planner walks a ladder of plans
-ordered by recompute cost and takes the first whose estimated peak fits the per-rank byte budget:
+Each value backward needs is kept on the device, moved to host memory, or recomputed. Recomputing costs time;
+a move to host memory costs none where its copy hides behind the compute (a side stream on GPUs,
+`autosp.compiler.offload`) but holds host memory. So the planner walks a ladder of plans ordered by recompute
+cost and takes the first whose estimated peak fits the per-rank byte budget (given, or the device's free memory
+at compile time; no limit on CPU unless given):
 
 1. save everything (attention and collectives pinned, the rest left to torch's min-cut, which only re-runs
    what is free to re-run) — no layer is recomputed;
@@ -10,9 +14,15 @@ ordered by recompute cost and takes the first whose estimated peak fits the per-
 3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
    layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``).
 
+On every rung that does not fit as it is, the layer-boundary values (`offload.boundary_values`) move to host
+memory before the next rung is tried (``offload=auto``), if their bytes fit the host budget: host memory is
+spent before recompute. ``offload=activations`` moves them on every rung, ``off`` never. With room to spare the
+first rung fits: nothing recomputed, nothing moved.
+
 Collectives are never re-run by any rung (their outputs stay pinned; ZeRO-3 parameter gathers excepted, as in
 every policy). Within a phase the saved bytes fall as k grows, so the smallest fitting k is found by bisection:
-a graph is partitioned about 1 + 2 log2(N) times, each on a copy of the joint graph.
+a graph is partitioned about 1 + 2 log2(N) times (up to twice as often where host memory is tried), each on a
+copy of the joint graph.
 
 Cost model, from the graph alone (no run):
 * memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
@@ -26,7 +36,8 @@ Cost model, from the graph alone (no run):
   against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
   of the step's peak increase at 512, 1K and 2K tokens.
 * time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
-  one per output element for the others (memory-bound ops), reported for the chosen plan.
+  one per output element for the others (memory-bound ops), and the bytes moved to host memory (each way, per
+  step), reported for the chosen plan; values in host memory are not device bytes in the replay.
 """
 from __future__ import annotations
 
@@ -42,6 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.compiler.layers import assign_layers, forward_nodes
 from autosp.compiler.node_kinds import _getitem_parent, _is_view, is_attention_forward, is_attention_value, is_pinned_value
+from autosp.compiler.offload import OFFLOAD_OP, RELOAD_OP, OffloadReport, offload_boundaries
 from autosp.compiler.sac_records import saved_values
 from autosp.compiler.sac_tags import _regather_parameters, _tag, _tag_layers
 from autosp.comm.transients import nbytes, transient_bytes
@@ -50,15 +62,17 @@ from autosp.compiler.fx_nodes import node_nbytes
 
 @dataclass(frozen=True)
 class Plan:
-    """What the planner chose for one graph (the record's ``extra.sac_auto`` entries)."""
+    """What the planner chose for one graph and what it costs per step (the record's ``extra.sac_auto`` entries)."""
 
     budget_bytes: int | None
+    host_budget_bytes: int | None
     estimated_peak_bytes: int
-    saved_activation_bytes: int
+    saved_activation_bytes: int  # on the device, from forward to backward
     layers: int
     tokenwise_recompute_layers: int  # layers whose token-wise ops are recomputed
     attention_recompute_layers: int  # of those, layers whose attention is recomputed too
     recompute_flops: int
+    offloaded_bytes: int  # saved values moved to host memory in forward and back in backward (each way, per step)
     fits: bool
     partitions_tried: int
 
@@ -67,7 +81,8 @@ class Plan:
         return self.attention_recompute_layers > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recomputes_attention": self.recomputes_attention, "recomputes_collectives": False}
+        return {**asdict(self), "recomputes_attention": self.recomputes_attention, "recomputes_collectives": False,
+                "offloads": self.offloaded_bytes > 0}
 
 
 def default_budget(joint_inputs: Sequence[Any]) -> int | None:
@@ -131,28 +146,43 @@ class _Trial:
     bw_module: fx.GraphModule
     peak: int
     saved: int
+    offload: OffloadReport | None
 
 
 def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
-    **kwargs: Any,
-) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any]]:
+    offload: str = "auto", host_budget_bytes: int | None = None, **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
-    returns (forward, backward, the plan as a dict). Nothing fits: the last rung (every layer fully recomputed)."""
+    `offload` (`autosp.compiler.offload.offload_mode`): `auto` moves the layer-boundary values to host memory
+    where a rung does not fit without it and its host bytes fit `host_budget_bytes` (None: no limit), `activations`
+    on every rung, `off` never. Returns (forward, backward, the plan as a dict, what was offloaded or None).
+    Nothing fits: the last rung (every layer fully recomputed)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
 
-    def trial(tokenwise: int, attention: int) -> _Trial:
+    def partition(tokenwise: int, attention: int, offloads: bool) -> _Trial:
         gm = _copy(joint_gm)
         tag_rung(gm, order[:tokenwise], order[:attention])
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        report = offload_boundaries(fw, bw, num_fwd_outputs) if offloads else None
         peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
-        trials.append(_Trial(tokenwise, attention, fw, bw, peak, saved))
+        trials.append(_Trial(tokenwise, attention, fw, bw, peak, saved, report))
         return trials[-1]
 
     def fits(t: _Trial) -> bool:
-        return budget is None or t.peak <= budget
+        host_ok = t.offload is None or host_budget_bytes is None or t.offload.nbytes <= host_budget_bytes
+        return host_ok and (budget is None or t.peak <= budget)
+
+    def trial(tokenwise: int, attention: int) -> _Trial:
+        """The rung kept on the device, else (offload auto) with its boundaries in host memory."""
+        t = partition(tokenwise, attention, offload == "activations")
+        if offload == "auto" and not fits(t):
+            moved = partition(tokenwise, attention, True)
+            if moved.offload.nbytes:
+                return moved
+        return t
 
     def smallest_fitting(make: Any, count: int) -> _Trial | None:
         """Bisection over k = 1..count of make(k), assuming the peak falls as k grows."""
@@ -173,11 +203,13 @@ def plan_partition(
     chosen = trial(0, 0)
     if not fits(chosen) and n:
         chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
-                  or next(t for t in trials if (t.tokenwise, t.attention) == (n, n)))
-    plan = Plan(budget_bytes=budget, estimated_peak_bytes=chosen.peak, saved_activation_bytes=chosen.saved,
-                layers=n, tokenwise_recompute_layers=chosen.tokenwise, attention_recompute_layers=chosen.attention,
-                recompute_flops=recompute_flops(chosen.bw_module), fits=fits(chosen), partitions_tried=len(trials))
-    return chosen.fw_module, chosen.bw_module, plan.to_dict()
+                  or next(t for t in reversed(trials) if (t.tokenwise, t.attention) == (n, n)))
+    plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
+                saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,
+                attention_recompute_layers=chosen.attention, recompute_flops=recompute_flops(chosen.bw_module),
+                offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, fits=fits(chosen),
+                partitions_tried=len(trials))
+    return chosen.fw_module, chosen.bw_module, plan.to_dict(), chosen.offload
 
 
 # ------------------------------------------------------------------------------------------- cost model
@@ -206,7 +238,7 @@ def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, lis
     for owner, i in last_use.items():
         frees.setdefault(i, []).append(owner)
     size = {n: node_nbytes(n) for n in nodes
-            if owners[n] is n and (n.op != "placeholder" or n.name in counted_inputs)}
+            if owners[n] is n and not _on_host(n) and (n.op != "placeholder" or n.name in counted_inputs)}
     alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
     live = sum(size[n] for n in alive)
     peak, at_peak = live, set(alive)
@@ -232,15 +264,22 @@ def _running_bytes(node: fx.Node) -> int:
 
 
 def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
-    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes)."""
-    activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"]
+    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes on the device)."""
+    activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder" and not _on_host(n)]
     saved = sum(node_nbytes(n) for n in activations)
     return max(live_at_peak(fw, set())[0], live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs))[0]), saved
 
 
+def _on_host(node: fx.Node) -> bool:
+    """A value in host memory: an offload's output (`autosp.compiler.offload`), or backward's input of it."""
+    return node.target is OFFLOAD_OP or (node.op == "placeholder" and any(u.target is RELOAD_OP for u in node.users))
+
+
 def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
-    """Names of the backward graph's inputs that are this step's memory: saved activations and tangents."""
-    activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"}
+    """Names of the backward graph's inputs that are this step's device memory: saved activations (not those
+    waiting in host memory) and tangents."""
+    host = {n.name for n in bw.graph.nodes if _on_host(n)}
+    activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"} - host
     return activations | {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
 
 

@@ -26,10 +26,11 @@ class PartitionRecord:
     from that metadata."""
 
     def __init__(self, policy: str, fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
-                 plan: dict[str, Any] | None = None) -> None:
+                 plan: dict[str, Any] | None = None, offload: Any = None) -> None:
         self.policy = policy
         self.num_fwd_outputs = num_fwd_outputs
         self.plan = plan  # policy auto: what the budgeted planner chose (autosp.compiler.sac_auto)
+        self.offload = offload  # policy auto: the OffloadReport of what the planner moved to host memory, or None
         self._graphs = (fw_module, bw_module)
         self._metas = {node: node.meta for gm in self._graphs for node in gm.graph.nodes}
 

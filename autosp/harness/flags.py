@@ -36,7 +36,7 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
     g.add_argument("--steps", type=int, default=d["steps"], help="timed steps after the measured one (0: measure the peak only)")
     g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
-    g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (least recompute that fits --memory-budget) | budget=<bytes>, e.g. budget=32MiB")
+    g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (the memory planner: the least added step time that fits --memory-budget, or the GPU's free memory, over keeping, host memory with --offload auto, and recompute) | budget=<bytes>, e.g. budget=32MiB")
     g.add_argument("--compile-backend", default=d["compile_backend"], help=" | ".join(COMPILE_BACKENDS))
     g.add_argument("--memory-budget", default=None,
                    help="emulated device size, e.g. 512MiB or 2GiB: a higher peak ends the run as oom")
@@ -60,7 +60,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
                    help="where the padding of --pad-fraction goes")
     g.add_argument("--offload", default=d["offload"],
-                   help="autosp: off | activations: the layer-boundary activations wait in host memory for backward")
+                   help="autosp: off | activations | auto: the layer-boundary activations wait in host memory for "
+                   "backward (auto: where --sac auto, the memory planner, needs the room)")
     g.add_argument("--ac", default=d["ac"], help="ulysses, ring, zero3, fsdp: off | layer (per-layer activation "
                    "checkpointing, as practitioners run them at long context)")
     g.add_argument("--host-memory-budget", default=None,

@@ -32,6 +32,7 @@ Memory, per device kind:
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -65,6 +66,18 @@ def format_sizes_apart(*sizes: float) -> list[str]:
         if len(set(texts)) == len(set(sizes)):
             return texts
     return [f"{int(v)} B" for v in sizes]
+
+
+def ranks_on_this_node(device: torch.device) -> int:
+    """The ranks sharing this rank's host memory: every rank on CPU (one machine), else torchrun's LOCAL_WORLD_SIZE
+    or the node's GPU count."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 1
+    if device.type == "cpu":
+        return dist.get_world_size()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
 
 
 def node_host_bytes(rank_host_bytes: int, ranks_per_node: int) -> int:

@@ -8,7 +8,6 @@ show that the step trains. Order per rank: warm-up steps, one measured step (pea
 from __future__ import annotations
 
 import importlib
-import os
 import math
 import platform
 import time
@@ -24,7 +23,7 @@ from autosp.compiler.sac_policy import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
 from autosp.harness.measure import (apply_device_budget, format_sizes_apart, host_over_budget_error, memory_meter,
-                                    node_host_bytes, summarize_times, timed)
+                                    node_host_bytes, ranks_on_this_node, summarize_times, timed)
 from autosp.models import build_model, get_preset
 from autosp.models.data import Batch, make_batch
 from autosp.harness.parallel import build_context
@@ -121,9 +120,7 @@ def _node_host_bytes(rank_host_bytes: int, device: torch.device) -> int:
     bytes times the ranks per node (on CPU every rank is on this machine)."""
     if not dist.is_initialized():
         return rank_host_bytes
-    per_node = dist.get_world_size() if device.type == "cpu" else int(
-        os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-    return node_host_bytes(_reduce_over_ranks(rank_host_bytes), per_node)
+    return node_host_bytes(_reduce_over_ranks(rank_host_bytes), ranks_on_this_node(device))
 
 
 def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> dict[str, Any]:

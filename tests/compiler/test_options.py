@@ -15,7 +15,9 @@ from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
 
 def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
     options = CompileOptions()
-    assert (options.policy, options.tiling_options.enabled, options.offloads) == (Policy(SacPolicy.SAC), False, False)
+    # the memory planner by default, deciding the offload too
+    assert (options.policy, options.tiling_options.enabled, options.offloads, options.offload_mode) == (
+        Policy(SacPolicy.AUTO), False, False, "auto")
     assert CompileOptions(sac="budget=32MiB").policy == Policy(SacPolicy.AUTO, budget_bytes=32 * 2**20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.sac = "off"  # type: ignore[misc]
@@ -32,6 +34,7 @@ def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
     (dict(offload="weights"), ConfigError, "unknown --offload 'weights'"),
     (dict(offload="activations", backend="eager"), SequenceParallelError, "use backend aot_eager or inductor"),
     (dict(ulysses_size=0), SequenceParallelError, "ulysses_size=0: give a positive rank count"),
+    (dict(host_budget=-1), SequenceParallelError, "host_budget=-1: give bytes of host memory"),
     (dict(compute_dtype=torch.int8), SequenceParallelError, "compute_dtype=torch.int8"),
 ])
 def test_each_bad_value_is_one_line_naming_it(changes, error, text) -> None:

@@ -42,8 +42,8 @@ def _eager_grads(model_name: str, ids: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters()]
 
 
-def _compiled_step(model: nn.Module, policy: str, call) -> PartitionRecord:
-    backend = sac_backend(policy, "aot_eager")
+def _compiled_step(model: nn.Module, policy: str, call, **planner) -> PartitionRecord:
+    backend = sac_backend(policy, "aot_eager", **planner)
     call(torch.compile(model, backend=backend, fullgraph=True)).backward()
     (record,) = backend.partition_fn.records
     return record
@@ -147,11 +147,11 @@ def test_full_recomputes_attention_and_saves_least(tiny_runs: dict[str, Partitio
 # ------------------------------------------------------------------------------------ budgeted (auto)
 
 
-def _auto_plan(budget: int | None) -> tuple[PartitionRecord, dict]:
+def _auto_plan(budget: int | None, **planner) -> tuple[PartitionRecord, dict]:
     ids = _batch()
     model = build_model("tiny")
     record = _compiled_step(model, str(Policy("auto", budget_bytes=budget)) if budget is not None else "auto",
-                            lambda c: c(input_ids=ids, labels=ids).loss)
+                            lambda c: c(input_ids=ids, labels=ids).loss, **planner)
     _assert_grads_equal(model, _eager_grads("tiny", ids))
     return record, record.plan
 
@@ -168,6 +168,7 @@ def _recomputed_categories(record: PartitionRecord) -> set[str]:
 def test_auto_recomputes_nothing_when_everything_fits(tiny_runs: dict[str, PartitionRecord]) -> None:
     record, plan = _auto_plan(None)  # CPU, no budget given: unlimited
     assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == 0 and plan["fits"]
+    assert plan["offloaded_bytes"] == 0 and not plan["offloads"]
     assert record.saved_activation_bytes == tiny_runs["off"].saved_activation_bytes
     assert record.recomputed_ops == tiny_runs["off"].recomputed_ops
     assert _recomputed_categories(record) == set()
@@ -177,15 +178,31 @@ def test_auto_recomputes_the_mlp_before_attention(tiny_runs: dict[str, Partition
     off, sac = (estimated_peak(r.fw_module, r.bw_module, r.num_fwd_outputs)[0] for r in (tiny_runs["off"],
                                                                                          tiny_runs["sac"]))
     layers = get_preset("tiny").num_layers
-    record, plan = _auto_plan((off + sac) // 2)  # token-wise recompute of some layers fits, saving all does not
+    # token-wise recompute of some layers fits, saving all does not (host memory apart: its own test)
+    record, plan = _auto_plan((off + sac) // 2, offload="off")
     assert 0 < plan["tokenwise_recompute_layers"] <= layers and plan["fits"]
     assert not plan["recomputes_attention"] and record.attention_forwards_in_backward == 0
     assert plan["estimated_peak_bytes"] <= plan["budget_bytes"] < off
     assert "mlp" in _recomputed_categories(record) and "sdpa" not in _recomputed_categories(record)
-    record, plan = _auto_plan(sac - 1)  # below every token-wise rung: attention goes too, and the plan says so
+    record, plan = _auto_plan(sac - 1, offload="off")  # below every token-wise rung: attention goes too, as the plan says
     assert plan["tokenwise_recompute_layers"] == layers and plan["recomputes_attention"]
     assert record.attention_forwards_in_backward == plan["attention_recompute_layers"] > 0
     assert "sdpa" in _recomputed_categories(record) and not plan["recomputes_collectives"]
+
+
+def test_auto_moves_layer_boundaries_to_host_before_recomputing_within_the_host_budget() -> None:
+    """Host memory costs no recompute: the planner moves the boundaries before it recomputes a layer, and only
+    as many bytes as the host budget holds; either way the gradients are exact (`_auto_plan`)."""
+    kept_record, kept = _auto_plan(None)
+    _, moved = _auto_plan(None, offload="activations")  # everything kept, the boundaries in host memory
+    assert moved["offloaded_bytes"] > 0 and moved["estimated_peak_bytes"] < kept["estimated_peak_bytes"]
+    assert moved["saved_activation_bytes"] == kept["saved_activation_bytes"] - moved["offloaded_bytes"]
+    record, plan = _auto_plan(moved["estimated_peak_bytes"])
+    assert plan["offloaded_bytes"] == moved["offloaded_bytes"] and plan["fits"]
+    # only what the min-cut re-runs for free when it keeps everything
+    assert plan["tokenwise_recompute_layers"] == 0 and record.recomputed_ops == kept_record.recomputed_ops
+    _, plan = _auto_plan(moved["estimated_peak_bytes"], host_budget=moved["offloaded_bytes"] - 1)
+    assert plan["offloaded_bytes"] == 0 and plan["tokenwise_recompute_layers"] > 0 and plan["fits"]
 
 
 # ------------------------------------------------------------------------------ collectives (1-rank group)

@@ -32,9 +32,10 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     try:
         if depth <= EXACT_LAYERS:
             return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
-        if cfg.method in NOT_LINEAR_IN_DEPTH:
+        whole = NOT_LINEAR_IN_DEPTH.get(cfg.method) or _planned(cfg)
+        if whole:
             return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
-                                                 "note": f"{NOT_LINEAR_IN_DEPTH[cfg.method]}: simulated whole"}
+                                                 "note": f"{whole}: simulated whole"}
         pair = SECOND_PAIR if _layers_reach_their_neighbours(cfg) else (2, 3)
         runs = [_rank_peak(run_cfg, device, layers) for layers in pair]
         peak, note = _extrapolate(*runs, depth)
@@ -72,6 +73,16 @@ NOT_LINEAR_IN_DEPTH = {method: "DeepSpeed ZeRO-3's peak is not linear in the dep
 SECOND_PAIR = (3, 4)
 #: the baselines sharded by FSDP2 (`baselines.fsdp_sharding`), by the ZeRO stages at which they are
 FSDP2_SHARDED = {"fsdp": (3,), "ulysses": (3,), "ring": (3,)}
+
+
+def _planned(cfg: RunConfig) -> str | None:
+    """Why autosp's memory planner (`--sac auto`) is not linear in depth: it plans each layer against the whole
+    device, so 2 and 3 layers keep what 32 would recompute or move."""
+    from autosp.compiler.sac_policy import SacPolicy, parse_policy
+
+    if cfg.method == "autosp" and parse_policy(cfg.sac).kind == SacPolicy.AUTO:
+        return "the memory planner's choices depend on the depth"
+    return None
 
 
 def _layers_reach_their_neighbours(cfg: RunConfig) -> bool:

@@ -73,7 +73,10 @@ class RankProgram:
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
             keep_hf_registries()
-            self.step = self.strategy.setup(self.model, self.ctx, cfg)
+            # the device's tensor memory is the memory planner's budget (autosp --sac auto), as on a real device
+            planned = cfg if cfg.memory_budget is not None else cfg.replace(
+                memory_budget=device.usable_bytes - device.fixed_bytes)
+            self.step = self.strategy.setup(self.model, self.ctx, planned)
         _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
@@ -177,7 +180,7 @@ class _SharedPrograms:
             torch._dynamo.reset()
             self.world.enter_context(fake_world(cfg.world_size))
             self.key = key
-        slot = (layers, device.small_block_bytes, device.large_block_bytes)
+        slot = (layers, device.small_block_bytes, device.large_block_bytes, device.usable_bytes - device.fixed_bytes)
         if slot not in self.programs:
             self.programs[slot] = RankProgram(cfg, device, num_layers=layers, shared=True)
         return self.programs[slot]

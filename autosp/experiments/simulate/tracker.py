@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -128,7 +129,10 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.healthy and func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
             self.assumed_reads += 1
             return False
-        out = func(*args, **(kwargs or {}))
+        return self.record(func, func(*args, **(kwargs or {})))
+
+    def record(self, func: Any, out: Any) -> Any:
+        """Count `out`, what `func` just made, and follow the phase's peak; returns `out`."""
         self.ops += 1
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
@@ -148,6 +152,16 @@ class LiveStorageTracker(TorchDispatchMode):
         if moment is None or charged > moment.charged:
             self.moments[phase] = PeakMoment(charged, sizes, str(func), self.ops)
         return out
+
+
+def _wrapped_op_rule(hop: Any) -> None:
+    """The tracker's rule for a higher-order op wrapping one op (the RNG-state wrappers the partitioner puts around
+    random ops recomputed in backward, as under `--sac full`): run it below the tracker, count its outputs."""
+    hop.py_impl(LiveStorageTracker)(lambda mode, *args, **kwargs: mode.record(hop, hop(*args, **kwargs)))
+
+
+for _hop in (run_and_save_rng_state, run_with_rng_state):
+    _wrapped_op_rule(_hop)
 
 
 @dataclass
