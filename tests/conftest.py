@@ -16,7 +16,7 @@ def fresh_dynamo():
     yield
 
 
-# --- CPU-seconds per test: what a test costs on a shared machine, where wall time is noise --------------------------
+# --- options: the long profile, CPU-seconds per test (what a test costs on a shared machine) ---------------------------
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true",
