@@ -7,6 +7,9 @@ import time
 import pytest
 import torch
 
+from autosp.harness.launch import WARM_RANK_PRELOAD
+from autosp.harness.supervisor import warm_rank_cpu_seconds, warm_ranks
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -14,6 +17,22 @@ def fresh_dynamo():
     (the same model forward compiled with many backends) and silently fall back to eager at its recompile limit."""
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def warm_cpu_ranks():
+    """CPU ranks forked from one server that imported torch, Dynamo and the runner once (`supervisor.warm_ranks`):
+    a short check's ranks otherwise spend most of their CPU importing. Tests of how ranks start and end use
+    `cold_ranks`."""
+    with warm_ranks(WARM_RANK_PRELOAD):
+        yield
+
+
+@pytest.fixture
+def cold_ranks():
+    """Every rank a fresh interpreter, as outside the suite (tests that inspect rank processes or their start)."""
+    with warm_ranks(None):
+        yield
 
 
 # --- options: the long profile, CPU-seconds per test (what a test costs on a shared machine) ---------------------------
@@ -30,7 +49,7 @@ def pytest_addoption(parser):
 
 def _cpu_seconds() -> float:
     own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + warm_rank_cpu_seconds()
 
 
 _CPU_COSTS: dict[str, tuple[float, float]] = {}

@@ -43,6 +43,9 @@ _GRACE_S = 1.0
 _POLL_S = 0.05
 #: how long ranks that all reported success get to exit normally before their process groups are killed
 _EXIT_GRACE_S = 30.0
+#: what a warm CPU rank's fork server imports once (`supervisor.warm_ranks`): most of a short rank's start-up cost
+WARM_RANK_PRELOAD = ("torch", "torch._dynamo", "torch._functorch.aot_autograd", "autosp.harness.runner", "autosp.api",
+                     "transformers.models.llama.modeling_llama")
 #: set to 1 to run several local ranks on one GPU over gloo (see the module docstring)
 SHARE_GPUS_ENV = "AUTOSP_SHARE_GPUS"
 #: resident memory of one idle CPU rank before any model (Python, torch, gloo, the harness): 343 MiB measured on
@@ -256,7 +259,7 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
         port = free_port()
         reports = [str(workdir / f"rank{r}.out") for r in range(world_size)]
         ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
-                                                 for r in range(world_size)])
+                                                 for r in range(world_size)], warm=device == "cpu")
         try:
             values, failures, complete = _supervise(ranks, reports, start + timeout_s, timeout_s)
             if complete and not failures:  # let finished ranks exit by themselves first

@@ -12,6 +12,11 @@ Why each piece is the way it is:
   polls, so the parent ends and reaps the ranks, records the run as `interrupted` and exits normally, instead of
   dying mid-write with its ranks orphaned. Each rank also asks the kernel to kill it if the parent dies without
   cleaning up (SIGKILL of the parent: nothing else can run then).
+- Warm ranks (`warm_ranks`, CPU only, opt-in): instead of a fresh interpreter per rank, a fork server that imported
+  the heavy modules once (torch, Dynamo, the runner: most of a short CPU rank's cost) forks each rank. The rank
+  takes the launcher's environment, working directory and sys.path, makes itself a process-group leader before
+  anything else, and dies with the fork server, which dies with the launcher. The test suite uses it; a
+  measurement does not need it (its rank start is not in the timed steps).
 This module knows nothing of torch; `autosp.harness.launch` builds the rank protocol on it.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -39,6 +45,8 @@ _REAP_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 _caught: list[str] = []  # names of the stop signals received while trapped, first first
+#: modules the fork server of warm ranks imports once (None: every rank is a fresh interpreter)
+_warm_preload: tuple[str, ...] | None = None
 
 
 def _note(signum: int, frame: object) -> None:
@@ -82,6 +90,59 @@ def rank_entry(payload: str, parent: int) -> None:
     target(*args)
 
 
+@contextlib.contextmanager
+def warm_ranks(preload: tuple[str, ...] | None) -> Iterator[None]:
+    """While active, `RankProcesses(warm=True)` forks ranks from one server that imported `preload` once per
+    launcher process (None turns warm ranks off). The server starts at the first warm launch and lives as long as
+    the launcher."""
+    global _warm_preload
+    previous, _warm_preload = _warm_preload, preload
+    try:
+        yield
+    finally:
+        _warm_preload = previous
+
+
+def warm_rank_cpu_seconds() -> float:
+    """CPU-seconds of the warm ranks that ended so far (the fork server's reaped children; 0 without a server)."""
+    from multiprocessing import forkserver
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime + cstime
+
+
+def _forked_rank_entry(payload: str, log_path: str, env: dict[str, str], cwd: str, path: list[str]) -> None:
+    """Body of a warm rank, forked by the server: become a group leader, take the launcher's context, run."""
+    os.setpgid(0, 0)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    rank_entry(payload, os.getppid())
+
+
+class _ForkedRank:
+    """A warm rank seen through the part of `subprocess.Popen` the supervisor uses (pid, poll, wait)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self) -> int | None:
+        self.process.join()
+        return self.process.exitcode
+
+
 def write_report(path: str | os.PathLike, report: Any) -> None:
     """Publish a rank's report atomically: the parent sees the whole pickle or no file."""
     tmp = f"{path}.tmp"
@@ -101,22 +162,33 @@ def read_report(path: str | os.PathLike) -> Any | None:
 class RankProcesses:
     """P rank processes, each the leader of its own process group; `end()` kills and reaps all of them."""
 
-    def __init__(self, workdir: Path, target: Callable[..., None], args_per_rank: list[tuple]) -> None:
+    def __init__(self, workdir: Path, target: Callable[..., None], args_per_rank: list[tuple],
+                 warm: bool = False) -> None:
+        """`warm`: fork the ranks from the warm-rank server where `warm_ranks` is active (else fresh processes)."""
         self.workdir = workdir
         self.log_path = workdir / "ranks.log"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | _ForkedRank] = []
         path_json = json.dumps(sys.path)
         with open(self.log_path, "ab") as log:
             try:
                 for rank, args in enumerate(args_per_rank):
                     payload = workdir / f"rank{rank}.in"
                     payload.write_bytes(pickle.dumps((target, args)))
-                    self.procs.append(subprocess.Popen(
+                    self.procs.append(self._fork(str(payload)) if warm and _warm_preload is not None else
+                                      subprocess.Popen(
                         [sys.executable, "-c", _BOOTSTRAP, path_json, str(payload), str(os.getpid())],
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0))
             except BaseException:
                 self.end()
                 raise
+
+    def _fork(self, payload: str) -> _ForkedRank:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(_warm_preload or ()))
+        process = context.Process(target=_forked_rank_entry, name=f"autosp-rank:{payload}", args=(
+            payload, str(self.log_path), dict(os.environ), os.getcwd(), list(sys.path)))
+        process.start()
+        return _ForkedRank(process)
 
     def exit_code(self, rank: int) -> int | None:
         return self.procs[rank].poll()
@@ -132,6 +204,9 @@ class RankProcesses:
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
+            if isinstance(p, _ForkedRank) and p.poll() is None:  # forked before it could make its own group: not reached by killpg
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait()
         deadline = time.monotonic() + _REAP_S

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from autosp.harness import launch as launch_mod
 from autosp.harness.config import ConfigError
-from autosp.harness.launch import backend_for, check_device, existing_job, launch
+from autosp.harness.launch import WARM_RANK_PRELOAD, backend_for, check_device, existing_job, launch
+from autosp.harness.supervisor import warm_ranks
 
 
 def _resident() -> int:
@@ -51,10 +52,32 @@ def hang_with_child(pid_file: str) -> None:
     dist.barrier()
 
 
+def environment_and_directory() -> tuple[str | None, str]:
+    return os.environ.get("AUTOSP_TEST_SET_LATE"), os.getcwd()
+
+
 def out_of_memory() -> None:
     if dist.get_rank() == 0:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     dist.barrier()
+
+
+def hang_after_naming_itself(pid_dir: str) -> None:
+    """Each rank writes its pid (rank 0 also its child's) and hangs."""
+    if dist.get_rank() == 0:
+        Path(pid_dir, "child").write_text(str(subprocess.Popen(["sleep", "600"]).pid))
+    Path(pid_dir, f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+#: how ranks start: fresh interpreters (what a run outside the suite does) or forked from the warm-rank server
+pytestmark = pytest.mark.usefixtures("cold_ranks")
+
+
+@pytest.fixture(params=["fresh", "warm"])
+def rank_start(request):
+    with warm_ranks(WARM_RANK_PRELOAD if request.param == "warm" else None):
+        yield request.param
 
 
 def _alive(pid: int) -> bool:
@@ -66,21 +89,21 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_results_come_back_from_every_rank() -> None:
+def test_results_come_back_from_every_rank(rank_start) -> None:
     result = launch(sum_ranks, ("x",), world_size=2, timeout_s=60)
     assert result.status == "ok" and result.error is None
     # one torch thread per CPU rank, and a CPU rank keeps the memory it frees
     assert result.results == [(0, 1.0, "x", 1, 0), (1, 1.0, "x", 1, 0)]
 
 
-def test_crashed_rank_ends_the_run_with_its_message() -> None:
+def test_crashed_rank_ends_the_run_with_its_message(rank_start) -> None:
     result = launch(crash_rank_1, world_size=2, timeout_s=60)
     assert result.status == "error" and result.failed_rank == 1
     assert result.error == "rank 1: RuntimeError: rank one fails on purpose"
     assert "crash_rank_1" in result.traceback
 
 
-def test_killed_rank_is_an_error_within_the_timeout() -> None:
+def test_killed_rank_is_an_error_within_the_timeout(rank_start) -> None:
     start = time.monotonic()
     result = launch(kill_rank_1, world_size=2, timeout_s=60)
     assert time.monotonic() - start < 30
@@ -109,6 +132,26 @@ def test_hung_rank_times_out_and_leaves_no_orphans(tmp_path, monkeypatch) -> Non
     assert not _alive(grandchild), "the hung rank's child process survived"
 
 
+def test_warm_ranks_that_hang_are_ended_with_their_children(tmp_path) -> None:
+    with warm_ranks(WARM_RANK_PRELOAD):
+        result = launch(hang_after_naming_itself, (str(tmp_path),), world_size=2, timeout_s=15)
+    assert result.status == "timeout"
+    pids = [int(tmp_path.joinpath(name).read_text()) for name in ("rank0", "rank1", "child")]
+    deadline = time.monotonic() + 5
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids)), "a warm rank or its child survived"
+
+
+def test_warm_ranks_take_the_launchers_environment_and_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AUTOSP_TEST_SET_LATE", "after the server started")
+    monkeypatch.chdir(tmp_path)
+    with warm_ranks(WARM_RANK_PRELOAD):
+        result = launch(environment_and_directory, world_size=2, timeout_s=60)
+    assert result.status == "ok", result.error
+    assert result.results == [("after the server started", str(tmp_path))] * 2
+
+
 def test_one_line_error_carries_the_root_cause() -> None:
     from torch._dynamo.exc import BackendCompilerFailed
 
@@ -127,7 +170,7 @@ def test_one_line_error_carries_the_root_cause() -> None:
         assert launch_mod._one_line(exc) == "RuntimeError: no budget <- KeyError: 'tiny-mha'"
 
 
-def test_out_of_memory_is_its_own_status() -> None:
+def test_out_of_memory_is_its_own_status(rank_start) -> None:
     result = launch(out_of_memory, world_size=2, timeout_s=60)
     assert result.status == "oom" and result.failed_rank == 0
     assert "OutOfMemoryError" in result.error

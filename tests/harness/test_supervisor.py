@@ -10,6 +10,8 @@ from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 from tests.harness.processes import MARK, interrupt_once_ranks_run, marked_processes, new_mark, start_cli
 from tests.harness.test_launch import sum_ranks
 
+pytestmark = pytest.mark.usefixtures("cold_ranks")  # these inspect rank processes by their environment and command
+
 RUN = ["run", "--method", "ulysses", "--model", "tiny", "--seq-len", "128", "--world-size", "2", "--steps", "3000",
        "--zero", "0"]
 
