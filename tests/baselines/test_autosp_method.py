@@ -29,9 +29,10 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
     # GQA, batch > 1, uneven -100 runs; --sac auto with a budget nothing fits: every layer fully recomputed from
     # its input, which waits in host memory (--offload activations)
     ("tiny", 2, dict(batch_size=2, ignore_fraction=0.3, sac="auto", memory_budget=1, offload="activations")),
-    ("tiny-mha", 4, dict(packed_documents=3)),  # MHA, packed documents through position_ids
+    pytest.param("tiny-mha", 4, dict(packed_documents=3), marks=pytest.mark.long),  # MHA, packed documents
     ("tiny", 4, dict(pad_fraction=0.25, ignore_fraction=0.2)),  # 2 KV heads < SP 4: replicated; padding mask
-    ("small", 4, dict(sp_size=2, ignore_fraction=0.3)),  # 2-D mesh: 2 SP groups x 2 data-parallel replicas
+    # 2-D mesh: 2 SP groups x 2 data-parallel replicas (by default: the ZeRO 2 case below)
+    pytest.param("small", 4, dict(sp_size=2, ignore_fraction=0.3), marks=pytest.mark.long),
     ("tiny", 2, dict(sp_size=1, ignore_fraction=0.3)),  # SP degree 1: compiled data parallelism only
 ])
 def test_project_llama_matches_single_process(model, world_size, options):
@@ -55,7 +56,8 @@ def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
 
 @pytest.mark.parametrize("world_size, options", [
     (2, dict(pad_fraction=0.25)),  # HF builds its own [B,1,S,S] padding mask inside the graph
-    (4, dict(ignore_fraction=0.3, packed_documents=2)),  # HF's packed-sequence detection from position_ids
+    # HF's packed-sequence detection from position_ids (by default: tests/compiler/test_coverage.py, Qwen2 below)
+    pytest.param(4, dict(ignore_fraction=0.3, packed_documents=2), marks=pytest.mark.long),
     (2, dict(ignore_fraction=0.3, tiling="auto:8", model="hf:tiny-tied")),  # tiled loss + MLPs, tied head
     # sliding window 16 < S (autosp::masked_attention, blocks skipped): with left padding; with packed documents
     (2, dict(pad_fraction=0.25, pad_side="left", model="hf-mistral-w16:tiny")),
@@ -136,6 +138,7 @@ def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # by default: tests/compiler/test_sac.py's inductor SAC against eager
 def test_inductor_with_sac_matches_single_process():
     _check("tiny", 2, backend="inductor", sac="sac", ignore_fraction=0.3)
 

@@ -40,7 +40,7 @@ def _five_lengths(name: str) -> dict:
     return {"worst": worst, "traces": torch._dynamo.utils.counters["stats"]["unique_graphs"], "local": local}
 
 
-@pytest.mark.parametrize("name", ["tiny", "hf:tiny"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("hf:tiny", marks=pytest.mark.long)])
 def test_five_lengths_trace_at_most_twice_and_stay_exact(name):
     outcome = launch(_five_lengths, (name,), world_size=2, timeout_s=600)
     assert outcome.status == "ok", outcome.traceback

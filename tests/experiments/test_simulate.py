@@ -181,7 +181,8 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
 
 @pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
                                                     ("zero3", None, "tiny", "bfloat16"),
-                                                    ("ds-autosp", None, "hf:tiny", "bfloat16"),
+                                                    pytest.param("ds-autosp", None, "hf:tiny", "bfloat16",
+                                                                 marks=pytest.mark.long),
                                                     ("alst", None, "hf:tiny", "float32")])
 def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method, zero, model, dtype):
     """One program stepped at several lengths (a search's probes; compiled: one symbolic Dynamo trace; DeepSpeed:
@@ -333,7 +334,7 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
     assert answers == [[False, False], [True, True]]
 
 
-@pytest.mark.parametrize("seq_len", [512, 1024])
+@pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])
 def test_alst_is_simulated_within_10_percent_of_its_measured_peak_and_its_host_bytes_exactly(seq_len):
     """ALST (DeepSpeed's Ulysses, TiledMLP, tiled logits+loss, ZeRO-3; each layer's checkpointed input in host
     memory) on fake tensors against the CPU meter, as rank 0 of 2. (At 256 tokens the simulation is 14% low: the
