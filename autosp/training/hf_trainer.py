@@ -20,8 +20,8 @@ The Trainer's checkpoints (`save_steps`, `train(resume_from_checkpoint=...)`) ho
 
 What does not compose is refused in one line: fp16, torch_compile, gradient_checkpointing (AutoSP's `sac` does
 it), DeepSpeed/FSDP, ZeRO stage 1 (ZeroRedundancyOptimizer does not take the Trainer's parameter groups),
-`compute_metrics` (it needs the full logits; each rank holds a shard) and an SP group smaller than the world
-(a DP x SP mesh: the Trainer's data split would have to follow the mesh).
+`compute_metrics` and `predict()` (they need the full logits; each rank holds a shard) and an SP group smaller
+than the world (a DP x SP mesh: the Trainer's data split would have to follow the mesh).
 """
 from __future__ import annotations
 
@@ -90,6 +90,10 @@ class AutoSPMixin:
             even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
             data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
             use_stateful_dataloader=acc.use_stateful_dataloader)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        raise SequenceParallelError("AutoSPTrainer: predict() returns the full logits, and each SP rank holds a shard "
+                                    "of them; use evaluate() for the loss, or the model itself for logits")
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return clip_grad_norm_(self.sp_model, self.args.max_grad_norm)

@@ -109,3 +109,11 @@ def test_what_the_trainer_cannot_shard_is_refused_in_one_line(tmp_path, setting,
         AutoSPTrainer(model=build_model("hf:tiny", seed=0), args=_args(str(tmp_path)), train_dataset=_dataset(),
                       **keywords)
     assert "\n" not in str(info.value)
+
+
+def test_predict_is_refused_in_one_line():
+    from autosp.training.hf_trainer import AutoSPMixin
+
+    with pytest.raises(SequenceParallelError, match="predict") as info:
+        AutoSPMixin.predict(None, _dataset())
+    assert "\n" not in str(info.value)
