@@ -5,8 +5,9 @@ checkpoints and resume, the full weights exported at the end (`from_pretrained` 
         --data examples/data/tiny.jsonl --seq-len 256 --steps 100 --save-every 50 --out runs/tiny
 
 The model comes from an HF config with seeded weights (`--config`), or from local weights (`--weights DIR`).
-`--resume` continues from the newest checkpoint in `--out` (at any world size). Every rank passes the full batch;
-the printed loss is the single-device loss.
+`--resume` continues from the newest checkpoint in `--out` (at any world size) as the uninterrupted run: the checkpoint
+holds the random number generators' state (dropout), and the data order is a function of the step. Every rank passes
+the full batch; the printed loss is the single-device loss.
 """
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def newest_checkpoint(out: Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generators dropout draws from; every rank's are equal (same seed, same draws), so one copy is kept."""
+    state = {"rng.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["rng.cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(extra: dict, device: torch.device) -> None:
+    torch.set_rng_state(extra["rng.cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(extra["rng.cuda"], device)
+
+
 def main() -> None:
     args = parse()
     cuda = torch.cuda.is_available()
@@ -48,7 +63,9 @@ def main() -> None:
     blocks = packed_blocks(args.data, args.seq_len, args.tokenizer)
     out, start = Path(args.out), 0
     if args.resume and (found := newest_checkpoint(out)):
-        start = checkpoint.load(found, model, optimizer)["step"]
+        extra = checkpoint.load(found, model, optimizer)
+        start = extra["step"]
+        set_rng_state(extra, device)
     for step in range(start, args.steps):
         inputs = {k: v.to(device) for k, v in batch(blocks, step, args.batch_size, args.seed).items()}
         loss = model(**inputs).loss
@@ -59,7 +76,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(json.dumps({"step": step, "loss": loss.item(), "grad_norm": norm.item()}), flush=True)
         if args.save_every and (step + 1) % args.save_every == 0:
-            checkpoint.save(out / f"step-{step + 1}", model, optimizer, extra={"step": step + 1})
+            checkpoint.save(out / f"step-{step + 1}", model, optimizer, extra={"step": step + 1, **rng_state(device)})
     checkpoint.export(out / "final", model)
     dist.destroy_process_group()
 

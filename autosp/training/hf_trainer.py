@@ -1,9 +1,12 @@
 """The HF `Trainer` with AutoSP: `AutoSPTrainer(model=..., args=..., train_dataset=..., autosp_options={...})`.
 
-A Trainer subclass, not a callback or an accelerate hook, because four things must change that only the
-Trainer's own overridable methods reach (a callback sees events, not the dataloader or the optimizer, and
-accelerate has no plug-in point for a compiler backend's sequence parallelism):
-  - data: every rank of the SP group gets the full batch (accelerate would give each rank a different one);
+`AutoSPMixin` before any Trainer class in the bases makes that Trainer sequence parallel (`AutoSPTrainer` is it over
+`transformers.Trainer`, `autosp.training.trl_trainer.AutoSPSFTTrainer` over TRL's SFTTrainer). A Trainer subclass,
+not a callback or an accelerate hook, because four things must change that only the Trainer's own overridable
+methods reach (a callback sees events, not the dataloader or the optimizer, and accelerate has no plug-in point for
+a compiler backend's sequence parallelism):
+  - data: every rank of the SP group gets the full batch, in training and evaluation (accelerate would give each
+    rank a different one), so `evaluate()` gives the single-device eval loss;
   - the model: AutoSP compiles it (ZeRO sharding, SP graph) and reduces the gradients itself, so accelerate's DDP
     wrap (which would broadcast rank 0's shards over the others' and reduce the gradients twice) is skipped;
   - the optimizer: built over the module's parameters, the ZeRO 2/3 shards (the Trainer's own decay grouping);
@@ -16,7 +19,9 @@ The Trainer's checkpoints (`save_steps`, `train(resume_from_checkpoint=...)`) ho
 `from_pretrained` loads them).
 
 What does not compose is refused in one line: fp16, torch_compile, gradient_checkpointing (AutoSP's `sac` does
-it), DeepSpeed/FSDP and ZeRO stage 1 (ZeroRedundancyOptimizer does not take the Trainer's parameter groups).
+it), DeepSpeed/FSDP, ZeRO stage 1 (ZeroRedundancyOptimizer does not take the Trainer's parameter groups),
+`compute_metrics` and `predict()` (they need the full logits; each rank holds a shard) and an SP group smaller
+than the world (a DP x SP mesh: the Trainer's data split would have to follow the mesh).
 """
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ from autosp.training.gradients import clip_grad_norm_
 SHARDED_DIR = "autosp"
 
 
-class AutoSPTrainer(Trainer):
-    """`transformers.Trainer` training `model` sequence parallel over all ranks with `autosp.compile`.
+class AutoSPMixin:
+    """Put first in the bases of a `transformers.Trainer` class: that Trainer trains `model` sequence parallel over
+    all ranks with `autosp.compile`.
 
     autosp_options: `autosp.compile`'s options (a dict or `CompileOptions`: zero, sac, backend, tiling, ...);
     `compute_dtype` comes from `args.bf16`."""
@@ -45,6 +51,13 @@ class AutoSPTrainer(Trainer):
     def __init__(self, *args: Any, autosp_options: dict | CompileOptions | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _refuse_what_does_not_compose(self.args)
+        if self.compute_metrics is not None:
+            raise SequenceParallelError("AutoSPTrainer: compute_metrics needs the full logits, and each SP rank holds "
+                                        "a shard of them; drop compute_metrics (the eval loss is exact)")
+        if isinstance(autosp_options, dict) and {"sp_size", "process_group"} & autosp_options.keys():
+            raise SequenceParallelError("AutoSPTrainer: sp_size/process_group (an SP group smaller than the world, a "
+                                        "DP x SP mesh) is not supported, the Trainer's data split does not follow the "
+                                        "mesh; leave them unset (one SP group of all ranks)")
         if isinstance(autosp_options, dict):
             autosp_options = CompileOptions.of(None, **autosp_options)
         options = CompileOptions.of(autosp_options, **({"compute_dtype": torch.bfloat16} if self.args.bf16 else {}))
@@ -58,11 +71,12 @@ class AutoSPTrainer(Trainer):
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader=None) -> torch.nn.Module:
         return self.sp_model  # not the model itself: the Trainer then leaves it to AutoSP (no DDP wrap)
 
-    def get_train_dataloader(self):
-        """The Trainer's dataloader as one process would have it: every rank draws the same full batches."""
+    def _get_dataloader(self, *args: Any, **kwargs: Any):
+        """The Trainer's dataloaders (train, eval, test) as one process would have them: every rank draws the same
+        full batches."""
         self.accelerator.prepare = self._prepare_for_one_process
         try:
-            return super().get_train_dataloader()
+            return super()._get_dataloader(*args, **kwargs)
         finally:
             del self.accelerator.prepare  # the class's own method again
 
@@ -76,6 +90,10 @@ class AutoSPTrainer(Trainer):
             even_batches=acc.even_batches, use_seedable_sampler=acc.use_seedable_sampler,
             data_seed=acc.dataloader_config.data_seed, non_blocking=acc.non_blocking,
             use_stateful_dataloader=acc.use_stateful_dataloader)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        raise SequenceParallelError("AutoSPTrainer: predict() returns the full logits, and each SP rank holds a shard "
+                                    "of them; use evaluate() for the loss, or the model itself for logits")
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return clip_grad_norm_(self.sp_model, self.args.max_grad_norm)
@@ -105,6 +123,10 @@ class AutoSPTrainer(Trainer):
         state.update({k.removeprefix("lr_scheduler."): v for k, v in extra.items() if k.startswith("lr_scheduler.")})
         self.lr_scheduler.load_state_dict(state)
         self.lr_scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
+class AutoSPTrainer(AutoSPMixin, Trainer):
+    """`transformers.Trainer` training `model` sequence parallel over all ranks with `autosp.compile`."""
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,6 +1,7 @@
 """AutoSPTrainer on 2 gloo ranks (ZeRO 3, fp32) against the single-process HF Trainer on the same seed and data:
 20 optimizer steps, gradient accumulation 2, clipping that binds, a linear schedule with warm-up. Every logged loss
-and gradient norm within 1e-5 relative, the parameters after step 20 within 1e-4; what does not compose is refused."""
+and gradient norm within 1e-5 relative, the parameters after step 20 within 1e-4, `evaluate()`'s loss within 1e-5;
+what does not compose is refused."""
 from __future__ import annotations
 
 import pytest
@@ -45,14 +46,16 @@ def _train(output_dir: str, sp: bool) -> dict:
     from autosp.training.hf_trainer import AutoSPTrainer
 
     model, logs = build_model("hf:tiny", seed=0), _Logs()
-    common = dict(model=model, args=_args(output_dir), train_dataset=_dataset(), callbacks=[logs])
+    common = dict(model=model, args=_args(output_dir), train_dataset=_dataset(), eval_dataset=_dataset()[:5],
+                  callbacks=[logs])
     if sp:
         trainer = AutoSPTrainer(**common, autosp_options={"zero": 3, "backend": "aot_eager"})
     else:
         trainer = transformers.Trainer(**common)
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
     params = trainer.sp_model.full_parameters() if sp else {k: v.detach().clone() for k, v in model.named_parameters()}
-    return {"logs": logs.rows, "params": params, "zero": getattr(getattr(trainer, "sp_model", None), "zero", None)}
+    return {"logs": logs.rows, "params": params, "eval_loss": eval_loss, "zero": getattr(getattr(trainer, "sp_model", None), "zero", None)}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,10 @@ def test_every_logged_loss_and_norm_equal_the_single_process_trainer(runs):
         assert norm == pytest.approx(ref_norm, rel=1e-5), step
 
 
+def test_evaluate_gives_the_single_process_eval_loss(runs):
+    assert runs[2]["eval_loss"] == pytest.approx(runs[1]["eval_loss"], rel=1e-5)
+
+
 def test_parameters_after_the_last_step_equal_the_single_process_trainer(runs):
     reference = runs[1]["params"]
     assert runs[2]["params"].keys() == reference.keys()
@@ -90,4 +97,23 @@ def test_what_does_not_compose_is_refused_in_one_line(field, value):
 
     with pytest.raises(SequenceParallelError, match=field) as info:
         _refuse_what_does_not_compose(type("Args", (), {field: value})())
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("setting,keywords", [("compute_metrics", {"compute_metrics": len}),
+                                              ("sp_size", {"autosp_options": {"sp_size": 1}})])
+def test_what_the_trainer_cannot_shard_is_refused_in_one_line(tmp_path, setting, keywords):
+    from autosp.training.hf_trainer import AutoSPTrainer
+
+    with pytest.raises(SequenceParallelError, match=setting) as info:
+        AutoSPTrainer(model=build_model("hf:tiny", seed=0), args=_args(str(tmp_path)), train_dataset=_dataset(),
+                      **keywords)
+    assert "\n" not in str(info.value)
+
+
+def test_predict_is_refused_in_one_line():
+    from autosp.training.hf_trainer import AutoSPMixin
+
+    with pytest.raises(SequenceParallelError, match="predict") as info:
+        AutoSPMixin.predict(None, _dataset())
     assert "\n" not in str(info.value)
