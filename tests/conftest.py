@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 # ci: a small fixed set (derandomized: every run draws the same examples); nightly: many more, a new seed each run.
 # A case costs a trace on P ranks, so no deadline; the examples are drawn without the database's replay in ci.
 _PROFILE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=5, derandomize=True, database=None, **_PROFILE)
+settings.register_profile("ci", max_examples=4, derandomize=True, database=None, **_PROFILE)
 settings.register_profile("nightly", max_examples=200, **_PROFILE)
 settings.load_profile("ci")  # the plugin loads --hypothesis-profile's after this
 
