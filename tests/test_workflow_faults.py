@@ -62,10 +62,11 @@ def test_a_cell_killed_mid_run_is_recorded_as_its_error_and_nothing_finished_is_
 
 
 def test_a_second_run_on_the_same_results_is_refused_while_one_runs(tmp_path: Path) -> None:
-    slow = _slow_autosp(tmp_path, 8)
+    slow = _slow_autosp(tmp_path, 45)  # longer than a snakemake start on a loaded machine
     first = _background(tmp_path, slow, FINISHED)
     _wait_for(lambda: any(tmp_path.glob("started.*")))
-    second = snakemake(tmp_path, KILLED, "--cores", "1", "--config", f"autosp={slow}")
+    # snakemake locks the outputs a run will write: a run sharing any of them (here the running cell) is refused
+    second = snakemake(tmp_path, FINISHED, KILLED, "--cores", "1", "--config", f"autosp={slow}")
     assert second.returncode != 0 and "cannot be locked" in second.stdout + second.stderr, second.stderr[-2000:]
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-2000:]  # the first run is not disturbed
