@@ -6,9 +6,18 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from autosp.harness.launch import WARM_RANK_PRELOAD
 from autosp.harness.supervisor import warm_rank_cpu_seconds, warm_ranks
+
+# --- Hypothesis profiles (tests/compiler/test_properties.py): `ci` by default, `--hypothesis-profile=nightly` -----------
+# ci: a small fixed set (derandomized: every run draws the same examples); nightly: many more, a new seed each run.
+# A case costs a trace on P ranks, so no deadline; the examples are drawn without the database's replay in ci.
+_PROFILE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=4, derandomize=True, database=None, **_PROFILE)
+settings.register_profile("nightly", max_examples=200, **_PROFILE)
+settings.load_profile("ci")  # the plugin loads --hypothesis-profile's after this
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,114 @@
+"""Generated SP-pass cases (`test_properties`): a model spec, a batch spec and compile options as one plain dict,
+built and checked inside the ranks. Each case runs one forward/backward through `autosp.compile` on P gloo ranks
+and through the single-process model; its outcome is the worst relative error of the loss and of every gradient,
+a refusal (`SequenceParallelError`, kept as its message) or any other exception (type, message, traceback tail).
+All cases of one world size share one launch: starting P ranks and importing torch costs more than a case."""
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any
+
+import torch
+
+import autosp
+from autosp.errors import SequenceParallelError
+from autosp.harness.check import relative_error
+from autosp.harness.launch import launch
+from autosp.models.build import init_parameters
+from autosp.models.data import DataConfig, make_batch
+from autosp.models.llama import LlamaForCausalLM
+from autosp.models.presets import ModelPreset
+
+VOCAB = 64
+
+#: HF rope_parameters per rope variant (the project Llama has the default rope only, at either theta)
+ROPE = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "theta-500k": {"rope_type": "default", "rope_theta": 500000.0},
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+}
+
+
+def build(model: dict[str, Any]) -> torch.nn.Module:
+    """The spec's model with `init_parameters`' seeded weights: family llama (the project's) or hf-llama,
+    hf-qwen2, hf-mistral (HF's own code, sdpa attention; `window` a sliding window for Qwen2/Mistral)."""
+    heads, kv, head_dim, layers = model["heads"], model["kv_heads"], model["head_dim"], model["layers"]
+    hidden = model["hidden"] if model["family"] != "llama" else heads * head_dim
+    if model["family"] == "llama":
+        preset = ModelPreset("generated", hidden, layers, heads, kv, 2 * hidden, VOCAB,
+                             ROPE[model["rope"]]["rope_theta"], model["tied"], 4096)
+        net = LlamaForCausalLM(preset)
+    else:
+        import transformers
+
+        family = model["family"].removeprefix("hf-")
+        window: dict = {}
+        if family == "mistral":
+            window = {"sliding_window": model["window"]}
+        elif family == "qwen2":
+            window = {"use_sliding_window": model["window"] is not None, "sliding_window": model["window"],
+                      "max_window_layers": layers // 2}
+        name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+        config = getattr(transformers, f"{name}Config")(
+            vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=4096,
+            rope_parameters=dict(ROPE[model["rope"]]), tie_word_embeddings=model["tied"], use_cache=False, **window)
+        net = getattr(transformers, f"{name}ForCausalLM")._from_config(config, attn_implementation="sdpa")
+    init_parameters(net, seed=0)
+    return net.train()
+
+
+def _outcome(case: dict[str, Any]) -> dict[str, Any]:
+    model = build(case["model"])
+    reference = copy.deepcopy(model)
+    data = case["data"]
+    batch = make_batch(DataConfig(ignore_fraction=data["ignore_fraction"], packed_documents=data["documents"],
+                                  pad_fraction=data["pad_fraction"], pad_side=data["pad_side"]),
+                       batch_size=data["batch_size"], seq_len=data["seq_len"], vocab_size=VOCAB, seed=7).model_kwargs()
+    try:
+        compiled = autosp.compile(model, backend="aot_eager", **case["options"])
+        loss = compiled(**batch).loss
+        loss.backward()
+        grads = compiled.full_gradients()
+    except SequenceParallelError as e:
+        return {"refused": str(e)}
+    ref_loss = reference(**batch).loss
+    ref_loss.backward()
+    worst = {"loss": relative_error(loss.detach(), ref_loss.detach()), "grad": 0.0, "worst_grad": None}
+    for name, p in reference.named_parameters():
+        ref_grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        error = relative_error(grads[name], ref_grad) if name in grads else float("inf")
+        if error > worst["grad"] or worst["worst_grad"] is None:
+            worst["grad"], worst["worst_grad"] = max(error, worst["grad"]), name
+    return worst
+
+
+def _rank_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every case in this rank, in order; one case's exception is its outcome and the others still run."""
+    outcomes = []
+    for case in cases:
+        torch._dynamo.reset()  # each case compiles afresh, as in a process of its own
+        try:
+            outcomes.append(_outcome(case))
+        except Exception as e:  # noqa: BLE001 - the case's outcome (the property says it must not happen)
+            outcomes.append({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+    return outcomes
+
+
+def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case's outcome on rank 0, one launch per world size (`case["world_size"]`), in the cases' order.
+    A launch that fails as a whole (a crash, a hang past its timeout) is every one of its cases' outcome."""
+    outcomes: list[dict[str, Any] | None] = [None] * len(cases)
+    for world_size in sorted({c["world_size"] for c in cases}):
+        index = [i for i, c in enumerate(cases) if c["world_size"] == world_size]
+        result = launch(_rank_cases, ([cases[i] for i in index],), world_size=world_size,
+                        timeout_s=300 + 120 * len(index))
+        for k, i in enumerate(index):
+            if result.status != "ok":
+                outcomes[i] = {"error": f"launch {result.status}: {result.error}", "traceback": result.output_tail}
+            else:  # rank 0's outcome, unless another rank raised
+                outcomes[i] = next((r[k] for r in result.results if "error" in r[k]), result.results[0][k])
+    return outcomes

@@ -1,0 +1,90 @@
+"""Loss curves of long runs and the drift bound they are held to (`test_long_runs`).
+
+Every curve trains `tiny` on one seeded batch (the runner's: the same batch each step, so the loss keeps falling
+and any drift has hundreds of steps to grow). The bound is measured, not guessed: fp32 reassociation is the
+single-process run against itself with the MLP's hidden units permuted (the same function; every sum over them,
+forward and backward, adds in another order). A correct method may drift SPREAD_FACTOR times that, at every step
+t, against the worst reassociation drift up to t (never below one fp32 ulp of the loss: its resolution).
+
+    python -m tests.harness.loss_drift 200   # the curves and bounds of docs/measurements/2026-12-02-long-runs.md
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from autosp.harness.check import SPREAD_FACTOR
+from autosp.harness.config import RunConfig
+from autosp.harness.runner import build_train_step, global_batch, run, train_step, validate
+
+FP32_ULP = 2.0 ** -23  # relative resolution of an fp32 loss value
+SEQ_LEN = 64
+
+
+def single_losses(steps: int, *, dtype: str = "float32", permuted: bool = False) -> list[float]:
+    """Single-process training in this process; `permuted`: the MLP hidden units permuted (fp32 reassociation)."""
+    cfg = RunConfig(method="single", model="tiny", seq_len=SEQ_LEN, dtype=dtype)
+    strategy, sp_size = validate(cfg)
+    step, _ = build_train_step(cfg, strategy, sp_size)
+    if permuted:
+        with torch.no_grad():
+            for layer in step.model.model.layers:
+                mlp = layer.mlp
+                order = torch.randperm(mlp.up_proj.weight.shape[0], generator=torch.Generator().manual_seed(1))
+                for proj in (mlp.gate_proj, mlp.up_proj):
+                    proj.weight.copy_(proj.weight[order])
+                mlp.down_proj.weight.copy_(mlp.down_proj.weight[:, order])
+    batch = global_batch(cfg, sp_size)
+    return [train_step(step, batch, i) for i in range(steps)]
+
+
+def autosp_losses(steps: int, *, zero: int, dtype: str = "float32") -> list[float]:
+    """AutoSP on 2 gloo ranks, tiling on (loss and MLP, tiles of 8 tokens), the same batch each step."""
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=SEQ_LEN, world_size=2, dtype=dtype, zero=zero,
+                    tiling="auto:8", compile_backend="aot_eager", warmup=0, steps=steps - 1, timeout_s=1800)
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    return record["extra"]["losses"]
+
+
+def drift(curve: list[float], reference: list[float]) -> list[float]:
+    """Relative loss difference per step."""
+    return [abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True)]
+
+
+def bound(spread: list[float]) -> list[float]:
+    """SPREAD_FACTOR x the worst spread up to each step, never below one fp32 ulp."""
+    out, worst = [], FP32_ULP
+    for s in spread:
+        worst = max(worst, s)
+        out.append(SPREAD_FACTOR * worst)
+    return out
+
+
+def excess(curve_drift: list[float], limit: list[float]) -> list[tuple[int, float, float]]:
+    """The steps where the drift exceeds its bound: (step, drift, bound)."""
+    return [(t, d, b) for t, (d, b) in enumerate(zip(curve_drift, limit)) if d > b]
+
+
+def main(steps: int) -> None:
+    fp32 = single_losses(steps)
+    reassociation = drift(single_losses(steps, permuted=True), fp32)
+    bf16_spread = drift(single_losses(steps, dtype="bfloat16"), fp32)
+    rows = [("single fp32, MLP permuted (reassociation)", reassociation, None)]
+    rows += [(f"autosp P=2 zero {z} fp32", drift(autosp_losses(steps, zero=z), fp32), bound(reassociation))
+             for z in (0, 3)]
+    rows += [("single bf16 mixed", bf16_spread, None),
+             ("autosp P=2 zero 0 bf16 mixed", drift(autosp_losses(steps, zero=0, dtype="bfloat16"), fp32),
+              bound(bf16_spread))]
+    print(f"fp32 single-process loss: step 0 {fp32[0]:.6f}, step {steps - 1} {fp32[-1]:.6f}")
+    print("| curve vs single fp32 | max drift | drift at last step | bound at last step | steps over bound |")
+    print("|---|---|---|---|---|")
+    for name, d, limit in rows:
+        over = "-" if limit is None else str(len(excess(d, limit)))
+        last = "-" if limit is None else f"{limit[-1]:.2e}"
+        print(f"| {name} | {max(d):.2e} | {d[-1]:.2e} | {last} | {over} |")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)

@@ -1,0 +1,73 @@
+"""Faults at the workflow's scale, with a stand-in `autosp` (a script that writes its record after a pause, so a
+fault can land while a cell runs): a cell's search SIGKILLed mid-run is recorded as that cell's error (one row
+naming the exit status; the other cells untouched, a rerun redoes nothing finished); a second workflow run on the
+same results directory while one runs is refused with a clear message and the first is not disturbed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.test_workflow import ROOT, dry_run, snakemake
+
+FINISHED, KILLED = "results/trainability/cpu/P2/tiny/autosp.jsonl", "results/trainability/cpu/P2/tiny/ulysses.jsonl"
+
+
+def _slow_autosp(tmp_path: Path, seconds: float) -> Path:
+    """A stand-in for `autosp search`: writes a started marker, sleeps, then one `ok` record to its --out (the
+    workflow's `--record-failure` call writes an `error` row at once, as the real one does)."""
+    fake = tmp_path / f"autosp-slow{seconds}"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$*" in *--record-failure*) row=\'{"status": "error"}\';; *) row=\'{"status": "ok"}\';\n'
+                    f'  touch "{tmp_path}/started.$$"; sleep {seconds};; esac\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo "$row" >> "$2"\n'
+                    f'  [ "$1" = --record-failure ] && echo "$2" > "{tmp_path}/reason"; shift; done\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the workflow"
+        time.sleep(0.2)
+
+
+def _background(tmp_path: Path, fake: Path, *targets: str) -> subprocess.Popen:
+    return subprocess.Popen(["snakemake", "--directory", str(tmp_path), *targets, "--cores", "1",
+                             "--config", f"autosp={fake}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_cell_killed_mid_run_is_recorded_as_its_error_and_nothing_finished_is_redone(tmp_path: Path) -> None:
+    fake = _slow_autosp(tmp_path, 0)
+    done = snakemake(tmp_path, FINISHED, "--cores", "1", "--config", f"autosp={fake}")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for marker in tmp_path.glob("started.*"):
+        marker.unlink()
+    slow = _slow_autosp(tmp_path, 30)
+    run = _background(tmp_path, slow, FINISHED, KILLED)
+    _wait_for(lambda: any(tmp_path.glob("started.*")))
+    pid = int(next(tmp_path.glob("started.*")).suffix[1:])
+    os.kill(pid, signal.SIGKILL)  # the cell's process, as the OOM killer or a node failure would end it
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode == 0, out[-2000:]
+    assert (tmp_path / KILLED).read_text() == '{"status": "error"}\n'  # one row: not lost, not half-written
+    assert "search exited with status 137" in (tmp_path / "reason").read_text()  # the reason the row is given
+    assert (tmp_path / FINISHED).read_text() == '{"status": "ok"}\n'
+    proc = snakemake(tmp_path, FINISHED, KILLED, "-n", "--config", f"autosp={slow}")
+    assert proc.returncode == 0 and "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout
+
+
+def test_a_second_run_on_the_same_results_is_refused_while_one_runs(tmp_path: Path) -> None:
+    slow = _slow_autosp(tmp_path, 45)  # longer than a snakemake start on a loaded machine
+    first = _background(tmp_path, slow, FINISHED)
+    _wait_for(lambda: any(tmp_path.glob("started.*")))
+    # snakemake locks the outputs a run will write: a run sharing any of them (here the running cell) is refused
+    second = snakemake(tmp_path, FINISHED, KILLED, "--cores", "1", "--config", f"autosp={slow}")
+    assert second.returncode != 0 and "cannot be locked" in second.stdout + second.stderr, second.stderr[-2000:]
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out[-2000:]  # the first run is not disturbed
+    assert (tmp_path / FINISHED).read_text() == '{"status": "ok"}\n' and not (tmp_path / KILLED).exists()
