@@ -24,13 +24,13 @@ _INDEX_SELECT = {torch.index_select, "index_select"}
 _SCANS = {torch.cumsum, "cumsum", torch.cumprod, "cumprod", torch.cummax, "cummax", torch.logcumsumexp, "logcumsumexp"}
 
 
-def _holds_global_positions(ctx: SPContext, index: fx.Node, seen: dict[fx.Node, bool]) -> bool:
+def holds_global_positions(ctx: SPContext, index: fx.Node, seen: dict[fx.Node, bool]) -> bool:
     """True if `index` is computed from a full index value this rank narrowed (positions, ids) without passing
     through the model's trainable computation (router scores, whose top-k/argsort are local choices)."""
     if index not in seen:
         seen[index] = False  # shared ancestors are visited once
         seen[index] = index in ctx.full_of or any(
-            _holds_global_positions(ctx, n, seen) for n in index.all_input_nodes
+            holds_global_positions(ctx, n, seen) for n in index.all_input_nodes
             if ctx.is_local(n) and n not in ctx.trainable)
     return seen[index]
 
@@ -42,7 +42,7 @@ def _local_index(ctx: SPContext, node: fx.Node, index: object) -> ShardSpec:
             f"{label} indexes the sharded sequence with {getattr(index, 'name', index)}, which is not computed from "
             "this rank's tokens (global positions): only routing indices computed from local values (topk, argsort) "
             "or plain slices can be sharded")
-    if index not in ctx.trainable and _holds_global_positions(ctx, index, {}):
+    if index not in ctx.trainable and holds_global_positions(ctx, index, {}):
         raise SequenceParallelError(
             f"{label} indexes the sharded sequence with {index.name}, computed from global positions; "
             "AutoSP can follow indices computed from the tokens' own values (routing), not positions")

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import (communicate, dropout, eager_attention, hybrid, indices, loss, masks, padding, resize,
-                             routing, shard)
+from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, hybrid, indices, loss, masks,
+                             padding, resize, routing, shard)
 from autosp.compiler.analysis import analyze
 from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
@@ -59,6 +59,7 @@ def sequence_parallel_pass(
 
 def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if node.op == "output":
+        expert_counts.globalize_outputs(ctx, node)
         padding.trim_outputs(ctx, node)
     if node.op in ("placeholder", "get_attr", "output"):
         ctx.current[node] = ctx.original[node]
@@ -74,6 +75,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
         if not indices.is_frontier(ctx, node):
             ctx.current[node] = ctx.original[node]
+            expert_counts.follow(ctx, node)
             return
         indices.localize_frontier(ctx, node)
     else:
@@ -83,6 +85,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     if loss.is_sequence_reduction(ctx, node):
         loss.globalize(ctx, node)
+        return
+    if expert_counts.is_count(ctx, node):
+        expert_counts.count_locally(ctx, node)
         return
     known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
