@@ -79,6 +79,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
             return
         indices.localize_frontier(ctx, node)
     else:
+        routing.localize_pair_positions(ctx, node)
         shard.localize_partners(ctx, node)
     if dropout.is_sequence_dropout(ctx, node):
         dropout.rewrite(ctx, node)
