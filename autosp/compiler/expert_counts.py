@@ -11,6 +11,8 @@ rank-local computation after it repeated on that global count.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -21,6 +23,8 @@ from autosp.compiler.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
 
 _COUNTS = {torch.histc, "histc", torch.bincount, "bincount"}
+_INPLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+            operator.itruediv: operator.truediv, "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _SORTS = {torch.sort, "sort", torch.argsort, "argsort"}
 
 
@@ -66,9 +70,15 @@ def _is_mutating(node: fx.Node) -> bool:
 
 
 def _use_global(ctx: SPContext, user: fx.Node, inputs: list[fx.Node]) -> None:
+    """Replace `user`'s rank-local inputs by their global values; drop the rank-local computation nothing reads
+    any more (it may update a value in place, `loss += aux`, which the global copy now does)."""
     memo: dict[fx.Node, fx.Node] = {}
     for node in inputs:
         user.replace_input_with(node, _global(ctx, node, user, memo))
+    for node in reversed(list(ctx.rank_local)):
+        if not node.users:
+            ctx.graph.erase_node(node)
+            del ctx.rank_local[node]
 
 
 def _global(ctx: SPContext, node: fx.Node, before: fx.Node, memo: dict[fx.Node, fx.Node]) -> fx.Node:
@@ -86,7 +96,7 @@ def _global(ctx: SPContext, node: fx.Node, before: fx.Node, memo: dict[fx.Node, 
         else:
             args, kwargs = fx.node.map_arg(
                 (node.args, node.kwargs), lambda n: _global(ctx, n, before, memo) if n in ctx.rank_local else n)
-            memo[node] = ctx.emit(before, node.target, args, kwargs)
+            memo[node] = ctx.emit(before, _INPLACE.get(node.target, node.target), args, kwargs)
     return memo[node]
 
 
