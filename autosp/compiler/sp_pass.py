@@ -90,9 +90,10 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expert_counts.is_count(ctx, node):
         expert_counts.count_locally(ctx, node)
         return
-    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node)
+    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
+        resize.fresh_like(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
-    if node.target in _SHAPE_AGNOSTIC:
+    if node.target in _SHAPE_AGNOSTIC and known_spec is None:
         return
     if known_spec is not None:
         ctx.specs[node] = known_spec

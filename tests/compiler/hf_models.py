@@ -20,6 +20,12 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # a shared expert beside the routed ones
                   dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_MOE), {}),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **_MOE), {}),
+    # multi-head latent attention (latent q/kv projections, split rope/no-rope head dims, keys copied into a
+    # fresh buffer) and routed + shared experts after one dense layer
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, **_MOE), {}),
 }
 
 
