@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from autosp.compiler.loss import ALL_REDUCE
-from autosp.compiler.padding import real_part
+from autosp.compiler.padding import padded_length, real_part
 from autosp.compiler.routing import holds_global_positions
 from autosp.compiler.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -26,6 +26,8 @@ _COUNTS = {torch.histc, "histc", torch.bincount, "bincount"}
 _INPLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
             operator.itruediv: operator.truediv, "add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
 _SORTS = {torch.sort, "sort", torch.argsort, "argsort"}
+_ORDER_KEEPING = {operator.getitem, "to", "float", "int", "long", "reshape", "view", "flatten", "contiguous",
+                  torch.flatten, torch.reshape}
 
 
 def is_count(ctx: SPContext, node: fx.Node) -> bool:
@@ -86,7 +88,7 @@ def _global(ctx: SPContext, node: fx.Node, before: fx.Node, memo: dict[fx.Node, 
     if node not in memo:
         if node.target in _COUNTS:
             source = node.args[0]
-            if ctx.spec(source).padding and _permuted(ctx, source, {}):
+            if padded_length(ctx.seq_len, ctx.sp_size) != ctx.seq_len and _sorted(source):  # same on every rank
                 raise SequenceParallelError(
                     f"{node_label(node)} ({node.target}) counts sorted tokens of a padded shard and its counts leave "
                     f"the layer; use a sequence length divisible by the SP degree {ctx.sp_size}")
@@ -100,9 +102,10 @@ def _global(ctx: SPContext, node: fx.Node, before: fx.Node, memo: dict[fx.Node, 
     return memo[node]
 
 
-def _permuted(ctx: SPContext, node: fx.Node, seen: dict[fx.Node, bool]) -> bool:
-    """True if a local value's positions may have been reordered by a sort (its padded positions are not its last)."""
-    if node not in seen:
-        seen[node] = False
-        seen[node] = node.target in _SORTS or any(_permuted(ctx, n, seen) for n in node.all_input_nodes if ctx.is_local(n))
-    return seen[node]
+def _sorted(node: fx.Node) -> bool:
+    """True if `node` is (a cast or view of) sorted values: its padded positions need not be its last ones."""
+    while node.target not in _SORTS:
+        if node.target not in _ORDER_KEEPING or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return True
