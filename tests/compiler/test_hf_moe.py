@@ -1,4 +1,4 @@
-"""Unmodified HF mixture-of-experts models as shipped (default grouped_mm experts, issue 27) against
+"""Unmodified HF mixture-of-experts models (and DeepSeek-V3's latent attention) as shipped (default grouped_mm experts, issue 27) against
 single-process training: per-rank routing on local expert counts, load-balancing loss made global."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ CASES = {
     # output_router_logits=True: histc counts leave the layer in the aux loss (global), 31 tokens: rank 1 padded
     "mixtral-aux-2": (2, _hf("mixtral-aux", 31)),
     "qwen2-moe-2": (2, _hf("qwen2-moe", 32)),  # shared expert with its sigmoid gate beside the routed experts
-    "olmoe-2": (2, _hf("olmoe", 32)),
+    "deepseek-v3-2": (2, _hf("deepseek-v3", 32)),  # MLA (latent projections, split rope dims) + routed/shared MoE
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
     "mixtral-aux-4": (4, _hf("mixtral-aux", 62)),
 }
@@ -28,9 +28,13 @@ def runs() -> ExactnessRuns:
     return ExactnessRuns(CASES)
 
 
-@pytest.mark.parametrize("case", ["mixtral-aux-2", "qwen2-moe-2", "olmoe-2"])
+@pytest.mark.parametrize("case", ["mixtral-aux-2", "qwen2-moe-2"])
 def test_unmodified_hf_moe_with_default_experts_is_exact(runs, case):
     runs.assert_exact(case)
+
+
+def test_unmodified_hf_deepseek_v3_mla_and_moe_is_exact(runs):
+    runs.assert_exact("deepseek-v3-2")
 
 
 @pytest.mark.long
