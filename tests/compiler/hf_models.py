@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 _MOE = dict(num_experts_per_tok=2)
 
@@ -34,5 +34,5 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
 
     model_class, config_class, overrides, keywords = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
     return getattr(transformers, model_class)._from_config(config, **keywords).train()

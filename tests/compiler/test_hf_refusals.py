@@ -11,9 +11,8 @@ from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import install_output_hooks
 from autosp.errors import SequenceParallelError
 from tests.compiler.graphs import capture
+from tests.compiler.hf_models import COMMON
 
-_COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 
 #: family -> (model class, config class, overrides, what the refusal says)
 REFUSED = {
@@ -35,7 +34,7 @@ REFUSED = {
 def test_unsupported_sequence_mixing_is_refused_in_one_line(family):
     model_class, config_class, overrides, phrase = REFUSED[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**_COMMON, **overrides})
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
     model = getattr(transformers, model_class)._from_config(config).train()
     install_output_hooks(model)
     ids = torch.randint(0, 64, (1, 32))
