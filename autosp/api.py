@@ -12,7 +12,7 @@ from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.tracing import tracing_config
+from autosp.compiler.tracing import data_dependent_shape_error, install_output_hooks, tracing_config
 from autosp.errors import SequenceParallelError
 
 
@@ -103,6 +103,8 @@ class SequenceParallelModule(torch.nn.Module):
                 f"AutoSP needs the whole forward as one graph, but Dynamo broke it: {reason} "
                 "(remove the data-dependent Python control flow or unsupported call it names)"
             ) from e
+        except torch._dynamo.exc.UserError as e:
+            raise SequenceParallelError(data_dependent_shape_error(e)) from None
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             limit = torch._dynamo.config.recompile_limit
             raise SequenceParallelError(
@@ -166,6 +168,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
                          compute_dtype=options.compute_dtype)
     elif options.compute_dtype is not None:
         cast_parameters(model, options.compute_dtype)
+    install_output_hooks(model)  # HF installs them under a lock Dynamo cannot trace
     sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero)
     # dynamic=None: a size that changes between calls (the sequence length) makes Dynamo trace once more with that
     # size symbolic; the backend then specialises the one trace per length (`specialize.per_length`)

@@ -101,3 +101,26 @@ def resize(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
     node.args = (source, tuple(sizes)) if as_sequence else (source, *sizes)
     node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("shape", "size")}
     return new_spec
+
+
+FRESH_LIKE = {"new_zeros", "new_ones", "new_full", "new_empty"}
+
+
+def fresh_like(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
+    """`local.new_empty(*local.shape[:-1], D)` (a buffer the model copies the shard's parts into, MLA's keys):
+    sizes read off a local value keep its sequence dim, so it gets the local size and the same shard."""
+    source = node.args[0]
+    if node.target not in FRESH_LIKE or not ctx.is_local(source) or not isinstance(ctx.specs[source], ShardSpec):
+        return None
+    spec = ctx.spec(source)
+    sizes, packed = _size_args(node)
+    full = ctx.original[source].shape
+    if len(sizes) != len(full) or sizes[spec.dim] != spec.full_extent or list(sizes[:spec.dim]) != list(
+            full[:spec.dim]):
+        return None
+    sizes[spec.dim] = spec.local_extent
+    size_args = (tuple(sizes),) if packed else tuple(sizes)
+    node.args = (source, *size_args) if "size" not in node.kwargs else (source,)
+    if "size" in node.kwargs:
+        node.kwargs = {**node.kwargs, "size": tuple(sizes)}
+    return spec

@@ -6,6 +6,9 @@ adds the expert outputs back (`index_add_`, `scatter_add_`). Every index is comp
 it addresses positions of this rank's shard, and routing per token is the same computation as on one device:
 the pass follows it locally. The result of a gather has the shape, and so the shard, of its index.
 
+The inverse of a routing permutation (`inv[perm] = arange(n)`, HF's grouped experts) writes the positions of
+the (token, expert) pairs: on a shard they are the positions of this rank's pairs, `arange` of the local count.
+
 An index that is not computed from local values (e.g. `arange(S)` over the full sequence, or positions a rank
 narrowed from a full tensor) holds global positions: indexing a shard with it is refused.
 """
@@ -24,13 +27,13 @@ _INDEX_SELECT = {torch.index_select, "index_select"}
 _SCANS = {torch.cumsum, "cumsum", torch.cumprod, "cumprod", torch.cummax, "cummax", torch.logcumsumexp, "logcumsumexp"}
 
 
-def _holds_global_positions(ctx: SPContext, index: fx.Node, seen: dict[fx.Node, bool]) -> bool:
+def holds_global_positions(ctx: SPContext, index: fx.Node, seen: dict[fx.Node, bool]) -> bool:
     """True if `index` is computed from a full index value this rank narrowed (positions, ids) without passing
     through the model's trainable computation (router scores, whose top-k/argsort are local choices)."""
     if index not in seen:
         seen[index] = False  # shared ancestors are visited once
         seen[index] = index in ctx.full_of or any(
-            _holds_global_positions(ctx, n, seen) for n in index.all_input_nodes
+            holds_global_positions(ctx, n, seen) for n in index.all_input_nodes
             if ctx.is_local(n) and n not in ctx.trainable)
     return seen[index]
 
@@ -42,7 +45,7 @@ def _local_index(ctx: SPContext, node: fx.Node, index: object) -> ShardSpec:
             f"{label} indexes the sharded sequence with {getattr(index, 'name', index)}, which is not computed from "
             "this rank's tokens (global positions): only routing indices computed from local values (topk, argsort) "
             "or plain slices can be sharded")
-    if index not in ctx.trainable and _holds_global_positions(ctx, index, {}):
+    if index not in ctx.trainable and holds_global_positions(ctx, index, {}):
         raise SequenceParallelError(
             f"{label} indexes the sharded sequence with {index.name}, computed from global positions; "
             "AutoSP can follow indices computed from the tokens' own values (routing), not positions")
@@ -84,3 +87,22 @@ def gather_spec(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
         index_spec = _local_index(ctx, node, items[spec.dim])
         return index_spec.at(spec.dim + index_spec.dim)
     return None
+
+
+def localize_pair_positions(ctx: SPContext, node: fx.Node) -> None:
+    """`inv[perm] = arange(n)` with a local routing index `perm`: write arange of the local pair count instead
+    (the values index this rank's pairs, not global positions)."""
+    if node.target not in (operator.setitem, "index_put_", "index_put") or len(node.args) < 3:
+        return
+    _, index, value = node.args[:3]
+    index = index[0] if isinstance(index, (tuple, list)) and len(index) == 1 else index
+    if not (isinstance(index, fx.Node) and ctx.is_local(index) and isinstance(value, fx.Node)) or ctx.is_local(value):
+        return
+    if value.target is not torch.arange or value.kwargs.get("step", 1) != 1 or len(value.args) > 1 and (
+            len(value.args) != 2 or value.args[0] != 0):
+        return
+    spec = ctx.spec(index)
+    if spec.dim != 0 or tuple(ctx.original[value].shape) != (spec.full_extent,):
+        return
+    local = ctx.emit(node, torch.arange, (spec.local_extent,), dict(value.kwargs), spec=spec)
+    node.replace_input_with(value, local)

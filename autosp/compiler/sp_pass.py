@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import (communicate, dropout, eager_attention, hybrid, indices, loss, masks, padding, resize,
-                             routing, shard)
+from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, hybrid, indices, loss, masks,
+                             padding, resize, routing, shard)
 from autosp.compiler.analysis import analyze
 from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
@@ -59,6 +59,7 @@ def sequence_parallel_pass(
 
 def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if node.op == "output":
+        expert_counts.globalize_outputs(ctx, node)
         padding.trim_outputs(ctx, node)
     if node.op in ("placeholder", "get_attr", "output"):
         ctx.current[node] = ctx.original[node]
@@ -74,9 +75,11 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
         if not indices.is_frontier(ctx, node):
             ctx.current[node] = ctx.original[node]
+            expert_counts.follow(ctx, node)
             return
         indices.localize_frontier(ctx, node)
     else:
+        routing.localize_pair_positions(ctx, node)
         shard.localize_partners(ctx, node)
     if dropout.is_sequence_dropout(ctx, node):
         dropout.rewrite(ctx, node)
@@ -84,9 +87,13 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if loss.is_sequence_reduction(ctx, node):
         loss.globalize(ctx, node)
         return
-    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node)
+    if expert_counts.is_count(ctx, node):
+        expert_counts.count_locally(ctx, node)
+        return
+    known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
+        resize.fresh_like(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
-    if node.target in _SHAPE_AGNOSTIC:
+    if node.target in _SHAPE_AGNOSTIC and known_spec is None:
         return
     if known_spec is not None:
         ctx.specs[node] = known_spec

@@ -78,6 +78,7 @@ class SPContext:
     current: dict[fx.Node, Any] = field(default_factory=dict)  # values after the rewrite
     specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
     full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from
+    rank_local: dict[fx.Node, None] = field(default_factory=dict)  # full-shaped per-rank values (`expert_counts`)
     _localized: dict[tuple[fx.Node, ShardSpec], fx.Node] = field(default_factory=dict)
     ulysses_size: int = 0  # hybrid Ulysses x Ring: all-to-alls inside groups of this size (0: the SP degree)
     ulysses_group: str = ""

@@ -4,11 +4,17 @@ The SP pass needs the whole forward as one graph. A model that logs (`logger.war
 `logger.warning_once`, `warnings.warn`) would otherwise break the graph there; Dynamo can skip such calls
 (`ignore_logger_methods`), which changes nothing the model computes, only that the message is not printed
 inside the compiled region.
+
+HF models install their output-capturing hooks (router logits, hidden states) on first use, under a
+`threading.Lock` Dynamo cannot enter; `install_output_hooks` installs them before tracing instead.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -31,3 +37,33 @@ def tracing_config() -> Iterator[None]:
     ignored = set(torch._dynamo.config.ignore_logger_methods) | logging_calls()
     with torch._dynamo.config.patch(ignore_logger_methods=ignored):
         yield
+
+
+def install_output_hooks(model: torch.nn.Module) -> None:
+    """Install HF transformers' output-capturing hooks on `model`'s HF models now (nothing for other models)."""
+    if "transformers" not in sys.modules:
+        return
+    from transformers import PreTrainedModel
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            maybe_install_capturing_hooks(module)
+
+
+def _last_user_frame(message: str) -> str:
+    """`file.py:line (code)` of the innermost model frame Dynamo's message quotes, or '' when it quotes none."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)', message)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f" at {os.path.basename(path)}:{line} (`{code.strip()}`)"
+
+
+def data_dependent_shape_error(error: Exception) -> str:
+    """One line for Dynamo's UserError on a size computed from tensor values (e.g. HF's eager experts loop)."""
+    message = str(error)
+    reason = message.strip().splitlines()[0] if message.strip() else type(error).__name__
+    return (f"AutoSP needs one static-shape graph, but the model computes a size or a loop bound from tensor values"
+            f"{_last_user_frame(message)}: {reason[:160]}; for HF mixture-of-experts keep the default "
+            "experts_implementation (grouped_mm) or use 'batched_mm', not 'eager'")

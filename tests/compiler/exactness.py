@@ -98,14 +98,24 @@ class ExactnessRuns:
         self.cases, self.results = cases, {}
 
     def assert_exact(self, name: str) -> dict[str, Any]:
+        worst = self._result(name)
+        assert isinstance(worst, dict), worst
+        errors = {k: v for k, v in worst.items() if k != "choice"}
+        assert max(errors.values()) <= TOLERANCE, worst
+        return worst
+
+    def assert_refused(self, name: str, *phrases: str) -> str:
+        """The case raised AutoSP's one-line SequenceParallelError, saying each of `phrases`."""
+        error = self._result(name)
+        assert isinstance(error, str) and error.startswith("SequenceParallelError: "), error
+        assert "\n" not in error and all(p in error for p in phrases), error
+        return error
+
+    def _result(self, name: str) -> dict[str, Any] | str:
         world_size, _ = self.cases[name]
         if name not in self.results:
             batch = {n: case for n, (p, case) in self.cases.items() if p == world_size}
             outcome = launch(_rank_cases, (batch,), world_size=world_size, timeout_s=400 + 200 * len(batch))
             assert outcome.status == "ok", f"{outcome.error}\n{outcome.output_tail}"
             self.results.update(outcome.results[0])
-        worst = self.results[name]
-        assert isinstance(worst, dict), worst
-        errors = {k: v for k, v in worst.items() if k != "choice"}
-        assert max(errors.values()) <= TOLERANCE, worst
-        return worst
+        return self.results[name]

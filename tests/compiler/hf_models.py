@@ -1,0 +1,38 @@
+"""Unmodified HF transformers models people train now, from tiny seeded configs (2 layers, hidden 64, no download),
+with their default attention and experts implementations unless a family's entry says otherwise."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+_MOE = dict(num_experts_per_tok=2)
+
+#: family -> (model class, config class, config overrides, from_config keywords)
+FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
+    # the load-balancing loss as people train it (output_router_logits), weighted so an error in it shows
+    "mixtral-aux": ("MixtralForCausalLM", "MixtralConfig",
+                    dict(num_local_experts=4, output_router_logits=True, router_aux_loss_coef=1.0, **_MOE), {}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE), {}),
+    "mixtral-eager-experts": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE),
+                              dict(experts_implementation="eager")),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # a shared expert beside the routed ones
+                  dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_MOE), {}),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **_MOE), {}),
+    # multi-head latent attention (latent q/kv projections, split rope/no-rope head dims, keys copied into a
+    # fresh buffer) and routed + shared experts after one dense layer
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, **_MOE), {}),
+}
+
+
+def build_hf(family: str, seed: int = 0) -> nn.Module:
+    import transformers
+
+    model_class, config_class, overrides, keywords = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
+    return getattr(transformers, model_class)._from_config(config, **keywords).train()

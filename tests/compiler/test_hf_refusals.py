@@ -1,0 +1,45 @@
+"""Unmodified HF models whose sequence mixing AutoSP cannot shard yet (issue 27): each is refused in one line, at
+the SP pass, naming the layer where the graph has one to name (one rank's rewrite, no process group)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import autosp.comm  # noqa: F401
+from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.tracing import install_output_hooks
+from autosp.errors import SequenceParallelError
+from tests.compiler.graphs import capture
+from tests.compiler.hf_models import COMMON
+
+
+#: family -> (model class, config class, overrides, what the refusal says)
+REFUSED = {
+    # attention sinks: learned logits concatenated before the softmax, not a plain softmax(q @ k^T) @ v
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
+                dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"]), "no attention found"),
+    "mamba2": ("Mamba2ForCausalLM", "Mamba2Config",  # a scan only
+               dict(num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, chunk_size=16), "no attention found"),
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"]), "layers.0.conv"),
+    "jamba": ("JambaForCausalLM", "JambaConfig",
+              dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
+              "layers.0.mamba"),
+}
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_unsupported_sequence_mixing_is_refused_in_one_line(family):
+    model_class, config_class, overrides, phrase = REFUSED[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
+    model = getattr(transformers, model_class)._from_config(config).train()
+    install_output_hooks(model)
+    ids = torch.randint(0, 64, (1, 32))
+    gm, _ = capture(model, input_ids=ids, labels=ids)
+    with pytest.raises(SequenceParallelError) as refusal:
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
+    message = str(refusal.value)
+    assert phrase in message and "\n" not in message, message
