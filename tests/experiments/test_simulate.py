@@ -1,6 +1,8 @@
 """`autosp simulate`: a rank's real program on fake tensors predicts what `autosp run` measures."""
 from __future__ import annotations
 
+import os
+
 import pandas as pd
 import pytest
 import torch
@@ -62,9 +64,12 @@ def test_zero3_stand_ins_are_configured_as_the_real_model_and_extrapolate_exactl
     monkeypatch.setattr(baselines.zero3, "DEFAULT_REDUCE_BUCKET", 1_200_000)  # small: 1.08M at 3 layers, 1.26M at 4
     monkeypatch.setattr(sim.extrapolate, "NOT_LINEAR_IN_DEPTH", {})
     cfg = sim.simulate_config(RunConfig(method="zero3", model="small", seq_len=256, world_size=2))
-    linear = torch.nn.functional.linear
+    job_variables = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    linear, job = torch.nn.functional.linear, {v: os.environ.get(v) for v in job_variables}
     whole = sim.simulate_rank(cfg, CPU)
     assert torch.nn.functional.linear is linear  # DeepSpeed's ZeRO-3 swaps it process-wide; the world puts it back
+    # a LOCAL_RANK left behind made accelerate, later in this process, try to join a job
+    assert {v: os.environ.get(v) for v in job_variables} == job
     monkeypatch.setattr(sim.extrapolate, "EXACT_LAYERS", 1)
     extrapolated, how = sim.predict_peak(cfg, CPU)
     assert how["extrapolated"] and how["layers_simulated"] == [2, 3]

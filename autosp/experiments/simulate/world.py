@@ -22,7 +22,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("simulate needs a process without a process group")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    set_local_rank = "LOCAL_RANK" not in os.environ  # DeepSpeed reads it; left behind, it would make later
+    os.environ.setdefault("LOCAL_RANK", "0")           # code in this process (accelerate) think it is a job's rank
     linear = torch.nn.functional.linear
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     _RESTORE.append([])
@@ -34,6 +35,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
         _forget_deepspeed_groups()
         torch.nn.functional.linear = linear
+        if set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
 
 
 _RESTORE: list[list] = []  # per active fake world: what to put back when it ends (`keep_hf_registries`)
