@@ -168,19 +168,21 @@ class RankProcesses:
         self.workdir = workdir
         self.log_path = workdir / "ranks.log"
         self.procs: list[subprocess.Popen | _ForkedRank] = []
-        path_json = json.dumps(sys.path)
+        start = self._fork if warm and _warm_preload is not None else self._spawn
+        try:
+            for rank, args in enumerate(args_per_rank):
+                payload = workdir / f"rank{rank}.in"
+                payload.write_bytes(pickle.dumps((target, args)))
+                self.procs.append(start(str(payload)))
+        except BaseException:
+            self.end()
+            raise
+
+    def _spawn(self, payload: str) -> subprocess.Popen:
         with open(self.log_path, "ab") as log:
-            try:
-                for rank, args in enumerate(args_per_rank):
-                    payload = workdir / f"rank{rank}.in"
-                    payload.write_bytes(pickle.dumps((target, args)))
-                    self.procs.append(self._fork(str(payload)) if warm and _warm_preload is not None else
-                                      subprocess.Popen(
-                        [sys.executable, "-c", _BOOTSTRAP, path_json, str(payload), str(os.getpid())],
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0))
-            except BaseException:
-                self.end()
-                raise
+            command = [sys.executable, "-c", _BOOTSTRAP, json.dumps(sys.path), payload, str(os.getpid())]
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    process_group=0)
 
     def _fork(self, payload: str) -> _ForkedRank:
         context = multiprocessing.get_context("forkserver")
