@@ -4,11 +4,17 @@ naming the exit status; the other cells untouched, a rerun redoes nothing finish
 same results directory while one runs is refused with a clear message and the first is not disturbed."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.test_workflow import ROOT, dry_run, snakemake
 
@@ -71,3 +77,53 @@ def test_a_second_run_on_the_same_results_is_refused_while_one_runs(tmp_path: Pa
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-2000:]  # the first run is not disturbed
     assert (tmp_path / FINISHED).read_text() == '{"status": "ok"}\n' and not (tmp_path / KILLED).exists()
+
+
+PAGE = 4096
+#: a cell's record file before the run: one whole record line, ending 64 bytes short of a page boundary
+BEFORE = (json.dumps({"schema_version": 1, "run_id": "earlier", "status": "ok", "pad": ""})[:-2] +
+          "x" * (PAGE - 64 - 60) + '"}\n').encode()
+
+
+@contextlib.contextmanager
+def _full_disk(tmp_path: Path):
+    """A 64 KiB tmpfs holding BEFORE as cell.jsonl and a filler taking every other page: the next append finds
+    64 bytes of room (the rest of cell.jsonl's page) and then ENOSPC."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the file-size-limit case still runs")
+    try:
+        (disk / "cell.jsonl").write_bytes(BEFORE)
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * PAGE)
+        yield disk / "cell.jsonl", None
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@contextlib.contextmanager
+def _file_size_limit(tmp_path: Path):
+    """RLIMIT_FSIZE 64 bytes past BEFORE: the next append writes 64 bytes and then fails with EFBIG (Python
+    ignores SIGXFSZ), as a full disk fails with ENOSPC."""
+    out = tmp_path / "cell.jsonl"
+    out.write_bytes(BEFORE)
+    limit = len(BEFORE) + 64
+    yield out, lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("full", [_full_disk, _file_size_limit], ids=["tmpfs-enospc", "rlimit-efbig"])
+def test_a_record_written_to_a_full_disk_is_not_half_written_and_the_error_is_one_line(tmp_path: Path, full) -> None:
+    with full(tmp_path) as (out, limit):
+        proc = subprocess.run([sys.executable, "-m", "autosp.cli", "run", "--method", "single", "--model", "tiny",
+                               "--seq-len", "16", "--steps", "0", "--warmup", "0", "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+        after = out.read_bytes()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert after == BEFORE  # the part of the record that fitted was taken back: no half line
+    error = proc.stderr.strip()
+    assert "\n" not in error and f"cannot write a record to {out}" in error, error
+    assert ("No space left on device" if limit is None else "File too large") in error, error

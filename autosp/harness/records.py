@@ -6,7 +6,7 @@ torn by something else (a killed writer of an older version, a full disk, a hand
 before the next record, so the new record is always a line of its own; `load_records(..., skip_bad_lines=True)`
 then reads every whole record and reports the torn one instead of failing on the whole file.
 Commands check their output paths with `check_writable` before any work, so a finished run is never lost to an
-unwritable `--out`.
+unwritable `--out`; a write that fails midway (a full disk) is taken back, and the error is one line.
 """
 from __future__ import annotations
 
@@ -159,10 +159,15 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: end it, keep the new record whole
             line = b"\n" + line
-        written = 0
-        while written < len(line):  # a regular file takes it in one call; the loop only guards short writes
-            written += os.write(fd, line[written:])
-        os.fsync(fd)
+        try:
+            written = 0
+            while written < len(line):  # a regular file takes it in one call; a full disk writes part of it
+                written += os.write(fd, line[written:])
+            os.fsync(fd)
+        except OSError as exc:  # a full disk or a file-size limit: take the part back, the file is as it was
+            os.ftruncate(fd, size)
+            raise ConfigError(f"cannot write a record to {path}: {exc.strerror or exc} (the file is as it was); "
+                              "free space there or choose another --out, and rerun") from None
     finally:
         os.close(fd)  # closing releases the lock
 
