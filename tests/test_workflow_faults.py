@@ -127,3 +127,56 @@ def test_a_record_written_to_a_full_disk_is_not_half_written_and_the_error_is_on
     error = proc.stderr.strip()
     assert "\n" not in error and f"cannot write a record to {out}" in error, error
     assert ("No space left on device" if limit is None else "File too large") in error, error
+
+
+#: the workflow at its smallest with the real `autosp`: two eager cells on tiny, one probe each (128 tokens)
+SETTINGS = """
+models: [tiny]
+all_models: []
+methods: [ulysses, ring]
+peer: {method: ds-autosp, models: [], compare: [], check: [], check_seq_len: 256}
+search_guide: {default: "off"}
+granularity: 128
+min_len: 128
+max_len: 128
+probe_timeout_s: 240
+"""
+CELLS = [f"results/trainability/cpu/P2/tiny/{method}.jsonl" for method in ("ulysses", "ring")]
+
+
+def _processes_in(folder: Path, marker: str = "") -> list[int]:
+    """Live processes working in `folder` whose command line holds `marker` (the workflow's jobs and ranks)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (os.readlink(proc / "cwd") == str(folder) and marker in (proc / "cmdline").read_text()
+                    and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.append(int(proc.name))
+    return found
+
+
+def test_a_rank_killed_mid_run_is_its_cells_error_with_no_orphan_and_nothing_finished_redone(tmp_path: Path) -> None:
+    settings = tmp_path / "faults.yaml"
+    settings.write_text(SETTINGS)
+    config = ("--configfile", str(settings))
+    run = subprocess.Popen(["snakemake", "--directory", str(tmp_path), *CELLS, "--cores", "2", *config], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: _processes_in(tmp_path, "rank_entry"), timeout_s=120)  # the first cell's first rank is up
+    started = time.monotonic()
+    victim = _processes_in(tmp_path, "rank_entry")[0]
+    os.kill(victim, signal.SIGKILL)  # one rank, as the OOM killer or a failing node would end it
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, out[-3000:]
+    assert not _processes_in(tmp_path), "processes outlived the workflow run"  # no orphan rank or job
+    rows = {cell: [json.loads(line) for line in (tmp_path / cell).read_text().splitlines()] for cell in CELLS}
+    killed = [cell for cell in CELLS if rows[cell][-1]["status"] == "error"]
+    assert len(killed) == 1, {cell: [r["status"] for r in rows[cell]] for cell in CELLS}
+    probe, result = rows[killed[0]]
+    # the probe is that cell's error, naming the killed rank, within seconds (not the probe timeout)
+    assert probe["status"] == "error" and "SIGKILL" in probe["error"] and "\n" not in probe["error"], probe["error"]
+    assert probe["extra"]["wall_s"] < 120, probe["extra"]["wall_s"]
+    assert result["kind"] == "search" and result["error"] == probe["error"]
+    finished, = set(CELLS) - set(killed)
+    assert [r["status"] for r in rows[finished]] == ["ok", "no_oom_up_to_max_len"]  # the other cell measured
+    again = snakemake(tmp_path, *CELLS, "-n", *config)
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout
