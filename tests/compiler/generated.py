@@ -6,7 +6,15 @@ All cases of one world size share one launch: starting P ranks and importing tor
 from __future__ import annotations
 
 import copy
+import importlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,8 +94,17 @@ def _outcome(case: dict[str, Any]) -> dict[str, Any]:
     return worst
 
 
-def _rank_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _plant(plant: str | None) -> None:
+    """Call `plant`, "module:function" (default function `plant`), which patches the pass in this rank to plant a bug
+    (`tests.compiler.planted`)."""
+    if plant is not None:
+        module, _, function = plant.partition(":")
+        getattr(importlib.import_module(module), function or "plant")()
+
+
+def _rank_cases(cases: list[dict[str, Any]], plant: str | None = None) -> list[dict[str, Any]]:
     """Every case in this rank, in order; one case's exception is its outcome and the others still run."""
+    _plant(plant)
     outcomes = []
     for case in cases:
         torch._dynamo.reset()  # each case compiles afresh, as in a process of its own
@@ -98,13 +115,13 @@ def _rank_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return outcomes
 
 
-def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_cases(cases: list[dict[str, Any]], plant: str | None = None) -> list[dict[str, Any]]:
     """Each case's outcome on rank 0, one launch per world size (`case["world_size"]`), in the cases' order.
     A launch that fails as a whole (a crash, a hang past its timeout) is every one of its cases' outcome."""
     outcomes: list[dict[str, Any] | None] = [None] * len(cases)
     for world_size in sorted({c["world_size"] for c in cases}):
         index = [i for i, c in enumerate(cases) if c["world_size"] == world_size]
-        result = launch(_rank_cases, ([cases[i] for i in index],), world_size=world_size,
+        result = launch(_rank_cases, ([cases[i] for i in index], plant), world_size=world_size,
                         timeout_s=300 + 120 * len(index))
         for k, i in enumerate(index):
             if result.status != "ok":
@@ -112,3 +129,60 @@ def run_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:  # rank 0's outcome, unless another rank raised
                 outcomes[i] = next((r[k] for r in result.results if "error" in r[k]), result.results[0][k])
     return outcomes
+
+
+def _serve(inbox: str, plant: str | None) -> None:
+    """Body of a `CaseServer` rank: run inbox/case-<i>.json for i = 0, 1, ... as each appears, writing this
+    rank's outcome to inbox/outcome-<i>.<rank>.json, until inbox/stop appears."""
+    import torch.distributed as dist
+
+    _plant(plant)
+    rank, folder = dist.get_rank(), Path(inbox)
+    for i in range(1 << 30):
+        request = folder / f"case-{i}.json"
+        while not request.exists():
+            if (folder / "stop").exists():
+                return
+            time.sleep(0.05)
+        _publish(folder / f"outcome-{i}.{rank}.json", _rank_cases([json.loads(request.read_text())])[0])
+
+
+def _publish(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+class CaseServer:
+    """P ranks that stay up across cases: one launch serves every case a search asks for one at a time (Hypothesis
+    shrinking a failure asks for cases one by one; a launch per case would cost a rank start each).
+    A case that does not finish within `case_timeout_s` is an `error` outcome and ends the server."""
+
+    def __init__(self, world_size: int, plant: str | None = None, case_timeout_s: float = 300.0) -> None:
+        self.world_size, self.case_timeout_s, self.cases = world_size, case_timeout_s, 0
+        self.inbox = Path(tempfile.mkdtemp(prefix="autosp-cases-"))
+        self.result: list[Any] = []
+        self.thread = threading.Thread(target=lambda: self.result.append(
+            launch(_serve, (str(self.inbox), plant), world_size=world_size, timeout_s=24 * 3600)), daemon=True)
+        self.thread.start()
+
+    def run(self, case: dict[str, Any]) -> dict[str, Any]:
+        """`case`'s outcome (rank 0's, unless another rank raised)."""
+        i, self.cases = self.cases, self.cases + 1
+        _publish(self.inbox / f"case-{i}.json", case)
+        paths = [self.inbox / f"outcome-{i}.{r}.json" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.case_timeout_s
+        while not all(p.exists() for p in paths):
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                ended = self.result[0] if self.result else None
+                why = f"{ended.status}: {ended.error}" if ended else f"no outcome within {self.case_timeout_s:.0f} s"
+                return {"error": f"case server {why}", "traceback": getattr(ended, "output_tail", "")}
+            time.sleep(0.05)
+        outcomes = [json.loads(p.read_text()) for p in paths]
+        return next((o for o in outcomes if "error" in o), outcomes[0])
+
+    def close(self) -> None:
+        (self.inbox / "stop").touch()
+        self.thread.join(timeout=120)
+        shutil.rmtree(self.inbox, ignore_errors=True)

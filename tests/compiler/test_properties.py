@@ -15,11 +15,13 @@ import json
 import random
 
 import pytest
-from hypothesis import event, example, given, seed, settings
+from hypothesis import Phase, event, example, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.compiler.exactness import TOLERANCE
-from tests.compiler.generated import ROPE, run_cases
+from tests.compiler.generated import ROPE, CaseServer, run_cases
+
+PLANTED = "tests.compiler.planted"  # the module that plants an off-by-one in the rotary shard offset
 
 FAMILIES = ("llama", "hf-llama", "hf-qwen2", "hf-mistral")
 
@@ -68,6 +70,8 @@ EXAMPLES = [
     # left padding, packed documents and a length that 4 does not divide, on HF Qwen2 with a sliding window
     _case(family="hf-qwen2", hidden=32, window=4, seq_len=30, batch_size=2, pad_fraction=0.2, pad_side="left",
           documents=2, zero=3, tiling="auto", world_size=4),
+    # the simplest case (Hypothesis draws it first): the minimal example of the planted rotary-offset bug
+    _case(heads=2, kv_heads=1, seq_len=5),
 ]
 
 _OUTCOMES: dict[str, dict] = {}
@@ -115,17 +119,65 @@ def _outcome(case: dict, known: dict[str, dict]) -> dict:
     return known[key]
 
 
+def _exact_or_refused(outcome: dict) -> None:
+    """The property: `outcome` is exact or a one-line refusal (AssertionError naming what else it is)."""
+    assert "error" not in outcome, f"seed {_seed()}: {outcome['error']}\n{outcome.get('traceback', '')}"
+    if "refused" in outcome:
+        message = outcome["refused"].strip()
+        assert message and "\n" not in message, f"a refusal must be one line: {message!r}"
+        event(f"refused: {message[:70]}")
+        return
+    assert outcome["loss"] <= TOLERANCE and outcome["grad"] <= TOLERANCE, f"seed {_seed()}: {outcome}"
+    event("exact")
+
+
 def test_the_sp_pass_is_exact_or_refuses_in_one_line(outcomes):
     @_search
     def check(case):
-        outcome = _outcome(case, outcomes)
-        assert "error" not in outcome, f"seed {_seed()}: {outcome['error']}\n{outcome.get('traceback', '')}"
-        if "refused" in outcome:
-            message = outcome["refused"].strip()
-            assert message and "\n" not in message, f"a refusal must be one line: {message!r}"
-            event(f"refused: {message[:70]}")
-            return
-        assert outcome["loss"] <= TOLERANCE and outcome["grad"] <= TOLERANCE, f"seed {_seed()}: {outcome}"
-        event("exact")
+        _exact_or_refused(_outcome(case, outcomes))
 
     check()
+
+
+#: the minimal example the search finds the planted bug with (docs/measurements/2026-12-02-faults.md)
+PLANTED_MINIMAL = EXAMPLES[-1]
+
+
+def test_the_planted_rotary_offset_bug_is_wrong_on_its_minimal_example():
+    # the cheap counterpart of the search below: the property rejects the planted pass on the example the search
+    # shrank to (the same example, unplanted, is exact: it is one of the ci profile's EXAMPLES)
+    outcome = run_cases([PLANTED_MINIMAL], plant=PLANTED)[0]
+    with pytest.raises(AssertionError, match="seed"):
+        _exact_or_refused(outcome)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("plant, world_size", [(PLANTED, 2), (f"{PLANTED}:plant_past_rank_1", 4)])
+def test_the_search_finds_a_planted_rotary_offset_bug_and_shrinks_it_to_a_minimal_example(plant, world_size):
+    # shifted on every rank past the first, the simplest case (Hypothesis' first) shows the bug; shifted only on
+    # ranks 2 and up, only P=4 shows it: the search must draw such a case and shrink it
+    servers: dict[int, CaseServer] = {}
+    failing: list[dict] = []
+
+    @settings(max_examples=20, derandomize=True, database=None, phases=[Phase.generate, Phase.shrink])
+    @given(case=cases())
+    def check(case):
+        if case["world_size"] not in servers:
+            servers[case["world_size"]] = CaseServer(case["world_size"], plant=plant)
+        try:
+            _exact_or_refused(servers[case["world_size"]].run(case))
+        except AssertionError:
+            failing.append(case)
+            raise
+
+    try:
+        with pytest.raises(AssertionError, match="seed"):
+            check()
+    finally:
+        for server in servers.values():
+            server.close()
+    minimal = failing[-1]  # Hypothesis replays the shrunk example last
+    print(f"{len(failing)} failing cases of {sum(s.cases for s in servers.values())} run; minimal: {minimal}")
+    assert minimal["world_size"] == world_size, minimal
+    if world_size == 2:
+        assert minimal == PLANTED_MINIMAL, minimal
