@@ -162,7 +162,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     the stage that runs is the module's `zero`."""
     options = CompileOptions.of(options, **keywords)  # every option checked, before anything else
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    zero = resolve_stage(options.zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group))
+    device_type = next(model.parameters(), torch.empty(0)).device.type
+    zero = resolve_stage(options.zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group), device_type)
     if zero >= 2 and dist.get_world_size(reduce_group) > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3,
                          compute_dtype=options.compute_dtype)

@@ -40,6 +40,10 @@ DEFAULT_STAGE = 3
 #: Backends without the collectives stages 2/3 put into the graph: torch's ProcessGroupMPI and ProcessGroupUCC
 #: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.compiler.prefetch`).
 NO_COALESCED_GATHER = ("mpi", "ucc")
+#: gloo has the coalesced gather for CPU tensors only: given CUDA tensors it copies from their device pointers as if
+#: they were host memory and the rank dies with SIGSEGV (pytorch/pytorch#152645, `AsyncAllgatherCoalescedWork`; the
+#: crash of ZeRO 3 with AUTOSP_SHARE_GPUS=1). Its broadcast and all-reduce stage CUDA tensors through host memory.
+GLOO_ON_CUDA = "gloo on CUDA tensors"
 _PARAMETRIZED = re.compile(r"\.?parametrizations\.([^.]+)\.original$")
 
 
@@ -49,20 +53,35 @@ def check_stage(zero: int) -> int:
     return zero
 
 
-def resolve_stage(zero: int | None, group_size: int, backend: str) -> int:
-    """The stage to run over a group of `group_size` ranks sharing the model state on `backend` (a
-    `dist.get_backend` string such as "gloo" or "cpu:gloo,cuda:nccl"): `zero`, or `DEFAULT_STAGE` when None.
+def _serving(backend: str, device_type: str) -> str:
+    """The backend of a `dist.get_backend` string that serves `device_type` tensors ("cpu:gloo,cuda:nccl")."""
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if device in ("", device_type):
+            return name
+    return backend
+
+
+def resolve_stage(zero: int | None, group_size: int, backend: str, device_type: str = "cpu") -> int:
+    """The stage to run over a group of `group_size` ranks sharing the model state (on `device_type`) on `backend`
+    (a `dist.get_backend` string such as "gloo" or "cpu:gloo,cuda:nccl"): `zero`, or `DEFAULT_STAGE` when None.
 
     One rank shares nothing, so every stage is stage 0 there. The default falls back to stage 1 (AdamW state
-    sharded by `ZeroRedundancyOptimizer`, plain broadcasts) on a backend that cannot run stages 2/3; asking for
-    2 or 3 there is refused in one line."""
+    sharded by `ZeroRedundancyOptimizer`, plain broadcasts) on a backend that cannot run stages 2/3 (MPI, UCC, gloo
+    on CUDA tensors); asking for 2 or 3 there is refused in one line."""
     if zero is not None:
         check_stage(zero)
     if group_size <= 1:
         return 0
     lacking = sorted({b.rpartition(":")[2] for b in backend.split(",")} & set(NO_COALESCED_GATHER))
+    if device_type == "cuda" and _serving(backend, device_type) == "gloo":
+        lacking.append(GLOO_ON_CUDA)
     if lacking and zero is None:
         return 1
+    if lacking and zero >= 2 and lacking[0] == GLOO_ON_CUDA:
+        raise SequenceParallelError(f"zero={zero} gathers parameters with all_gather_into_tensor_coalesced, which gloo "
+                                    "runs on CPU tensors only (on CUDA tensors the rank dies with SIGSEGV, "
+                                    "pytorch/pytorch#152645): use nccl with one GPU per rank, or zero=0/1")
     if lacking and zero >= 2:
         raise SequenceParallelError(f"zero={zero} gathers parameters with all_gather_into_tensor_coalesced, which the "
                                     f"{lacking[0]} backend lacks: use gloo or nccl, or zero=0/1")

@@ -194,6 +194,23 @@ def test_the_stage_that_runs(zero, group_size, backend, stage):
     assert resolve_stage(zero, group_size, backend) == stage
 
 
+@pytest.mark.parametrize("zero, backend, device_type, stage", [
+    (None, "gloo", "cuda", 1),  # ranks sharing a GPU (AUTOSP_SHARE_GPUS=1): no coalesced gather of CUDA tensors
+    (0, "gloo", "cuda", 0),
+    (None, "cpu:gloo,cuda:nccl", "cuda", 3),  # CUDA tensors go over nccl
+    (None, "gloo", "cpu", 3),
+])
+def test_gloo_runs_stages_2_and_3_on_cpu_tensors_only(zero, backend, device_type, stage):
+    assert resolve_stage(zero, 2, backend, device_type) == stage
+
+
+def test_zero_3_over_gloo_on_cuda_tensors_is_refused_in_one_line_with_the_reason():
+    # gloo's coalesced all-gather reads CUDA tensors as host memory: the rank died with SIGSEGV (pytorch#152645)
+    with pytest.raises(SequenceParallelError, match=r"^zero=3 .* gloo runs on CPU tensors only \(on CUDA tensors the "
+                                                    r"rank dies with SIGSEGV, pytorch/pytorch#152645\): use nccl"):
+        resolve_stage(3, 2, "gloo", "cuda")
+
+
 def test_a_stage_the_backend_cannot_run_is_refused_in_one_line():
     with pytest.raises(SequenceParallelError, match="zero=3 .* mpi backend lacks: use gloo or nccl, or zero=0/1"):
         resolve_stage(3, 2, "mpi")
