@@ -136,11 +136,26 @@ class _ForkedRank:
         self.pid = process.pid
 
     def poll(self) -> int | None:
-        return self.process.exitcode
+        """The exit code as soon as the rank has died: the fork server (its parent) reports it once it has reaped
+        the rank, which on a loaded machine can come seconds later; until then the kernel has it in the zombie."""
+        code = self.process.exitcode
+        return _zombie_exit_code(self.pid) if code is None else code
 
     def wait(self) -> int | None:
         self.process.join()
         return self.process.exitcode
+
+
+def _zombie_exit_code(pid: int) -> int | None:
+    """The exit code (negative: the signal) of process `pid` if it is a zombie, else None (running, or reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z" or len(fields) < 50:  # field 52 of stat, the wait status, since Linux 3.5
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 def write_report(path: str | os.PathLike, report: Any) -> None:
