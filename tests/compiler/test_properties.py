@@ -137,6 +137,9 @@ def test_the_sp_pass_is_exact_or_refuses_in_one_line(outcomes):
         _exact_or_refused(_outcome(case, outcomes))
 
     check()
+    refusals = sorted({o["refused"] for o in outcomes.values() if "refused" in o})
+    print(f"seed {_seed()}: {len(outcomes)} cases, {sum('loss' in o for o in outcomes.values())} exact, "
+          f"{sum('refused' in o for o in outcomes.values())} refused:", *refusals, sep="\n  ")  # pytest -s shows it
 
 
 #: the minimal example the search finds the planted bug with (docs/measurements/2026-12-02-faults.md)
