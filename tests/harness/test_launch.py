@@ -111,8 +111,10 @@ def test_crashed_rank_ends_the_run_with_its_message(rank_start) -> None:
 
 def test_killed_rank_is_an_error_within_the_timeout(rank_start, tmp_path) -> None:
     killed_at = tmp_path / "killed_at"
-    result = launch(kill_rank_1, (str(killed_at),), world_size=2, timeout_s=60)
-    # seconds after the death, not at the timeout; timed from the death, as starting ranks takes long under load
+    # the timeout is not what is tested: starting the ranks (the warm ranks' fork server, its first time in a
+    # process) took over 60 s under load; the death must end the run within seconds of it, not at the timeout
+    result = launch(kill_rank_1, (str(killed_at),), world_size=2, timeout_s=300)
+    assert killed_at.exists(), result.error
     assert time.monotonic() - float(killed_at.read_text()) < 20
     assert result.status == "error" and result.failed_rank == 1
     assert "SIGKILL" in result.error
@@ -125,12 +127,12 @@ def test_a_warm_rank_killed_while_the_fork_server_is_descheduled_is_named(tmp_pa
     from multiprocessing import forkserver
 
     with warm_ranks(WARM_RANK_PRELOAD):
-        launch(sum_ranks, ("x",), world_size=2, timeout_s=120)  # the fork server is up
+        launch(sum_ranks, ("x",), world_size=2, timeout_s=300)  # the fork server is up
         server = forkserver._forkserver._forkserver_pid
         resume = threading.Timer(8.0, os.kill, (server, signal.SIGCONT))
         resume.start()
         try:
-            result = launch(kill_rank_1, (str(tmp_path / "killed_at"), True), world_size=2, timeout_s=60)
+            result = launch(kill_rank_1, (str(tmp_path / "killed_at"), True), world_size=2, timeout_s=300)
         finally:
             resume.join()
             os.kill(server, signal.SIGCONT)
