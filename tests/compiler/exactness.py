@@ -35,7 +35,7 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
     reference = copy.deepcopy(model)
     # replicated unless asked (the coverage is the SP pass's; the ZeRO stages have their own matrix), so the
     # parameters compare one to one with the reference's
-    compiled = autosp.compile(model, backend="aot_eager", **{"sac": "off", "zero": 0, **compile_options})
+    compiled = _compiled(model, {"backend": "aot_eager", "sac": "off", "zero": 0, **compile_options})
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
@@ -57,9 +57,20 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
     return {**worst, "choice": _planner_choice(compiled)}
 
 
+def _compiled(model: torch.nn.Module, options: dict) -> Any:
+    """`autosp.compile(model, **options)`, or with `entry="backend"` the plain `torch.compile` with
+    `autosp.backend` (stage 0, replicated parameters)."""
+    if options.pop("entry", "compile") == "compile":
+        return autosp.compile(model, **options)
+    options.pop("zero")
+    return torch.compile(model, backend=autosp.backend(model=model, **options), fullgraph=True)
+
+
 def _planner_choice(compiled: Any) -> dict[str, int]:
     """What the memory planner (sac auto) chose over the compiled graphs: layers recomputed token-wise and with
-    attention, bytes offloaded (all 0 under another policy)."""
+    attention, bytes offloaded (all 0 under another policy, or through `autosp.backend`)."""
+    if not isinstance(compiled, autosp.SequenceParallelModule):
+        return {}
     plans = [r.plan for r in compiled.partition_records if r.plan is not None]
     return {"tokenwise": sum(p["tokenwise_recompute_layers"] for p in plans),
             "attention": sum(p["attention_recompute_layers"] for p in plans),

@@ -16,6 +16,8 @@ def _hf(family: str, seq_len: int, **compile_options) -> dict:
 CASES = {
     # output_router_logits=True: histc counts leave the layer in the aux loss (global), 31 tokens: rank 1 padded
     "mixtral-aux-2": (2, _hf("mixtral-aux", 31)),
+    # the same through torch.compile(model, backend=autosp.backend(model=model)): the backend installs HF's hooks
+    "mixtral-aux-backend-2": (2, _hf("mixtral-aux", 31, entry="backend")),
     "qwen2-moe-2": (2, _hf("qwen2-moe", 32)),  # shared expert with its sigmoid gate beside the routed experts
     "deepseek-v3-2": (2, _hf("deepseek-v3", 32)),  # MLA (latent projections, split rope dims) + routed/shared MoE
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
@@ -31,6 +33,10 @@ def runs() -> ExactnessRuns:
 @pytest.mark.parametrize("case", ["mixtral-aux-2", "qwen2-moe-2"])
 def test_unmodified_hf_moe_with_default_experts_is_exact(runs, case):
     runs.assert_exact(case)
+
+
+def test_router_logits_through_a_plain_torch_compile_backend_are_exact(runs):
+    runs.assert_exact("mixtral-aux-backend-2")
 
 
 def test_unmodified_hf_deepseek_v3_mla_and_moe_is_exact(runs):
