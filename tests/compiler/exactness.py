@@ -33,10 +33,14 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
     module, name = builder.rsplit(".", 1)
     model = getattr(importlib.import_module(module), name)(**options)
     reference = copy.deepcopy(model)
-    # replicated unless asked (the coverage is the SP pass's; the ZeRO stages have their own matrix), so the
-    # parameters compare one to one with the reference's
-    compiled = _compiled(model, {"backend": "aot_eager", "sac": "off", "zero": 0, **compile_options})
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=adamw_eps) for m in (model, reference))
+    # replicated unless asked (the coverage is the SP pass's; the ZeRO stages have their own matrix); at ZeRO 2/3
+    # the full gradients and parameters are gathered under the model's own names
+    compile_options = {"backend": "aot_eager", "sac": "off", "zero": 0, **compile_options}
+    sharded = compile_options["zero"] >= 2
+    compiled = _compiled(model, dict(compile_options))
+    opt = (compiled.make_optimizer(torch.optim.AdamW, lr=1e-2, eps=adamw_eps) if sharded else
+           torch.optim.AdamW(model.parameters(), lr=1e-2, eps=adamw_eps))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=adamw_eps)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
         batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction)
@@ -47,13 +51,15 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
         ref_loss = _loss(reference(**batch))
         ref_loss.backward()
         worst["loss"] = max(worst["loss"], relative_error(loss.detach(), ref_loss.detach()))
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        grads = compiled.full_gradients() if sharded else {n: p.grad for n, p in model.named_parameters()}
+        for name, r in reference.named_parameters():
             if r.grad is not None:
-                worst["grad"] = max(worst["grad"], relative_error(p.grad, r.grad))
+                worst["grad"] = max(worst["grad"], relative_error(grads[name], r.grad))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-        for p, r in zip(model.parameters(), reference.parameters()):
-            worst["param"] = max(worst["param"], relative_error(p.detach(), r.detach()))
+        params = compiled.full_parameters() if sharded else dict(model.named_parameters())
+        for name, r in reference.named_parameters():
+            worst["param"] = max(worst["param"], relative_error(params[name].detach(), r.detach()))
     return {**worst, "choice": _planner_choice(compiled)}
 
 

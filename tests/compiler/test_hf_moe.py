@@ -25,8 +25,13 @@ CASES = {
     # moves k_proj 4.6e-4 away from the one-pass run (AutoSP: 6.1e-4, gradients within 1e-6); eps=1e-6
     "olmoe-2": (2, _hf("olmoe", 32, adamw_eps=1e-6)),  # shared expert with its sigmoid gate beside the routed experts
     "deepseek-v3-2": (2, _hf("deepseek-v3", 32)),  # MLA (latent projections, split rope dims) + routed/shared MoE
+    # ZeRO 3: the experts' weights are flat shards gathered inside the graph, gradients reduce-scattered
+    "qwen2-moe-zero3-2": (2, _hf("qwen2-moe", 31, zero=3)),
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
     "mixtral-aux-4": (4, _hf("mixtral-aux", 62)),
+    "qwen2-moe-4": (4, _hf("qwen2-moe", 64)),
+    "olmoe-4": (4, _hf("olmoe", 64, adamw_eps=1e-6)),
+    "deepseek-v3-4": (4, _hf("deepseek-v3", 62)),
 }
 
 
@@ -48,9 +53,14 @@ def test_unmodified_hf_deepseek_v3_mla_and_moe_is_exact(runs):
     runs.assert_exact("deepseek-v3-2")
 
 
+def test_moe_at_zero_3_is_exact(runs):
+    runs.assert_exact("qwen2-moe-zero3-2")
+
+
 @pytest.mark.long
-def test_mixtral_load_balancing_loss_is_exact_on_four_ranks(runs):
-    runs.assert_exact("mixtral-aux-4")
+@pytest.mark.parametrize("case", ["mixtral-aux-4", "qwen2-moe-4", "olmoe-4", "deepseek-v3-4"])
+def test_hf_moe_is_exact_on_four_ranks(runs, case):
+    runs.assert_exact(case)
 
 
 def test_hf_eager_experts_loop_is_refused_in_one_line(runs):
