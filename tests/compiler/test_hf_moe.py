@@ -29,7 +29,10 @@ CASES = {
     "qwen2-moe-zero3-2": (2, _hf("qwen2-moe", 31, zero=3)),
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
     "mixtral-aux-4": (4, _hf("mixtral-aux", 62)),
-    "qwen2-moe-4": (4, _hf("qwen2-moe", 64)),
+    # 64 tokens on 4 ranks: gradient entries of 3.1e-9 (layer-0 k_proj.bias, largest 1.2e-4) and 2.4e-9 (layer-1
+    # experts) under eps=1e-8 moved parameters 3.1e-4 apart in the first step, gradients within 1.8e-5; with
+    # eps=1e-3 (above every k_proj.bias entry) loss, gradients and parameters agree within 1.1e-6
+    "qwen2-moe-4": (4, _hf("qwen2-moe", 64, adamw_eps=1e-3)),
     "olmoe-4": (4, _hf("olmoe", 64, adamw_eps=1e-6)),
     "deepseek-v3-4": (4, _hf("deepseek-v3", 62)),
 }
