@@ -12,7 +12,7 @@ from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.tracing import data_dependent_shape_error, install_output_hooks, tracing_config
+from autosp.compiler.tracing import data_dependent_shape_error
 from autosp.errors import SequenceParallelError
 
 
@@ -95,8 +95,7 @@ class SequenceParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         try:
-            with tracing_config():  # logging calls do not break the graph
-                return self._compiled(*args, **kwargs)
+            return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(
@@ -169,8 +168,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
                          compute_dtype=options.compute_dtype)
     elif options.compute_dtype is not None:
         cast_parameters(model, options.compute_dtype)
-    install_output_hooks(model)  # HF installs them under a lock Dynamo cannot trace
-    sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero)
+    sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero, model=model)
     # dynamic=None: a size that changes between calls (the sequence length) makes Dynamo trace once more with that
     # size symbolic; the backend then specialises the one trace per length (`specialize.per_length`)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=None)
@@ -183,8 +181,12 @@ def backend(
 ) -> Callable:
     """A backend for `torch.compile(model, backend=autosp.backend(...), fullgraph=True)`.
 
-    Same options as `autosp.compile` (the parameters stay replicated: ZeRO stage 0, the model's own dtype); pass
-    `model` only when sp_size < world size (to place the mesh)."""
+    Same options as `autosp.compile` (the parameters stay replicated: ZeRO stage 0, the model's own dtype). Pass
+    `model` when sp_size < world size (to place the mesh), and for an HF model asked for router logits or hidden
+    states (its output hooks must be installed before Dynamo traces). Dynamo's own errors (graph breaks, sizes
+    read from tensor values) reach the caller as Dynamo raises them, and AutoSP's refusals as Dynamo's
+    `BackendCompilerFailed` around the one-line `SequenceParallelError` (its `inner_exception`): only the
+    `autosp.compile` wrapper sits around the call to turn them into one line."""
     options = CompileOptions.of(options, **keywords)
     if options.zero not in (None, 0) or options.compute_dtype is not None:
         raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype); "
@@ -193,4 +195,4 @@ def backend(
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
-    return make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size)
+    return make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, model=model)

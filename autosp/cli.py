@@ -4,7 +4,8 @@ function taking the parsed arguments and returning the exit code.
 
 Bad input (ConfigError, bad flags) ends with one line on stderr and exit code 2, never a traceback. Commands
 that start ranks set `starts_ranks` and run with SIGTERM/SIGINT trapped: the run in flight is ended and recorded
-as `interrupted`, and the command exits with INTERRUPTED_EXIT_CODE.
+as `interrupted`, and the command exits with INTERRUPTED_EXIT_CODE; their CPU ranks are forked from a warm server
+(`supervisor.warm_ranks`), so a search's probes do not each import torch again.
 """
 from __future__ import annotations
 
@@ -140,9 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not getattr(args, "starts_ranks", False):
             return args.func(args)
-        from autosp.harness.launch import interruptible
+        from autosp.harness.launch import interruptible, warm_preload
+        from autosp.harness.supervisor import warm_ranks
 
-        with interruptible():  # SIGTERM/SIGINT: ranks ended, `interrupted` recorded, a normal exit
+        methods = getattr(args, "method", None) or getattr(args, "methods", "")
+        # SIGTERM/SIGINT: ranks ended, `interrupted` recorded, a normal exit. CPU ranks fork from one warm server.
+        with interruptible(), warm_ranks(warm_preload(methods)):
             return args.func(args)
     except ConfigError as exc:
         print(f"autosp {args.command}: error: {exc}", file=sys.stderr)

@@ -4,6 +4,12 @@ The SP pass works on Dynamo's Torch-IR graph, where `scaled_dot_product_attentio
 loss are still visible. aot_autograd then traces forward and backward jointly; the pipeline's partition function
 decides what forward values backward keeps (sequence-aware checkpointing) before inductor compiles both halves.
 This module only binds a pipeline to the process groups and to Dynamo's calls (one static graph per length).
+
+What must hold while Dynamo traces (logging calls left out of the graph, HF's output hooks installed beforehand,
+`autosp.compiler.tracing`) is set up here too, so `autosp.compile` and a plain `torch.compile(model,
+backend=autosp.backend(...))` trace alike: Dynamo enters the backend's `backend_ctx_ctor` around every call of the
+compiled model, tracing included. Dynamo's own tracing errors (graph breaks, sizes read from tensor values) are
+raised at that call before any backend runs, so only the `autosp.compile` wrapper can turn them into one line.
 """
 from __future__ import annotations
 
@@ -19,11 +25,12 @@ from autosp.compiler.hybrid import subgroups
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static, reduction_over
 from autosp.compiler.specialize import is_symbolic, per_length
+from autosp.compiler.tracing import install_output_hooks, tracing_config
 
 
 def make_backend(
     sp_group: dist.ProcessGroup, options: CompileOptions | None = None, *,
-    reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1, zero: int = 0,
+    reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1, zero: int = 0, model: torch.nn.Module | None = None,
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`, as `options` say
     (`autosp.compiler.options`; default: the defaults).
@@ -32,7 +39,11 @@ def make_backend(
     are summed over it and divided by `dp_size` inside the backward graph, one collective per bucket of gradients
     (`autosp.compiler.grad_buckets`): all-reduced at ZeRO stages 0/1, reduce-scattered at stages 2/3 (the
     parameters are shards, `autosp.comm.sharding`). `zero` is the stage that runs (resolved by the caller).
+    `model`, when given, gets HF's output-capturing hooks now (`tracing.install_output_hooks`: without them an HF
+    model asked for router logits or hidden states breaks the graph).
     The backend's `compilation` holds what the passes report (`autosp.compiler.pipeline.Compilation`)."""
+    if model is not None:
+        install_output_hooks(model)
     options = options if options is not None else CompileOptions()
     group = reduce_group or sp_group
 
@@ -53,6 +64,8 @@ def make_backend(
             return per_length(gm, static)
         return static(gm, example_inputs)
 
+    compile_graph.__name__ = "autosp"  # Dynamo names the backend that raised by it
+    compile_graph.backend_ctx_ctor = tracing_config  # entered by Dynamo around every call, tracing included
     compile_graph.compilation = compilation
     compile_graph.partition_fn = compilation.partition_fn  # its .records tell what each compiled graph saves
     return compile_graph

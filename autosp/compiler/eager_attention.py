@@ -1,13 +1,16 @@
-"""Attention written by hand: `matmul -> scale -> [soft-cap] -> mask -> softmax -> [dropout] -> matmul`.
+"""Attention written by hand: `matmul -> scale -> [soft-cap] -> mask -> [sinks] -> softmax -> [dropout] -> matmul`.
 
-Models whose SDPA path is off (eager attention, logit soft-capping) compute attention as a chain of ops between
-two matmuls. The chain is recognised in the graph from its shape, not from names: a softmax over the last dim of
-a [.., S, S] score tensor, reached from a trainable `q @ kT` through ops with one score input each, and consumed by
-`probs @ v`. Every other input of the chain (scale, cap, mask) must be a full value. The pass then treats the
-whole region as one attention: all-to-alls on q, kT and v (heads scattered, sequence gathered), the chain runs
-unchanged on this rank's heads over the full sequence, and one all-to-all brings the output back to the shard.
-Masks of shape [.., S, S] are cut to this rank's heads; with a padded sequence the padded keys are hidden from
-real queries right before the softmax (see `padding`).
+Models whose SDPA path is off (eager attention, logit soft-capping, attention sinks) compute attention as a chain
+of ops between two matmuls. The chain is recognised in the graph from its shape, not from names: a softmax over
+the last dim of [.., S, S + k] scores (k extra key columns: gpt-oss's per-head sink logits, concatenated after the
+keys and dropped after the softmax), reached from a trainable [.., S, S] `q @ kT` through ops with one score input
+each, and consumed by `probs @ v` over [.., S, S]. Ops computed from the chain that only feed it back (the row
+max subtracted before the softmax) belong to the region. Every other input (scale, cap, mask, sink logits) must
+be a full value. The pass then treats the whole region as one attention: all-to-alls on q, kT and v (heads
+scattered, sequence gathered), the region runs unchanged on this rank's heads over the full sequence, and one
+all-to-all brings the output back to the shard. Per-head inputs ([.., H, S, *]: masks, sinks) are cut to this
+rank's heads; with a padded sequence the padded keys are hidden from real queries right before the softmax (see
+`padding`). The scores of this rank's heads are [.., S, S + k], as the model's own eager attention makes them.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class EagerAttention:
     scores: fx.Node  # q @ kT
     softmax: fx.Node
     output: fx.Node  # probs @ v
-    chain: tuple[fx.Node, ...]  # scores .. output, in graph order
+    chain: tuple[fx.Node, ...]  # scores .. output and what only feeds them back, in graph order
 
     @property
     def query(self) -> fx.Node:
@@ -59,6 +62,12 @@ def _is_square_scores(node: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape[-1] == v.shape[-2]
 
 
+def _is_scores(node: fx.Node) -> bool:
+    """[.., S, S + k]: scores over the S keys and k >= 0 extra columns (sinks)."""
+    v = _value(node)
+    return isinstance(v, torch.Tensor) and v.dim() >= 3 and v.shape[-1] >= v.shape[-2] > 1
+
+
 def _softmax_dim(node: fx.Node) -> int | None:
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     return dim % _value(node).dim() if isinstance(dim, int) else None
@@ -67,10 +76,11 @@ def _softmax_dim(node: fx.Node) -> int | None:
 def find(gm: fx.GraphModule, trainable: set[fx.Node]) -> list[EagerAttention]:
     """Every hand-written attention region; marks its nodes so the SP pass rewrites the region as one."""
     regions = []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        if node.target not in SOFTMAXES or not _is_square_scores(node) or _softmax_dim(node) != _value(node).dim() - 1:
+        if node.target not in SOFTMAXES or not _is_scores(node) or _softmax_dim(node) != _value(node).dim() - 1:
             continue
-        region = _region_around(node, trainable)
+        region = _region_around(node, trainable, order)
         if region is not None:
             regions.append(region)
             for n in region.chain:
@@ -78,10 +88,10 @@ def find(gm: fx.GraphModule, trainable: set[fx.Node]) -> list[EagerAttention]:
     return regions
 
 
-def _region_around(softmax: fx.Node, trainable: set[fx.Node]) -> EagerAttention | None:
+def _region_around(softmax: fx.Node, trainable: set[fx.Node], order: dict[fx.Node, int]) -> EagerAttention | None:
     back, node = [], softmax
-    while node.target not in MATMULS:  # up the score chain: the one trainable [.., S, S] input of each op
-        inputs = [n for n in node.all_input_nodes if n in trainable and _is_square_scores(n)]
+    while node.target not in MATMULS:  # up the score chain: the one trainable [.., S, S + k] input of each op
+        inputs = [n for n in node.all_input_nodes if n in trainable and _is_scores(n)]
         if len(inputs) != 1:
             return None
         node = inputs[0]
@@ -94,9 +104,25 @@ def _region_around(softmax: fx.Node, trainable: set[fx.Node]) -> EagerAttention 
         node = next(iter(node.users))
         forward.append(node)
     output = node
-    if output.args[0] is not (forward[-2] if len(forward) > 1 else softmax) or len(scores.args) != 2:
+    probs = forward[-2] if len(forward) > 1 else softmax
+    if output.args[0] is not probs or len(scores.args) != 2 or not _is_square_scores(scores) \
+            or not _is_square_scores(probs):
         return None
-    return EagerAttention(scores, softmax, output, tuple(reversed(back)) + (softmax,) + tuple(forward))
+    chain = {*back, softmax, *forward}
+    return EagerAttention(scores, softmax, output, tuple(sorted(chain | _feedback(chain, scores, output, order),
+                                                               key=order.__getitem__)))
+
+
+def _feedback(chain: set[fx.Node], scores: fx.Node, output: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
+    """Nodes computed from the chain whose every use is back in the chain (or in another such node)."""
+    between = [n for n in scores.graph.nodes if order[scores] < order[n] < order[output] and n not in chain]
+    reached = {scores} | chain
+    derived = [n for n in between if any(i in reached for i in n.all_input_nodes) and not reached.add(n)]
+    inside = set(chain)
+    for node in reversed(derived):
+        if node.users and all(u in inside for u in node.users):
+            inside.add(node)
+    return inside - chain
 
 
 def region_of(node: fx.Node) -> EagerAttention | None:

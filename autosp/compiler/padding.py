@@ -72,8 +72,9 @@ def attention_mask(ctx: SPContext, mask: fx.Node | None, is_causal: bool, before
 
 
 def hide_padding_keys(ctx: SPContext, softmax: fx.Node) -> None:
-    """Hand-written attention: before its softmax over [.., S', S'] scores, real queries lose the padded keys and
-    padded queries see uniform scores (whatever the model's own mask made of the padded rows and columns)."""
+    """Hand-written attention: before its softmax over [.., S', S' + k] scores (k extra columns after the keys:
+    sinks), real queries lose the padded keys and padded queries see uniform scores (whatever the model's own mask
+    made of the padded rows and columns)."""
     padded = padded_length(ctx.seq_len, ctx.sp_size)
     if padded == ctx.seq_len:
         return
@@ -81,7 +82,9 @@ def hide_padding_keys(ctx: SPContext, softmax: fx.Node) -> None:
     positions = ctx.emit(softmax, torch.arange, (padded,))
     is_pad = ctx.emit(softmax, torch.ge, (positions, ctx.seq_len))
     pad_row = ctx.emit(softmax, "unsqueeze", (is_pad, 1))
-    hidden = ctx.emit(softmax, torch.logical_and, (ctx.emit(softmax, "unsqueeze", (is_pad, 0)),
+    columns = ctx.current[scores].shape[-1]
+    pad_key = is_pad if columns == padded else ctx.pad(is_pad, -1, columns - padded, False, softmax)
+    hidden = ctx.emit(softmax, torch.logical_and, (ctx.emit(softmax, "unsqueeze", (pad_key, 0)),
                                                    ctx.emit(softmax, torch.logical_not, (pad_row,))))
     masked = ctx.emit(softmax, "masked_fill", (scores, hidden, float("-inf")))
     softmax.replace_input_with(scores, ctx.emit(softmax, "masked_fill", (masked, pad_row, 0.0)))

@@ -103,6 +103,23 @@ def resize(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
     return new_spec
 
 
+REPEATS = {"repeat"}
+
+
+def repeated(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
+    """`local.repeat(f, 1)` (Llama 4's router: every token once per expert): the sequence dim becomes f copies of
+    itself, a merged dim f times further out; the repeat counts are counts, not sizes, so they stay."""
+    if node.target not in REPEATS or not ctx.is_local(node.args[0]) or not isinstance(ctx.specs[node.args[0]],
+                                                                                       ShardSpec):
+        return None
+    spec = ctx.spec(node.args[0])
+    counts, _ = _size_args(node)
+    if any(isinstance(c, fx.Node) for c in counts):
+        raise SequenceParallelError(f"{node_label(node)}: symbolic sizes are resized by `mark_dynamic` graphs only")
+    dim = spec.dim + len(counts) - ctx.current[node.args[0]].dim()
+    return spec.at(dim, outer=spec.outer * counts[dim])
+
+
 FRESH_LIKE = {"new_zeros", "new_ones", "new_full", "new_empty"}
 
 

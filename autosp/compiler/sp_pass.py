@@ -90,8 +90,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expert_counts.is_count(ctx, node):
         expert_counts.count_locally(ctx, node)
         return
+    _refuse_sequence_convolution(ctx, node)
     known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
-        resize.fresh_like(ctx, node)
+        resize.repeated(ctx, node) or resize.fresh_like(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
     if node.target in _SHAPE_AGNOSTIC and known_spec is None:
         return
@@ -101,6 +102,22 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     spec = _output_spec(ctx, node, ctx.original[node], ctx.current[node])
     if spec is not None:
         ctx.specs[node] = spec
+
+
+_CONVOLUTIONS = {torch.conv1d, torch.nn.functional.conv1d, torch.conv2d, torch.nn.functional.conv2d}
+
+
+def _refuse_sequence_convolution(ctx: SPContext, node: fx.Node) -> None:
+    """A convolution whose spatial dim is the sharded sequence mixes neighbouring positions across shards: the
+    short causal convolution of Mamba, linear-attention and LFM2-style layers (with the scan after it)."""
+    if node.target not in _CONVOLUTIONS or not ctx.is_local(node.args[0]):
+        return
+    spec = ctx.specs[node.args[0]]
+    if isinstance(spec, ShardSpec) and spec.dim >= 2:
+        raise SequenceParallelError(
+            f"{node_label(node)} convolves along the sharded sequence (the causal convolution of a Mamba, "
+            "linear-attention or short-convolution layer, whose state runs through every position): AutoSP shards "
+            "softmax attention only; train this model without sequence parallelism")
 
 
 def _run(ctx: SPContext, node: fx.Node) -> Any:

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import re
 import signal
 import socket
 import tempfile
@@ -46,6 +47,18 @@ _EXIT_GRACE_S = 30.0
 #: what a warm CPU rank's fork server imports once (`supervisor.warm_ranks`): most of a short rank's start-up cost
 WARM_RANK_PRELOAD = ("torch", "torch._dynamo", "torch._functorch.aot_autograd", "autosp.harness.runner", "autosp.api",
                      "transformers.models.llama.modeling_llama")
+
+
+def warm_preload(method_specs: str) -> tuple[str, ...]:
+    """What the warm-rank server of a command running `method_specs` ("autosp", "ulysses[ac=layer],zero3") imports
+    once: the common start-up modules and each built-in method's own module (DeepSpeed's for zero3, alst, ...)."""
+    from baselines import BUILTIN_MODULES
+
+    names = re.sub(r"\[[^\]]*\]", "", method_specs).split(",")
+    return WARM_RANK_PRELOAD + tuple(dict.fromkeys(BUILTIN_MODULES[n.strip()] for n in names
+                                                   if n.strip() in BUILTIN_MODULES))
+
+
 #: set to 1 to run several local ranks on one GPU over gloo (see the module docstring)
 SHARE_GPUS_ENV = "AUTOSP_SHARE_GPUS"
 #: resident memory of one idle CPU rank before any model (Python, torch, gloo, the harness): 343 MiB measured on

@@ -15,8 +15,9 @@ Why each piece is the way it is:
 - Warm ranks (`warm_ranks`, CPU only, opt-in): instead of a fresh interpreter per rank, a fork server that imported
   the heavy modules once (torch, Dynamo, the runner: most of a short CPU rank's cost) forks each rank. The rank
   takes the launcher's environment, working directory and sys.path, makes itself a process-group leader before
-  anything else, and dies with the fork server, which dies with the launcher. The test suite uses it; a
-  measurement does not need it (its rank start is not in the timed steps).
+  anything else, and dies with the fork server, which dies with the launcher. A SIGTERM to the launcher's whole
+  process group (a scheduler's) kills the server and so its ranks, but the launcher's trap has already noted the
+  stop, so the run is still `interrupted`. The test suite and the CLI's CPU commands use it.
 This module knows nothing of torch; `autosp.harness.launch` builds the rank protocol on it.
 """
 from __future__ import annotations
@@ -43,10 +44,14 @@ INTERRUPTED_EXIT_CODE = 130
 #: how long killed process groups get to disappear (SIGKILL is not ignorable: this is only scheduling delay)
 _REAP_S = 10.0
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+#: the process name (/proc/PID/comm) of a warm rank; a fresh rank's command line names this module instead
+WARM_RANK_NAME = b"autosp-rank"
 
 _caught: list[str] = []  # names of the stop signals received while trapped, first first
 #: modules the fork server of warm ranks imports once (None: every rank is a fresh interpreter)
 _warm_preload: tuple[str, ...] | None = None
+_warm_depth = 0  # nested `warm_ranks` uses; the outermost one stops the server
 
 
 def _note(signum: int, frame: object) -> None:
@@ -93,14 +98,19 @@ def rank_entry(payload: str, parent: int) -> None:
 @contextlib.contextmanager
 def warm_ranks(preload: tuple[str, ...] | None) -> Iterator[None]:
     """While active, `RankProcesses(warm=True)` forks ranks from one server that imported `preload` once per
-    launcher process (None turns warm ranks off). The server starts at the first warm launch and lives as long as
-    the launcher."""
-    global _warm_preload
+    launcher process (None turns warm ranks off). The server starts at the first warm launch; the outermost use
+    stops it and reaps it on leaving, so the launcher's own CPU accounting (`time`, rusage) includes its ranks."""
+    global _warm_preload, _warm_depth
     previous, _warm_preload = _warm_preload, preload
+    _warm_depth += 1
     try:
         yield
     finally:
         _warm_preload = previous
+        _warm_depth -= 1
+        if _warm_depth == 0:
+            from multiprocessing import forkserver
+            forkserver._forkserver._stop()
 
 
 def warm_rank_cpu_seconds() -> float:
@@ -117,6 +127,8 @@ def warm_rank_cpu_seconds() -> float:
 def _forked_rank_entry(payload: str, log_path: str, env: dict[str, str], cwd: str, path: list[str]) -> None:
     """Body of a warm rank, forked by the server: become a group leader, take the launcher's context, run."""
     os.setpgid(0, 0)
+    with contextlib.suppress(OSError, AttributeError):  # `ps` and /proc/PID/comm show the rank, not the server's name
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, WARM_RANK_NAME)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -29,14 +29,18 @@ def _batch(vocab: int, batch_size: int, seq_len: int, step: int, ignore_fraction
 
 
 def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int, steps: int, ignore_fraction: float,
-          compile_options: dict) -> dict[str, float]:
+          compile_options: dict, adamw_eps: float) -> dict[str, float]:
     module, name = builder.rsplit(".", 1)
     model = getattr(importlib.import_module(module), name)(**options)
     reference = copy.deepcopy(model)
-    # replicated unless asked (the coverage is the SP pass's; the ZeRO stages have their own matrix), so the
-    # parameters compare one to one with the reference's
-    compiled = autosp.compile(model, backend="aot_eager", **{"sac": "off", "zero": 0, **compile_options})
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    # replicated unless asked (the coverage is the SP pass's; the ZeRO stages have their own matrix); at ZeRO 2/3
+    # the full gradients and parameters are gathered under the model's own names
+    compile_options = {"backend": "aot_eager", "sac": "off", "zero": 0, **compile_options}
+    sharded = compile_options["zero"] >= 2
+    compiled = _compiled(model, dict(compile_options))
+    opt = (compiled.make_optimizer(torch.optim.AdamW, lr=1e-2, eps=adamw_eps) if sharded else
+           torch.optim.AdamW(model.parameters(), lr=1e-2, eps=adamw_eps))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=adamw_eps)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
         batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction)
@@ -47,19 +51,32 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
         ref_loss = _loss(reference(**batch))
         ref_loss.backward()
         worst["loss"] = max(worst["loss"], relative_error(loss.detach(), ref_loss.detach()))
-        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        grads = compiled.full_gradients() if sharded else {n: p.grad for n, p in model.named_parameters()}
+        for name, r in reference.named_parameters():
             if r.grad is not None:
-                worst["grad"] = max(worst["grad"], relative_error(p.grad, r.grad))
+                worst["grad"] = max(worst["grad"], relative_error(grads[name], r.grad))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-        for p, r in zip(model.parameters(), reference.parameters()):
-            worst["param"] = max(worst["param"], relative_error(p.detach(), r.detach()))
+        params = compiled.full_parameters() if sharded else dict(model.named_parameters())
+        for name, r in reference.named_parameters():
+            worst["param"] = max(worst["param"], relative_error(params[name].detach(), r.detach()))
     return {**worst, "choice": _planner_choice(compiled)}
+
+
+def _compiled(model: torch.nn.Module, options: dict) -> Any:
+    """`autosp.compile(model, **options)`, or with `entry="backend"` the plain `torch.compile` with
+    `autosp.backend` (stage 0, replicated parameters)."""
+    if options.pop("entry", "compile") == "compile":
+        return autosp.compile(model, **options)
+    options.pop("zero")
+    return torch.compile(model, backend=autosp.backend(model=model, **options), fullgraph=True)
 
 
 def _planner_choice(compiled: Any) -> dict[str, int]:
     """What the memory planner (sac auto) chose over the compiled graphs: layers recomputed token-wise and with
-    attention, bytes offloaded (all 0 under another policy)."""
+    attention, bytes offloaded (all 0 under another policy, or through `autosp.backend`)."""
+    if not isinstance(compiled, autosp.SequenceParallelModule):
+        return {}
     plans = [r.plan for r in compiled.partition_records if r.plan is not None]
     return {"tokenwise": sum(p["tokenwise_recompute_layers"] for p in plans),
             "attention": sum(p["attention_recompute_layers"] for p in plans),
@@ -73,10 +90,11 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
         torch._dynamo.reset()  # each case compiles afresh, as in a process of its own
         case = dict(case)
         builder, vocab, compile_options = case.pop("builder"), case.pop("vocab"), case.pop("compile_options")
+        adamw_eps = case.pop("adamw_eps")
         run = {k: case.pop(k) for k in ("batch_size", "seq_len", "steps", "ignore_fraction")}
         try:
             results[name] = _rank(builder, case, vocab, run["batch_size"], run["seq_len"], run["steps"],
-                                  run["ignore_fraction"], compile_options)
+                                  run["ignore_fraction"], compile_options, adamw_eps)
         except Exception as e:  # noqa: BLE001 - reported as this case's failure
             results[name] = f"{type(e).__name__}: {e}"
     return results
@@ -84,10 +102,15 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
 
 def exact_case(*, builder: str = "tests.compiler.models.build_decoder", vocab: int = 64, batch_size: int = 1,
                seq_len: int = 64, steps: int = 2, ignore_fraction: float = 0.2, compile_options: dict | None = None,
-               **options) -> dict:
-    """One case for `ExactnessRuns`: `builder(**options)` compiled by AutoSP, trained as one process would."""
+               adamw_eps: float = 1e-8, **options) -> dict:
+    """One case for `ExactnessRuns`: `builder(**options)` compiled by AutoSP, trained as one process would.
+
+    adamw_eps: AdamW's first step moves each parameter by lr * g / (|g| + eps), so a gradient entry near eps is
+    resolved by its fp32 rounding, which any other summation order changes (a model whose gradient has such an
+    entry needs a larger eps for its parameters to be a check of the method rather than of that rounding)."""
     return dict(builder=builder, vocab=vocab, batch_size=batch_size, seq_len=seq_len, steps=steps,
-                ignore_fraction=ignore_fraction, compile_options=compile_options or {}, **options)
+                ignore_fraction=ignore_fraction, compile_options=compile_options or {}, adamw_eps=adamw_eps,
+                **options)
 
 
 class ExactnessRuns:

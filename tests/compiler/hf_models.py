@@ -26,6 +26,21 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                     dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
                          first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                          qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, **_MOE), {}),
+    # attention sinks (per-head logits joining the softmax, eager attention) and alternating sliding windows
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
+                dict(num_local_experts=4, head_dim=16, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention"], **_MOE), {}),
+    # chunked local attention, a NoPE layer, every token through every expert (the router's `repeat`) + shared
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig",
+               dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=64,
+                    attention_chunk_size=8, no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
+                    head_dim=16), {}),
+    # LongRoPE: the long factors past 16 positions (the rope reads max(position_ids) + 1 in the graph)
+    "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config",
+                      dict(original_max_position_embeddings=16, max_position_embeddings=64,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "short_factor": [1.0 + i / 8 for i in range(8)],
+                                            "long_factor": [2.0 + i / 4 for i in range(8)]}), {}),
 }
 
 

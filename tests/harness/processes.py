@@ -10,6 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
+from autosp.harness.supervisor import WARM_RANK_NAME
+
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "AUTOSP_TEST_MARK"
 
@@ -31,7 +33,8 @@ def marked_processes(mark: str, *, ranks_only: bool = False) -> list[int]:
                 continue
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 continue
-            if ranks_only and b"autosp.harness.supervisor" not in (proc / "cmdline").read_bytes():
+            if ranks_only and b"autosp.harness.supervisor" not in (proc / "cmdline").read_bytes() \
+                    and (proc / "comm").read_bytes().strip() != WARM_RANK_NAME:
                 continue
         except OSError:  # gone meanwhile, or not ours to read
             continue
@@ -39,16 +42,18 @@ def marked_processes(mark: str, *, ranks_only: bool = False) -> list[int]:
     return found
 
 
-def start_cli(args: list[str], mark: str, cwd: Path) -> subprocess.Popen:
-    """`python -m autosp ARGS` with the marker in its environment."""
+def start_cli(args: list[str], mark: str, cwd: Path, own_group: bool = False) -> subprocess.Popen:
+    """`python -m autosp ARGS` with the marker in its environment (`own_group`: as the leader of a new process
+    group, as a scheduler starts a job)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), MARK: mark}
     return subprocess.Popen([sys.executable, "-m", "autosp", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0 if own_group else None)
 
 
 def interrupt_once_ranks_run(proc: subprocess.Popen, mark: str, sig: signal.Signals,
-                             wait_s: float = 120.0) -> tuple[str, str, float]:
-    """Wait until the command's ranks exist, send `sig` to the command, wait for it to end.
+                             wait_s: float = 120.0, group: bool = False) -> tuple[str, str, float]:
+    """Wait until the command's ranks exist, send `sig` to the command (`group`: to its whole process group, as
+    snakemake, SLURM and `timeout` do), wait for it to end.
     Returns (stdout, stderr, seconds from the signal to the command's exit)."""
     deadline = time.monotonic() + wait_s
     while not marked_processes(mark, ranks_only=True):
@@ -56,6 +61,6 @@ def interrupt_once_ranks_run(proc: subprocess.Popen, mark: str, sig: signal.Sign
         assert time.monotonic() < deadline, "no rank started"
         time.sleep(0.1)
     sent = time.monotonic()
-    proc.send_signal(sig)
+    os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     out, err = proc.communicate(timeout=wait_s)
     return out, err, time.monotonic() - sent
