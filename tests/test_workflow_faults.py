@@ -144,15 +144,23 @@ probe_timeout_s: 240
 CELLS = [f"results/trainability/cpu/P2/tiny/{method}.jsonl" for method in ("ulysses", "ring")]
 
 
-def _processes_in(folder: Path, marker: str = "") -> list[int]:
-    """Live processes working in `folder` whose command line holds `marker` (the workflow's jobs and ranks)."""
-    found = []
+def _processes_in(folder: Path) -> dict[int, tuple[int, str]]:
+    """Live processes working in `folder` (the workflow's jobs, their ranks and fork servers): pid -> (ppid, cmdline)."""
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
-            if (os.readlink(proc / "cwd") == str(folder) and marker in (proc / "cmdline").read_text()
-                    and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
-                found.append(int(proc.name))
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if os.readlink(proc / "cwd") == str(folder) and stat[0] != "Z":
+                found[int(proc.name)] = (int(stat[1]), (proc / "cmdline").read_text())
     return found
+
+
+def _ranks_in(folder: Path) -> list[int]:
+    """Rank processes working in `folder`: fresh interpreters (`rank_entry`) or children of a warm-rank fork server."""
+    procs = _processes_in(folder)
+    server = "multiprocessing.forkserver"
+    return [pid for pid, (ppid, cmd) in procs.items()
+            if "rank_entry" in cmd or (server in cmd and server in procs.get(ppid, (0, ""))[1])]
 
 
 def test_a_rank_killed_mid_run_is_its_cells_error_with_no_orphan_and_nothing_finished_redone(tmp_path: Path) -> None:
@@ -161,9 +169,8 @@ def test_a_rank_killed_mid_run_is_its_cells_error_with_no_orphan_and_nothing_fin
     config = ("--configfile", str(settings))
     run = subprocess.Popen(["snakemake", "--directory", str(tmp_path), *CELLS, "--cores", "2", *config], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: _processes_in(tmp_path, "rank_entry"), timeout_s=120)  # the first cell's first rank is up
-    started = time.monotonic()
-    victim = _processes_in(tmp_path, "rank_entry")[0]
+    _wait_for(lambda: _ranks_in(tmp_path), timeout_s=300)  # the first cell's first rank is up
+    victim = _ranks_in(tmp_path)[0]
     os.kill(victim, signal.SIGKILL)  # one rank, as the OOM killer or a failing node would end it
     out, _ = run.communicate(timeout=600)
     assert run.returncode == 0, out[-3000:]
