@@ -339,6 +339,25 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
     assert answers == [[False, False], [True, True]]
 
 
+def test_alsts_optimizer_offload_puts_20_bytes_per_partitioned_parameter_in_host_memory_on_a_gpu():
+    """DeepSpeed's `offload_optimizer: cpu` (ALST's GPU recipe) on a simulated h100: the fp32 master partition, the
+    fp32 gradient partition of its sub-group, the flat gradient-partition buffer (fp32: bf16's accumulation dtype)
+    and AdamW's two fp32 moments, 5 x 4 B per element of the rank's partitions, + AdamW's 4-byte step count, stay in
+    host memory after the step; on a simulated CPU device (one memory) none of it is host."""
+    from autosp.experiments.simulate.programs import RankProgram
+    from autosp.models import build_model
+
+    cfg = sim.simulate_config(RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=256, dtype="bfloat16"))
+    partition = sum(-(-p.numel() // 2) for p in build_model("hf:tiny", seed=0).parameters())  # ceil(numel / P)
+    host = {}
+    for device in (get_device_model("h100-80gb", None), CPU):
+        with sim.fake_world(2, 0):
+            program = RankProgram(cfg, device)
+            program.measure(cfg)
+            host[device.vendor] = program.tracker.host_bytes()
+    assert host == {"nvidia": 5 * 4 * partition + 4, "cpu": 0}
+
+
 @pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])
 def test_alst_is_simulated_within_10_percent_of_its_measured_peak_and_its_host_bytes_exactly(seq_len):
     """ALST (DeepSpeed's Ulysses, TiledMLP, tiled logits+loss, ZeRO-3; each layer's checkpointed input in host

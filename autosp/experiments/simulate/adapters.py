@@ -189,3 +189,47 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
             mock.patch.object(alst, "shard_like_the_adapter", shard_with_twins), \
             mock.patch.object(TiledFusedLogitsLoss, "backward", staticmethod(loss_backward_answered)):
         yield
+
+
+@contextlib.contextmanager
+def _deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[None]:
+    """DeepSpeed ZeRO-3's `offload_optimizer: cpu` (alst's GPU recipe) with its host memory booked as host.
+
+    The fake ranks run on CPU, where DeepSpeed's "device" and its offload target are both `cpu`; on a GPU they
+    differ, and what the offload config places on the host is, in DeepSpeed 0.19.8's stage3.py:
+    `_create_fp32_partitions` (the fp32 master partitions), `initialize_optimizer_states` (the fp32 gradient
+    partition of each sub-group), the flat gradient-partition buffer of `_setup_for_real_optimizer`
+    (`grad_partitions_flat_buffer`, on `self.device` = cpu; that function's reduce buckets stay on the device) and
+    `_optimizer_step` (the optimizer runs on the host: its moments and temporaries; torch's AdamW stands in for
+    DeepSpeed's CPU Adam, whose moments are the same two fp32 tensors). A simulated CPU device books nothing
+    here: there device and host are one memory, as the CPU meter counts them."""
+    import sys
+    from unittest import mock
+
+    if device.vendor == "cpu" or "baselines.alst" not in sys.modules:
+        yield
+        return
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: N814 - DeepSpeed's
+
+    def on_host(name: str) -> Any:
+        original = getattr(Stage3, name)
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.offload_optimizer:
+                return original(self, *args, **kwargs)
+            with tracker.host_allocations():
+                return original(self, *args, **kwargs)
+        return run
+
+    setup = Stage3._setup_for_real_optimizer
+
+    def setup_then_book(self: Any) -> None:
+        setup(self)
+        if self.offload_optimizer:
+            tracker.mark_host(self.grad_partitions_flat_buffer)
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_create_fp32_partitions", "initialize_optimizer_states", "_optimizer_step"):
+            stack.enter_context(mock.patch.object(Stage3, name, on_host(name)))
+        stack.enter_context(mock.patch.object(Stage3, "_setup_for_real_optimizer", setup_then_book))
+        yield
