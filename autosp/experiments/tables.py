@@ -21,8 +21,9 @@ from autosp.harness.config import ConfigError
 #: runs are comparable only within one (model, ranks, device type, budget) setting, measured or simulated
 TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget", "mode"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
-#: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
-TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
+#: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept),
+#: then the practical anchors: ALST and Ulysses with per-layer activation checkpointing, as practitioners run them
+TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp", "alst", "ulysses[ac=layer]")
 #: methods whose numbers depend on a compile backend: only their rows name one
 COMPILED_METHODS = ("autosp", "ulysses-compile", "ds-autosp")
 ITER_TIME_MEDIAN = "iter_time_s.median"  # flattened name of the record's iter_time_s.median
@@ -54,6 +55,12 @@ def _ratio_to(table: pd.DataFrame, group: list[str], value: str, reference: str)
     return pd.Series(values / pd.to_numeric(merged["_ref"], errors="coerce").to_numpy(dtype=float), index=table.index)
 
 
+def method_variant(method: str, ac: object) -> str:
+    """A method's row label: `ulysses[ac=layer]` for a run with per-layer activation checkpointing (`--ac layer`),
+    so that it stands beside plain `ulysses` as its own row, never in its place."""
+    return f"{method}[ac={ac}]" if isinstance(ac, str) and ac not in ("", "off") else method
+
+
 def search_rows(records: pd.DataFrame) -> pd.DataFrame:
     """The result rows of searches (kind == "search"), without their probe records."""
     if "kind" not in records:
@@ -73,6 +80,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
     rows = rows.assign(mode=rows["mode"].fillna("measured"),  # simulated rows say so (`autosp simulate`)
                        compile_backend=rows["compile_backend"].where(rows["method"].isin(COMPILED_METHODS)))
+    if "ac" in rows:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
+        rows = rows.assign(method=[method_variant(m, ac) for m, ac in zip(rows["method"], rows["ac"])])
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
@@ -124,7 +133,7 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
     for line in lines[2:]:
         cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
         for column, value in cells.items():
-            label = re.fullmatch(r"(?P<method>[\w.-]+)(?: \(hf\))? z(?P<zero>\d+)", column)
+            label = re.fullmatch(r"(?P<method>[\w.-]+(?:\[ac=\w+\])?)(?: \(hf\))? z(?P<zero>\d+)", column)
             if label is None or not value:
                 continue
             length = re.fullmatch(r"(?P<more>>=)?(?P<k>[\d.]+)K", value)
@@ -149,7 +158,7 @@ def model_order(model: str) -> tuple:
 
 
 #: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
-HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst")
+HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst", "ulysses[ac=layer]")
 
 
 def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
