@@ -36,6 +36,40 @@ def paper_claims() -> pd.DataFrame:
     return pd.read_csv(io.StringIO(text))
 
 
+def alst_published() -> pd.DataFrame:
+    """ALST's published longest lengths and ablation (`autosp/reference/alst_published.csv`): claims, never
+    measurements."""
+    text = resources.files("autosp").joinpath("reference/alst_published.csv").read_text()
+    return pd.read_csv(io.StringIO(text))
+
+
+def alst_table(records: pd.DataFrame) -> pd.DataFrame:
+    """ALST's published lengths (headline rows) beside the alst records of the same model, device type and world
+    size: a search's longest length and its ratio to the published one, and a run at the published length (its
+    status and peak). Measured or simulated alike (`mode` says which); empty cells where no record exists."""
+    published = alst_published()
+    published = published[published["kind"] == "headline"]
+    mine = records[records["method"] == "alst"] if "method" in records else records.iloc[0:0]
+    mine = mine.assign(base=mine["model"].astype(str).str.removeprefix("hf:")) if not mine.empty else mine
+    rows = []
+    for _, claim in published.iterrows():
+        cell = mine[(mine["base"] == claim["model"]) & (mine["device"] == claim["device"])
+                    & (mine["world_size"] == claim["world_size"])] if not mine.empty else mine
+        search = _latest(search_rows(cell), ["world_size"]) if not cell.empty else cell
+        at = cell[(cell.get("kind", pd.Series(index=cell.index, dtype=object)) != "search")
+                  & (cell["seq_len"] == claim["seq_len"])] if not cell.empty else cell
+        found = search["max_seq_len"].iloc[0] if len(search) else None
+        row = {"model": claim["model"], "device": claim["device"], "world_size": int(claim["world_size"]),
+               "published": int(claim["seq_len"]), "mode": (search if len(search) else at)["mode"].iloc[0]
+               if len(search) or len(at) else None,
+               "max_seq_len": found, "max_over_published": found / claim["seq_len"] if found else None,
+               "at_published": at["status"].iloc[-1] if len(at) else None,
+               "peak_at_published_gib": at["peak_mem_bytes"].iloc[-1] / 2**30 if len(at) else None,
+               "source": claim["source"]}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One row per key: the most recent (a re-run search supersedes the old one)."""
     order = df.sort_values("timestamp", kind="stable") if "timestamp" in df else df
@@ -409,7 +443,9 @@ def _cmd_table(args: argparse.Namespace) -> int:
             write_table_files(table, args.out)
         return 0
     records = records_from_args(args)
-    if args.kind == "trainability":
+    if args.kind == "alst":
+        table = alst_table(records)
+    elif args.kind == "trainability":
         table = trainability_table(records, checks=load_checks(args.checks) if args.checks else None)
     elif args.kind == "memory":
         table = memory_table(records, baseline=args.baseline)
@@ -424,11 +460,12 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp table trainability|throughput|memory|sac|headline --in FILES... [--out table.csv]`."""
-    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline) from records",
+    """`autosp table trainability|throughput|memory|sac|headline|alst --in FILES... [--out table.csv]`."""
+    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline, alst) from records",
                               epilog="headline: --in takes search records (.jsonl) and `autosp simulate-table` "
-                                     "tables (.md) together, e.g. --in results/simulated_table.md")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline"])
+                                     "tables (.md) together, e.g. --in results/simulated_table.md; alst: ALST's "
+                                     "published lengths (arXiv 2506.13996) beside the alst records")
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline", "alst"])
     add_records_arguments(p)
     p.add_argument("--out", help="write the table as CSV here, and as Markdown (.md) and LaTeX (.tex) beside it")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")

@@ -336,6 +336,11 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
                 labels = alst.shard_like_the_adapter(fake.rows(0, 1), rank, 2)["shift_labels"]
                 answers.append([alst.no_valid_labels(tile) for tile in torch.chunk(labels.reshape(-1), 2)])
             assert alst.agreed_mlp_shards(torch.empty(1, 300, 64)) == 5  # ceil(300 / 64)
+            # one sequence per row: HF builds no [B, 1, S, S] mask (on the fake tensor alone it says "packed")
+            import transformers.masking_utils as masking
+            positions = alst.shard_like_the_adapter(fake.rows(0, 1), 0, 1)["position_ids"]
+            assert masking.find_packed_sequence_indices(positions) is None
+        assert masking.find_packed_sequence_indices(positions) is not None
     assert answers == [[False, False], [True, True]]
 
 

@@ -120,6 +120,12 @@ class RealTwins:
         storage = fake.untyped_storage()
         self.twins[id(storage)] = (weakref.ref(storage), real)
 
+    def has(self, fake: torch.Tensor) -> bool:
+        """Whether `fake` is a view of a tensor added here."""
+        storage = fake.untyped_storage()
+        ref, _ = self.twins.get(id(storage), (None, None))
+        return ref is not None and ref() is storage
+
     def real(self, fake: torch.Tensor) -> torch.Tensor:
         """The real values of `fake` (a view of a tensor added here); call it under `real_values()`."""
         storage = fake.untyped_storage()
@@ -138,7 +144,7 @@ def real_values() -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
-    """The three reads of data in alst's step, answered as the real run would (only once an alst program was set up:
+    """The four reads of data in alst's step, answered as the real run would (only once an alst program was set up:
     its setup imports DeepSpeed's `ulysses_sp`):
 
     - `agreed_mlp_shards` (TiledMLP's shard count, ceil(S_local / hidden) all-reduced to the maximum over ranks
@@ -151,7 +157,12 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
     - DeepSpeed's `TiledFusedLogitsLoss.backward` asks `grads[0] != 1.0` (whether to scale the hidden states'
       gradient, in place): the gradient reaching alst's summed loss is 1 / (valid labels of the SP group's
       sequence), so the answer is True unless exactly one label of the whole batch is valid (a data-parallel
-      replica's own count is not read). Either answer allocates nothing (an in-place multiply)."""
+      replica's own count is not read). Either answer allocates nothing (an in-place multiply).
+    - HF's `find_packed_sequence_indices` (are the position ids several packed sequences?), which on a fake tensor
+      says "tracing, cannot tell" and so makes HF build the full [B, 1, S, S] causal mask: on the real position
+      ids of the batch (alst passes them, one sequence per row) it answers None, and SDPA runs causal without a
+      mask, as on the device. (Under SP > 1 alst registers no mask at all; this decides its one-rank recipe: at
+      32K tokens a 2 GiB mask.) Position ids that are no view of the batch keep HF's own answer."""
     import sys
     from unittest import mock
 
@@ -184,7 +195,19 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
         with tracker.known_boolean_reads(valid_labels != 1):
             return loss_backward(ctx, *grads)
 
+    import transformers.masking_utils as masking
+
+    find_packed = masking.find_packed_sequence_indices
+
+    def packed_from_real(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if not twins.has(position_ids):
+            return find_packed(position_ids)
+        with real_values():
+            packed = find_packed(twins.real(position_ids))
+        return None if packed is None else find_packed(position_ids)
+
     with mock.patch.object(alst, "agreed_mlp_shards", lambda x: -(-x.shape[-2] // x.shape[-1])), \
+            mock.patch.object(masking, "find_packed_sequence_indices", packed_from_real), \
             mock.patch.object(alst, "no_valid_labels", no_valid_real), \
             mock.patch.object(alst, "shard_like_the_adapter", shard_with_twins), \
             mock.patch.object(TiledFusedLogitsLoss, "backward", staticmethod(loss_backward_answered)):
