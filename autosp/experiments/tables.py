@@ -45,8 +45,10 @@ def alst_published() -> pd.DataFrame:
 
 def alst_table(records: pd.DataFrame) -> pd.DataFrame:
     """ALST's published lengths (headline rows) beside the alst records of the same model, device type and world
-    size: a search's longest length and its ratio to the published one, and a run at the published length (its
-    status and peak). Measured or simulated alike (`mode` says which); empty cells where no record exists."""
+    size: a search's longest length and its ratio to the published one; a run at the published length (its status
+    and peak); and where two runs at different lengths exist, `line_max_seq_len`: where the line through the two
+    longest crosses the memory they were run against (peaks are linear in the length at long lengths; a line, not a
+    search). Measured or simulated alike (`mode` says which); empty cells where no record exists."""
     published = alst_published()
     published = published[published["kind"] == "headline"]
     mine = records[records["method"] == "alst"] if "method" in records else records.iloc[0:0]
@@ -59,10 +61,19 @@ def alst_table(records: pd.DataFrame) -> pd.DataFrame:
         at = cell[(cell.get("kind", pd.Series(index=cell.index, dtype=object)) != "search")
                   & (cell["seq_len"] == claim["seq_len"])] if not cell.empty else cell
         found = search["max_seq_len"].iloc[0] if len(search) else None
+        runs = cell[(cell.get("kind", pd.Series(index=cell.index, dtype=object)) != "search")
+                    & cell.get("peak_mem_bytes", pd.Series(index=cell.index, dtype=float)).notna()] \
+            if not cell.empty else cell
+        line = None
+        if runs["seq_len"].nunique() >= 2 if len(runs) else False:
+            (s1, p1, _), (s2, p2, budget) = runs.sort_values("seq_len").drop_duplicates("seq_len", keep="last")[
+                ["seq_len", "peak_mem_bytes", "memory_budget"]].to_numpy()[-2:]
+            line = int(s2 + (budget - p2) * (s2 - s1) / (p2 - p1)) if p2 > p1 else None
         row = {"model": claim["model"], "device": claim["device"], "world_size": int(claim["world_size"]),
                "published": int(claim["seq_len"]), "mode": (search if len(search) else at)["mode"].iloc[0]
                if len(search) or len(at) else None,
                "max_seq_len": found, "max_over_published": found / claim["seq_len"] if found else None,
+               "line_max_seq_len": line, "line_over_published": line / claim["seq_len"] if line else None,
                "at_published": at["status"].iloc[-1] if len(at) else None,
                "peak_at_published_gib": at["peak_mem_bytes"].iloc[-1] / 2**30 if len(at) else None,
                "source": claim["source"]}

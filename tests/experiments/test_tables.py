@@ -260,7 +260,10 @@ def test_alsts_published_lengths_stand_beside_the_alst_records_as_a_ratio(tmp_pa
                     mode="simulated", seq_len=3_145_728),
                {"kind": None, "method": "alst", "model": "hf:llama-3.1-8b", "world_size": 1, "device": "h100-80gb",
                 "mode": "simulated", "seq_len": 500_000, "status": "oom", "peak_mem_bytes": 90 * 2**30}]
+    records.append(dict(records[1], seq_len=250_000, peak_mem_bytes=50 * 2**30, memory_budget=80 * 2**30))
+    records[1]["memory_budget"] = 80 * 2**30
     table = alst_table(pd.DataFrame(records)).set_index("world_size")
+    assert table.loc[1, "line_max_seq_len"] == 250_000 + 30 * 250_000 // 40  # 50 GiB at 250K, 90 at 500K: 80 at 437.5K
     assert table.loc[8, "max_over_published"] == pytest.approx(3_145_728 / 3_700_000)
     assert table.loc[1, "at_published"] == "oom" and table.loc[1, "peak_at_published_gib"] == 90
     assert pd.isna(table.loc[32, "max_seq_len"]) and table.loc[32, "published"] == 15_000_000
