@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -126,7 +127,7 @@ class LiveStorageTracker(TorchDispatchMode):
         skipped) answers False. DeepSpeed's optimizer-offload step also reads the gradient norm as a number
         (`complete_grad_norm_calculation_for_cpu_offload`: `float(total_norm)`); a healthy step's norm is finite, and
         which finite number does not change what is allocated (no gradient clipping in these configs), so a numeric
-        read answers 1.0. Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
+        read of a fake tensor answers 1.0 (a real tensor's number is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
         length), and the count of assumed answers goes to the record."""
         self.healthy = True
         try:
@@ -148,7 +149,8 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.known_answer is not None and func is torch.ops.aten._local_scalar_dense.default \
                 and args[0].dtype == torch.bool:
             return self.known_answer
-        if self.healthy and func is torch.ops.aten._local_scalar_dense.default:
+        if self.healthy and func is torch.ops.aten._local_scalar_dense.default and (
+                args[0].dtype == torch.bool or isinstance(args[0], FakeTensor)):  # a real tensor's number is read
             self.assumed_reads += 1
             return False if args[0].dtype == torch.bool else 1.0
         return self.record(func, func(*args, **(kwargs or {})))
