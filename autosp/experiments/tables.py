@@ -125,8 +125,9 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
     rows = rows.assign(mode=rows["mode"].fillna("measured"),  # simulated rows say so (`autosp simulate`)
                        compile_backend=rows["compile_backend"].where(rows["method"].isin(COMPILED_METHODS)))
-    if "ac" in rows:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
-        rows = rows.assign(method=[method_variant(m, ac) for m, ac in zip(rows["method"], rows["ac"])])
+    ac = next((c for c in ("ac", "config.ac") if c in rows), None)  # a record keeps it in its config
+    if ac is not None:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
+        rows = rows.assign(method=[method_variant(m, a) for m, a in zip(rows["method"], rows[ac])])
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
@@ -153,7 +154,7 @@ def peak_slope(probes: object, *, whole_oom_peaks: bool = False) -> float:
     under an emulated budget (`whole_oom_peaks`: the CPU runs the whole step, then compares its peak with the
     budget) they count too, so a guided search's two probes give the slope."""
     counted = ("ok", "oom") if whole_oom_peaks else ("ok",)
-    points = {(p["seq_len"], p["peak_mem_bytes"]) for p in probes or []
+    points = {(p["seq_len"], p["peak_mem_bytes"]) for p in (probes if isinstance(probes, list) else [])
               if isinstance(p, dict) and p.get("status") in counted and p.get("peak_mem_bytes")}
     if len({length for length, _ in points}) < 2:
         return float("nan")
