@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -127,7 +126,8 @@ class LiveStorageTracker(TorchDispatchMode):
         skipped) answers False. DeepSpeed's optimizer-offload step also reads the gradient norm as a number
         (`complete_grad_norm_calculation_for_cpu_offload`: `float(total_norm)`); a healthy step's norm is finite, and
         which finite number does not change what is allocated (no gradient clipping in these configs), so a numeric
-        read of a fake tensor answers 1.0 (a real tensor's number is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
+        read of a fake tensor without a value answers 1.0 (a real tensor, or a fake one that keeps its constant such as
+        AdamW's step count, is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
         length), and the count of assumed answers goes to the record."""
         self.healthy = True
         try:
@@ -150,7 +150,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 and args[0].dtype == torch.bool:
             return self.known_answer
         if self.healthy and func is torch.ops.aten._local_scalar_dense.default and (
-                args[0].dtype == torch.bool or isinstance(args[0], FakeTensor)):  # a real tensor's number is read
+                args[0].dtype == torch.bool or getattr(args[0], "constant", 0) is None):  # a number with no value
             self.assumed_reads += 1
             return False if args[0].dtype == torch.bool else 1.0
         return self.record(func, func(*args, **(kwargs or {})))
