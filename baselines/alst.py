@@ -14,9 +14,11 @@ ulysses_sp`):
   own `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu`, pinned); on CPU the device *is* host
   memory, so the copy goes through `autosp.compiler.offload.offload`, which the CPU meter books as host memory —
   one host copy per layer either way, the same bytes ALST moves.
-- DeepSpeed ZeRO-3, every parameter partitioned; on CUDA the optimizer state offloaded to host with DeepSpeed's
-  CPU Adam (ALST's `cpu_adam`). On CPU no optimizer offload: device and host are one memory, and CPU Adam needs
-  a JIT build; torch's AdamW runs as a client optimizer (as in `zero3`).
+- DeepSpeed ZeRO-3, every parameter partitioned, `offload_optimizer: cpu` (fp32 master partitions, fp32 gradient
+  partitions and the optimizer's moments in host memory; the step runs on the host): on CUDA with DeepSpeed's CPU
+  Adam (ALST's `cpu_adam`); on CPU the same offload path with torch's AdamW as the host optimizer (CPU Adam needs
+  a JIT build; `zero_force_ds_cpu_optimizer: false`). The CPU meter counts those host buffers as device memory
+  (there they are one memory); the simulator books them as host on a simulated GPU.
 ArcticTraining itself is not imported: its 0.8 release requires transformers < 5. What it adds over DeepSpeed is
 this glue, restated here; a defect of DeepSpeed's components shows as it is in `autosp check --method alst`.
 """
@@ -47,10 +49,11 @@ LOGITS_SHARD_BYTES = 2**30
 
 
 def alst_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
-    """ZeRO-3 as `zero3` tunes it, plus ALST's optimizer offload to host where DeepSpeed's CPU Adam runs (GPUs)."""
+    """ZeRO-3 as `zero3` tunes it, plus ALST's optimizer offload to host (pinned on GPUs; on CPU a no-op pin)."""
     config = zero3_config(cfg, num_params)
-    if cfg.device != "cpu":
-        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.device != "cpu"}
+    if cfg.device == "cpu":
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW as the host optimizer (no CPU Adam build)
     return config
 
 

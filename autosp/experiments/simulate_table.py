@@ -40,12 +40,19 @@ PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
 #: method[:ZeRO stage]; the stage a method runs without one is its own default (3 for the SP methods), so every
 #: method names its stage: the SP methods at ZeRO 0 and 3, each compared with AutoSP at the same stage (like with like)
 PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "ring:3", "fsdp", "zero3", "ds-autosp")
+#: the practical anchors beside them (`--methods` adds them): ALST and the baselines with per-layer activation
+#: checkpointing, each at ZeRO 3 (`method[ac=layer]:stage`), labelled in the table as their own columns
+PRACTICAL_METHODS = ("alst", "ulysses[ac=layer]:3", "ring[ac=layer]:3", "fsdp[ac=layer]", "zero3[ac=layer]")
+#: the default's share of them: alst not yet (a second alst program in one fake world fails, so its search cannot
+#: span device types; docs/measurements/2026-12-02-alst-8b.md)
+DEFAULT_PRACTICAL = PRACTICAL_METHODS[1:]
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
           ("ring", {"nvidia": "trainability_vs_ring"}),
           ("zero3", {"nvidia": "trainability_vs_zero3"}),
-          ("fsdp", {"nvidia": "trainability_vs_zero3"}))
+          ("fsdp", {"nvidia": "trainability_vs_zero3"}),
+          ("alst", {}), ("ulysses[ac=layer]", {}))  # the practical anchors: no paper claim beside them
 #: methods simulated on HF's LlamaForCausalLM (`hf:<preset>`): DeepSpeed's AutoSP pass shards only that form
 #: (on the project Llama its compile fails, as it does when measured; README "DeepSpeed's AutoSP"); ALST patches
 #: HF's attention and MLP classes
@@ -53,11 +60,22 @@ HF_MODEL_METHODS = ("ds-autosp", "alst")
 
 
 def parse_method(spec: str) -> tuple[str, int | None]:
-    """`autosp:3` -> ("autosp", 3); `ring` -> ("ring", None)."""
+    """`autosp:3` -> ("autosp", 3); `ring` -> ("ring", None); `ulysses[ac=layer]:3` -> ("ulysses[ac=layer]", 3)."""
     method, _, stage = spec.partition(":")
     if stage and not stage.isdigit():
         raise ConfigError(f"--methods entry {spec!r}: write method or method:<ZeRO stage>, e.g. autosp:3")
     return method, int(stage) if stage else None
+
+
+def split_variant(label: str) -> tuple[str, str]:
+    """`ulysses[ac=layer]` -> ("ulysses", "layer"); `ring` -> ("ring", "off")."""
+    method, _, rest = label.partition("[")
+    if not rest:
+        return method, "off"
+    option, _, value = rest.removesuffix("]").partition("=")
+    if option != "ac" or not value:
+        raise ConfigError(f"--methods entry {label!r}: the one variant is [ac=layer], e.g. ulysses[ac=layer]:3")
+    return method, value
 
 
 def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtype: str) -> list[RunConfig]:
@@ -67,10 +85,11 @@ def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtyp
     configs = []
     for model in models:
         for spec in methods:
-            method, zero = parse_method(spec)
+            method, ac = split_variant(parse_method(spec)[0])
+            zero = parse_method(spec)[1]
             variant = f"hf:{model}" if method in HF_MODEL_METHODS and not model.startswith("hf:") else model
             cfg = RunConfig(method=method, model=variant, seq_len=2 * world_size, world_size=world_size, dtype=dtype,
-                            zero=zero, device="cpu")
+                            zero=zero, device="cpu", ac=ac)
             validate(cfg)
             configs.append(cfg.replace(seq_len=1))
     return configs
@@ -163,10 +182,10 @@ def markdown_table(table: "pd.DataFrame") -> str:
     hf = table["model"].str.startswith("hf:")  # a method run on the HF variant of the row's model is labelled so
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    order = [parse_method(spec)[0] for spec in PAPER_METHODS]
+    order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
     rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
     labels = sorted(dict.fromkeys(table["label"]), key=rank)
-    head = ["model", "device", *labels, *(f"autosp/{ref} (paper)" for ref, _ in RATIOS)]
+    head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, device), cell in table.groupby(["model", "device"], sort=False):
         by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
@@ -234,7 +253,7 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
         "simulate-table", help="the paper's trainability table on GPU types you do not have (simulated searches)",
         epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
     p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
-    p.add_argument("--methods", default=",".join(PAPER_METHODS),
+    p.add_argument("--methods", default=",".join(PAPER_METHODS + DEFAULT_PRACTICAL),
                    help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. autosp:0,autosp:3,ring,fsdp")
     p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
     p.add_argument("--world-size", type=int, default=8)

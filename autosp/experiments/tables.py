@@ -21,8 +21,9 @@ from autosp.harness.config import ConfigError
 #: runs are comparable only within one (model, ranks, device type, budget) setting, measured or simulated
 TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget", "mode"]
 THROUGHPUT_GROUP = ["model", "world_size", "device", "seq_len"]
-#: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept)
-TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp")
+#: the baselines the paper compares AutoSP's trainability with (it names ZeRO-3 "ZeRO-3 (FSDP)": both are kept),
+#: then the practical anchors: ALST and Ulysses with per-layer activation checkpointing, as practitioners run them
+TRAINABILITY_REFERENCES = ("ulysses", "ds-autosp", "zero3", "fsdp", "alst", "ulysses[ac=layer]")
 #: methods whose numbers depend on a compile backend: only their rows name one
 COMPILED_METHODS = ("autosp", "ulysses-compile", "ds-autosp")
 ITER_TIME_MEDIAN = "iter_time_s.median"  # flattened name of the record's iter_time_s.median
@@ -33,6 +34,51 @@ def paper_claims() -> pd.DataFrame:
     """The paper's headline claims (`autosp/reference/paper_claims.csv`): claims, never measurements."""
     text = resources.files("autosp").joinpath("reference/paper_claims.csv").read_text()
     return pd.read_csv(io.StringIO(text))
+
+
+def alst_published() -> pd.DataFrame:
+    """ALST's published longest lengths and ablation (`autosp/reference/alst_published.csv`): claims, never
+    measurements."""
+    text = resources.files("autosp").joinpath("reference/alst_published.csv").read_text()
+    return pd.read_csv(io.StringIO(text))
+
+
+def alst_table(records: pd.DataFrame) -> pd.DataFrame:
+    """ALST's published lengths (headline rows) beside the alst records of the same model, device type and world
+    size: a search's longest length and its ratio to the published one; a run at the published length (its status
+    and peak); and where two runs at different lengths exist, `line_max_seq_len`: where the line through the two
+    longest crosses the memory they were run against (peaks are linear in the length at long lengths; a line, not a
+    search). Measured or simulated alike (`mode` says which); empty cells where no record exists."""
+    published = alst_published()
+    published = published[published["kind"] == "headline"]
+    mine = records[records["method"] == "alst"] if "method" in records else records.iloc[0:0]
+    mine = mine.assign(base=mine["model"].astype(str).str.removeprefix("hf:")) if not mine.empty else mine
+    rows = []
+    for _, claim in published.iterrows():
+        cell = mine[(mine["base"] == claim["model"]) & (mine["device"] == claim["device"])
+                    & (mine["world_size"] == claim["world_size"])] if not mine.empty else mine
+        search = _latest(search_rows(cell), ["world_size"]) if not cell.empty else cell
+        at = cell[(cell.get("kind", pd.Series(index=cell.index, dtype=object)) != "search")
+                  & (cell["seq_len"] == claim["seq_len"])] if not cell.empty else cell
+        found = search["max_seq_len"].iloc[0] if len(search) else None
+        runs = cell[(cell.get("kind", pd.Series(index=cell.index, dtype=object)) != "search")
+                    & cell.get("peak_mem_bytes", pd.Series(index=cell.index, dtype=float)).notna()] \
+            if not cell.empty else cell
+        line = None
+        if runs["seq_len"].nunique() >= 2 if len(runs) else False:
+            (s1, p1, _), (s2, p2, budget) = runs.sort_values("seq_len").drop_duplicates("seq_len", keep="last")[
+                ["seq_len", "peak_mem_bytes", "memory_budget"]].to_numpy()[-2:]
+            line = int(s2 + (budget - p2) * (s2 - s1) / (p2 - p1)) if p2 > p1 else None
+        row = {"model": claim["model"], "device": claim["device"], "world_size": int(claim["world_size"]),
+               "published": int(claim["seq_len"]), "mode": (search if len(search) else at)["mode"].iloc[0]
+               if len(search) or len(at) else None,
+               "max_seq_len": found, "max_over_published": found / claim["seq_len"] if found else None,
+               "line_max_seq_len": line, "line_over_published": line / claim["seq_len"] if line else None,
+               "at_published": at["status"].iloc[-1] if len(at) else None,
+               "peak_at_published_gib": at["peak_mem_bytes"].iloc[-1] / 2**30 if len(at) else None,
+               "source": claim["source"]}
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -54,6 +100,12 @@ def _ratio_to(table: pd.DataFrame, group: list[str], value: str, reference: str)
     return pd.Series(values / pd.to_numeric(merged["_ref"], errors="coerce").to_numpy(dtype=float), index=table.index)
 
 
+def method_variant(method: str, ac: object) -> str:
+    """A method's row label: `ulysses[ac=layer]` for a run with per-layer activation checkpointing (`--ac layer`),
+    so that it stands beside plain `ulysses` as its own row, never in its place."""
+    return f"{method}[ac={ac}]" if isinstance(ac, str) and ac not in ("", "off") else method
+
+
 def search_rows(records: pd.DataFrame) -> pd.DataFrame:
     """The result rows of searches (kind == "search"), without their probe records."""
     if "kind" not in records:
@@ -73,6 +125,9 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     rows = rows.assign(**{c: None for c in ("mode", "compile_backend", "error") if c not in rows})
     rows = rows.assign(mode=rows["mode"].fillna("measured"),  # simulated rows say so (`autosp simulate`)
                        compile_backend=rows["compile_backend"].where(rows["method"].isin(COMPILED_METHODS)))
+    ac = next((c for c in ("ac", "config.ac") if c in rows), None)  # a record keeps it in its config
+    if ac is not None:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
+        rows = rows.assign(method=[method_variant(m, a) for m, a in zip(rows["method"], rows[ac])])
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
@@ -99,7 +154,7 @@ def peak_slope(probes: object, *, whole_oom_peaks: bool = False) -> float:
     under an emulated budget (`whole_oom_peaks`: the CPU runs the whole step, then compares its peak with the
     budget) they count too, so a guided search's two probes give the slope."""
     counted = ("ok", "oom") if whole_oom_peaks else ("ok",)
-    points = {(p["seq_len"], p["peak_mem_bytes"]) for p in probes or []
+    points = {(p["seq_len"], p["peak_mem_bytes"]) for p in (probes if isinstance(probes, list) else [])
               if isinstance(p, dict) and p.get("status") in counted and p.get("peak_mem_bytes")}
     if len({length for length, _ in points}) < 2:
         return float("nan")
@@ -124,7 +179,7 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
     for line in lines[2:]:
         cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
         for column, value in cells.items():
-            label = re.fullmatch(r"(?P<method>[\w.-]+)(?: \(hf\))? z(?P<zero>\d+)", column)
+            label = re.fullmatch(r"(?P<method>[\w.-]+(?:\[ac=\w+\])?)(?: \(hf\))? z(?P<zero>\d+)", column)
             if label is None or not value:
                 continue
             length = re.fullmatch(r"(?P<more>>=)?(?P<k>[\d.]+)K", value)
@@ -149,7 +204,7 @@ def model_order(model: str) -> tuple:
 
 
 #: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
-HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst")
+HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst", "ulysses[ac=layer]")
 
 
 def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
@@ -400,7 +455,9 @@ def _cmd_table(args: argparse.Namespace) -> int:
             write_table_files(table, args.out)
         return 0
     records = records_from_args(args)
-    if args.kind == "trainability":
+    if args.kind == "alst":
+        table = alst_table(records)
+    elif args.kind == "trainability":
         table = trainability_table(records, checks=load_checks(args.checks) if args.checks else None)
     elif args.kind == "memory":
         table = memory_table(records, baseline=args.baseline)
@@ -415,11 +472,12 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp table trainability|throughput|memory|sac|headline --in FILES... [--out table.csv]`."""
-    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline) from records",
+    """`autosp table trainability|throughput|memory|sac|headline|alst --in FILES... [--out table.csv]`."""
+    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline, alst) from records",
                               epilog="headline: --in takes search records (.jsonl) and `autosp simulate-table` "
-                                     "tables (.md) together, e.g. --in results/simulated_table.md")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline"])
+                                     "tables (.md) together, e.g. --in results/simulated_table.md; alst: ALST's "
+                                     "published lengths (arXiv 2506.13996) beside the alst records")
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline", "alst"])
     add_records_arguments(p)
     p.add_argument("--out", help="write the table as CSV here, and as Markdown (.md) and LaTeX (.tex) beside it")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")

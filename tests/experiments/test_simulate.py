@@ -336,7 +336,31 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
                 labels = alst.shard_like_the_adapter(fake.rows(0, 1), rank, 2)["shift_labels"]
                 answers.append([alst.no_valid_labels(tile) for tile in torch.chunk(labels.reshape(-1), 2)])
             assert alst.agreed_mlp_shards(torch.empty(1, 300, 64)) == 5  # ceil(300 / 64)
+            # one sequence per row: HF builds no [B, 1, S, S] mask (on the fake tensor alone it says "packed")
+            import transformers.masking_utils as masking
+            positions = alst.shard_like_the_adapter(fake.rows(0, 1), 0, 1)["position_ids"]
+            assert masking.find_packed_sequence_indices(positions) is None
+        assert masking.find_packed_sequence_indices(positions) is not None
     assert answers == [[False, False], [True, True]]
+
+
+def test_alsts_optimizer_offload_puts_20_bytes_per_partitioned_parameter_in_host_memory_on_a_gpu():
+    """DeepSpeed's `offload_optimizer: cpu` (ALST's GPU recipe) on a simulated h100: the fp32 master partition, the
+    fp32 gradient partition of its sub-group, the flat gradient-partition buffer (fp32: bf16's accumulation dtype)
+    and AdamW's two fp32 moments, 5 x 4 B per element of the rank's partitions, + AdamW's 4-byte step count, stay in
+    host memory after the step; on a simulated CPU device (one memory) none of it is host."""
+    from autosp.experiments.simulate.programs import RankProgram
+    from autosp.models import build_model
+
+    cfg = sim.simulate_config(RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=256, dtype="bfloat16"))
+    partition = sum(-(-p.numel() // 2) for p in build_model("hf:tiny", seed=0).parameters())  # ceil(numel / P)
+    host = {}
+    for device in (get_device_model("h100-80gb", None), CPU):
+        with sim.fake_world(2, 0):
+            program = RankProgram(cfg, device)
+            program.measure(cfg)
+            host[device.vendor] = program.tracker.host_bytes()
+    assert host == {"nvidia": 5 * 4 * partition + 4, "cpu": 0}
 
 
 @pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])

@@ -28,9 +28,43 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
     a100, mi250 = lines[2].split(" | "), lines[3].split(" | ")
     assert a100[2:4] == ["64K", "96K"] and a100[8:10] == ["error", "80K"] and mi250[9] == ""
     # vs ring: its best stage (z3, like with like); zero3: error, no ratio
-    assert a100[-4:] == ["3.00x (2.7x)", "2.00x (3x)", "-", "6.00x (5.6x) |"]
-    assert mi250[-4] == "3.00x (2.5x)"  # AMD: the paper's 2.5x
-    assert lines[4].endswith("| 6.00x |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
+    assert a100[-6:] == ["3.00x (2.7x)", "2.00x (3x)", "-", "6.00x (5.6x)", "-", "- |"]  # no alst, no ac rows
+    assert mi250[-6] == "3.00x (2.5x)"  # AMD: the paper's 2.5x
+    assert lines[4].endswith("| 6.00x | - | - |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
+
+
+def test_checkpointed_variants_and_alst_are_columns_of_their_own_with_autosps_ratio_to_them():
+    """`ulysses[ac=layer]` beside plain `ulysses` (never in its place), alst on the HF variant; the paper's claimed
+    ratio stays beside the plain baseline, the practical anchors get autosp/alst and autosp/ulysses[ac=layer]."""
+    from autosp.experiments.tables import simulated_table_rows, trainability_table
+
+    records = [dict(kind="search", model="llama-3.1-8b", device="h100-80gb", device_name="h100-80gb", world_size=8,
+                    memory_budget=None, mode="simulated", method=method, ac=ac, zero=3, status="found",
+                    max_seq_len=k * 1024, first_oom_seq_len=None, floor_limit_seq_len=None,
+                    achieved_over_limit=None, num_probes=2, timestamp="2026-12-02")
+               for method, ac, k in (("autosp", "off", 400), ("ulysses", "off", 80), ("ulysses", "layer", 200))]
+    records.append(dict(records[0], model="hf:llama-3.1-8b", method="alst", max_seq_len=800 * 1024))
+    records = [dict(r, config={"ac": r.pop("ac")}) for r in records]  # where a record keeps it
+    table = trainability_table(pd.json_normalize(records, sep="."))
+    assert sorted(table["method"]) == ["alst", "autosp", "ulysses", "ulysses[ac=layer]"]
+    autosp = table.set_index("method").loc["autosp"]
+    assert autosp["vs_ulysses"] == 5.0 and autosp["vs_ulysses[ac=layer]"] == 2.0
+    lines = markdown_table(table).splitlines()
+    head, row = lines[0].split(" | "), lines[2].split(" | ")
+    assert head[2:6] == ["autosp z3", "ulysses z3", "alst (hf) z3", "ulysses[ac=layer] z3"]
+    assert row[2:6] == ["400K", "80K", "800K", "200K"]
+    assert head[-2:] == ["autosp/alst", "autosp/ulysses[ac=layer] |"] and row[-2:] == ["0.50x", "2.00x |"]
+    assert row[-6] == "5.00x (2.7x)"  # vs plain ulysses, beside the paper's claim (NVIDIA)
+
+
+def test_a_variant_column_reads_back_from_the_markdown_table(tmp_path):
+    from autosp.experiments.tables import simulated_table_rows
+
+    (tmp_path / "t.md").write_text("| model | device | autosp z3 | ulysses[ac=layer] z3 | alst (hf) z3 |\n|---|---|---|---|---|\n"
+                                   "| llama-3.1-8b | h100-80gb | 400K | 200K | 800K |\n\nworld size 8\n")
+    rows = simulated_table_rows(tmp_path / "t.md")
+    assert list(rows["method"]) == ["autosp", "ulysses[ac=layer]", "alst"] and list(rows["max_seq_len"]) == [
+        409600, 204800, 819200]
 
 
 def test_the_paper_methods_compare_every_sp_method_at_autosps_zero_3_stage_too():

@@ -244,3 +244,30 @@ def test_figure_legends_name_the_stage_each_method_ran() -> None:
         == "autosp ZeRO-3 [aot_eager]"
     assert _method_legend_label("ulysses", pd.DataFrame({"zero": [0, 3]})) == "ulysses ZeRO-0/3"
     assert _method_legend_label("zero3", pd.DataFrame({"max_seq_len": [1]})) == "zero3"  # records without a stage
+
+
+def test_alsts_published_lengths_stand_beside_the_alst_records_as_a_ratio(tmp_path, capsys) -> None:
+    """arXiv 2506.13996: 500K on 1 H100, 3.7M on 8, 15M on 32 (Llama-3.1-8B); a search's longest length is put
+    beside them as a ratio, a run at the published length with its status and peak; no record, empty cells."""
+    import json
+
+    from autosp.cli import main
+    from autosp.experiments.tables import alst_published, alst_table
+
+    headline = alst_published().query("kind == 'headline'")
+    assert list(zip(headline["world_size"], headline["seq_len"])) == [(1, 500_000), (8, 3_700_000), (32, 15_000_000)]
+    records = [dict(search_row("alst", 3_145_728, model="hf:llama-3.1-8b"), world_size=8, device="h100-80gb",
+                    mode="simulated", seq_len=3_145_728),
+               {"kind": None, "method": "alst", "model": "hf:llama-3.1-8b", "world_size": 1, "device": "h100-80gb",
+                "mode": "simulated", "seq_len": 500_000, "status": "oom", "peak_mem_bytes": 90 * 2**30}]
+    records.append(dict(records[1], seq_len=250_000, peak_mem_bytes=50 * 2**30, memory_budget=80 * 2**30))
+    records[1]["memory_budget"] = 80 * 2**30
+    table = alst_table(pd.DataFrame(records)).set_index("world_size")
+    assert table.loc[1, "line_max_seq_len"] == 250_000 + 30 * 250_000 // 40  # 50 GiB at 250K, 90 at 500K: 80 at 437.5K
+    assert table.loc[8, "max_over_published"] == pytest.approx(3_145_728 / 3_700_000)
+    assert table.loc[1, "at_published"] == "oom" and table.loc[1, "peak_at_published_gib"] == 90
+    assert pd.isna(table.loc[32, "max_seq_len"]) and table.loc[32, "published"] == 15_000_000
+    path = tmp_path / "alst.jsonl"
+    path.write_text("".join(json.dumps(dict(r, schema_version=1, run_id=str(i))) + "\n" for i, r in enumerate(records)))
+    assert main(["table", "alst", "--in", str(path)]) == 0
+    assert "3700000" in capsys.readouterr().out

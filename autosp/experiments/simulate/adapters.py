@@ -120,6 +120,12 @@ class RealTwins:
         storage = fake.untyped_storage()
         self.twins[id(storage)] = (weakref.ref(storage), real)
 
+    def has(self, fake: torch.Tensor) -> bool:
+        """Whether `fake` is a view of a tensor added here."""
+        storage = fake.untyped_storage()
+        ref, _ = self.twins.get(id(storage), (None, None))
+        return ref is not None and ref() is storage
+
     def real(self, fake: torch.Tensor) -> torch.Tensor:
         """The real values of `fake` (a view of a tensor added here); call it under `real_values()`."""
         storage = fake.untyped_storage()
@@ -138,7 +144,7 @@ def real_values() -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
-    """The three reads of data in alst's step, answered as the real run would (only once an alst program was set up:
+    """The four reads of data in alst's step, answered as the real run would (only once an alst program was set up:
     its setup imports DeepSpeed's `ulysses_sp`):
 
     - `agreed_mlp_shards` (TiledMLP's shard count, ceil(S_local / hidden) all-reduced to the maximum over ranks
@@ -151,7 +157,12 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
     - DeepSpeed's `TiledFusedLogitsLoss.backward` asks `grads[0] != 1.0` (whether to scale the hidden states'
       gradient, in place): the gradient reaching alst's summed loss is 1 / (valid labels of the SP group's
       sequence), so the answer is True unless exactly one label of the whole batch is valid (a data-parallel
-      replica's own count is not read). Either answer allocates nothing (an in-place multiply)."""
+      replica's own count is not read). Either answer allocates nothing (an in-place multiply).
+    - HF's `find_packed_sequence_indices` (are the position ids several packed sequences?), which on a fake tensor
+      says "tracing, cannot tell" and so makes HF build the full [B, 1, S, S] causal mask: on the real position
+      ids of the batch (alst passes them, one sequence per row) it answers None, and SDPA runs causal without a
+      mask, as on the device. (Under SP > 1 alst registers no mask at all; this decides its one-rank recipe: at
+      32K tokens a 2 GiB mask.) Position ids that are no view of the batch keep HF's own answer."""
     import sys
     from unittest import mock
 
@@ -184,8 +195,64 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
         with tracker.known_boolean_reads(valid_labels != 1):
             return loss_backward(ctx, *grads)
 
+    import transformers.masking_utils as masking
+
+    find_packed = masking.find_packed_sequence_indices
+
+    def packed_from_real(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if not twins.has(position_ids):
+            return find_packed(position_ids)
+        with real_values():
+            packed = find_packed(twins.real(position_ids))
+        return None if packed is None else find_packed(position_ids)
+
     with mock.patch.object(alst, "agreed_mlp_shards", lambda x: -(-x.shape[-2] // x.shape[-1])), \
+            mock.patch.object(masking, "find_packed_sequence_indices", packed_from_real), \
             mock.patch.object(alst, "no_valid_labels", no_valid_real), \
             mock.patch.object(alst, "shard_like_the_adapter", shard_with_twins), \
             mock.patch.object(TiledFusedLogitsLoss, "backward", staticmethod(loss_backward_answered)):
+        yield
+
+
+@contextlib.contextmanager
+def _deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[None]:
+    """DeepSpeed ZeRO-3's `offload_optimizer: cpu` (alst's GPU recipe) with its host memory booked as host.
+
+    The fake ranks run on CPU, where DeepSpeed's "device" and its offload target are both `cpu`; on a GPU they
+    differ, and what the offload config places on the host is, in DeepSpeed 0.19.8's stage3.py:
+    `_create_fp32_partitions` (the fp32 master partitions), `initialize_optimizer_states` (the fp32 gradient
+    partition of each sub-group), the flat gradient-partition buffer of `_setup_for_real_optimizer`
+    (`grad_partitions_flat_buffer`, on `self.device` = cpu; that function's reduce buckets stay on the device) and
+    `_optimizer_step` (the optimizer runs on the host: its moments and temporaries; torch's AdamW stands in for
+    DeepSpeed's CPU Adam, whose moments are the same two fp32 tensors). A simulated CPU device books nothing
+    here: there device and host are one memory, as the CPU meter counts them."""
+    import sys
+    from unittest import mock
+
+    if device.vendor == "cpu" or "baselines.alst" not in sys.modules:
+        yield
+        return
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3  # noqa: N814 - DeepSpeed's
+
+    def on_host(name: str) -> Any:
+        original = getattr(Stage3, name)
+
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.offload_optimizer:
+                return original(self, *args, **kwargs)
+            with tracker.host_allocations():
+                return original(self, *args, **kwargs)
+        return run
+
+    setup = Stage3._setup_for_real_optimizer
+
+    def setup_then_book(self: Any) -> None:
+        setup(self)
+        if self.offload_optimizer:
+            tracker.mark_host(self.grad_partitions_flat_buffer)
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_create_fp32_partitions", "initialize_optimizer_states", "_optimizer_step"):
+            stack.enter_context(mock.patch.object(Stage3, name, on_host(name)))
+        stack.enter_context(mock.patch.object(Stage3, "_setup_for_real_optimizer", setup_then_book))
         yield

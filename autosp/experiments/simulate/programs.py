@@ -11,7 +11,8 @@ import torch
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
-                                                  _deepspeed_rank0_answers, _identity_move, _inductor_compile_unfused,
+                                                  _deepspeed_optimizer_offload, _deepspeed_rank0_answers,
+                                                  _identity_move, _inductor_compile_unfused,
                                                   _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
 from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world, keep_hf_registries
@@ -68,7 +69,8 @@ class RankProgram:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.warmed = False
         self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
-        with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"):
+        with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"), \
+                _deepspeed_optimizer_offload(tracker, device):
             torch.manual_seed(cfg.seed)
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
@@ -94,6 +96,7 @@ class RankProgram:
             stack.enter_context(_deepspeed_rank0_answers(self.rank))
             stack.enter_context(_inductor_compile_unfused())
             stack.enter_context(_optimizer_implementation_of(tracker.device))
+            stack.enter_context(_deepspeed_optimizer_offload(tracker, tracker.device))
             twins = RealTwins()
             stack.enter_context(_alst_data_answers(twins, tracker, valid_labels))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)

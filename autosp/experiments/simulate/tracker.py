@@ -29,8 +29,10 @@ class LiveStorageTracker(TorchDispatchMode):
     and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
     `peak()` is the highest.
 
-    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`)
-    live in host memory, so they are kept out of the device total; `host_peak` is their most bytes alive at once.
+    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`) and
+    the storages a program makes inside `host_allocations()` (an adapter's call sites that allocate on the host,
+    e.g. DeepSpeed's optimizer offload) live in host memory, so they are kept out of the device total; `host_peak`
+    is their most bytes alive at once.
     """
 
     @classmethod
@@ -53,6 +55,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.healthy = False  # inside `assume_healthy_step`
         self.assumed_reads = 0
         self.known_answer: bool | None = None  # inside `known_boolean_reads`
+        self.on_host = False  # inside `host_allocations`
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -63,7 +66,23 @@ class LiveStorageTracker(TorchDispatchMode):
             self.serials[address] = self.serial
             self.live[self.serial] = weakref.ref(storage)
             weakref.finalize(storage, self._forget, address, self.serial)
+            if self.on_host:
+                self.host.add(self.serial)
         return self.serials[address]
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Every storage first counted in here lives in host memory (storages made earlier keep their place: an op
+        in here writing into a device tensor leaves it on the device)."""
+        outer, self.on_host = self.on_host, True
+        try:
+            yield
+        finally:
+            self.on_host = outer
+
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage lives in host memory (a buffer an adapter knows the program allocates on the host)."""
+        self.host.add(self.track(tensor))
 
     def _forget(self, address: int, serial: int) -> None:
         self.live.pop(serial, None)
@@ -104,8 +123,12 @@ class LiveStorageTracker(TorchDispatchMode):
         A fake tensor has no values, so a data-dependent branch cannot be taken from data. Optimizer steps ask
         one kind of question — DeepSpeed's ZeRO-3 step `is_invalid_grad_norm(norm)`, `bool((~isfinite(norm) |
         (norm < 0)).any())` — and a healthy step (the one whose memory is predicted: the update is applied, not
-        skipped) answers False. Only boolean reads, only in optimizer steps; any other read still fails the
-        simulation (e.g. `.item()` of a length), and the count of assumed answers goes to the record."""
+        skipped) answers False. DeepSpeed's optimizer-offload step also reads the gradient norm as a number
+        (`complete_grad_norm_calculation_for_cpu_offload`: `float(total_norm)`); a healthy step's norm is finite, and
+        which finite number does not change what is allocated (no gradient clipping in these configs), so a numeric
+        read of a fake tensor without a value answers 1.0 (a real tensor, or a fake one that keeps its constant such as
+        AdamW's step count, is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
+        length), and the count of assumed answers goes to the record."""
         self.healthy = True
         try:
             yield
@@ -126,9 +149,10 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.known_answer is not None and func is torch.ops.aten._local_scalar_dense.default \
                 and args[0].dtype == torch.bool:
             return self.known_answer
-        if self.healthy and func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+        if self.healthy and func is torch.ops.aten._local_scalar_dense.default and (
+                args[0].dtype == torch.bool or getattr(args[0], "constant", 0) is None):  # a number with no value
             self.assumed_reads += 1
-            return False
+            return False if args[0].dtype == torch.bool else 1.0
         return self.record(func, func(*args, **(kwargs or {})))
 
     def record(self, func: Any, out: Any) -> Any:
