@@ -133,10 +133,18 @@ def command_problems(command: str, parser: argparse.ArgumentParser, root: Path =
         elif tokens[0] == "snakemake":
             problems += _snakemake_problems(tokens[1:], root, command)
         elif tokens[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
-            for path in (t.split("::")[0] for t in tokens[3:] if not t.startswith("-")):
+            args = tokens[3:]
+            # a pytest option's value (-k EXPR, -m MARK, --hypothesis-profile NAME, ...) is not a path
+            values = {i + 1 for i, t in enumerate(args) if t in PYTEST_OPTIONS_WITH_VALUES}
+            for path in (t.split("::")[0] for i, t in enumerate(args) if not t.startswith("-") and i not in values):
                 if not PLACEHOLDER.search(path) and not (root / path).exists():
                     problems.append(f"{command!r}: pytest path {path} does not exist")
     return problems
+
+
+#: pytest options whose value is the next word
+PYTEST_OPTIONS_WITH_VALUES = {"-k", "-m", "-p", "-n", "--maxfail", "--hypothesis-profile", "--hypothesis-seed",
+                              "--cpu-durations", "--cpu-durations-file", "--durations", "--deselect", "--ignore"}
 
 
 def _slug(heading: str) -> str:
@@ -219,6 +227,7 @@ def test_the_command_check_fails_on_a_missing_target_file_or_setting(parser) -> 
     assert "--config modles is not a setting" in command_problems("snakemake --config 'modles=[tiny]' all", parser)[0]
     assert "pytest path tests/nope.py" in command_problems("python -m pytest -q tests/nope.py", parser)[0]
     assert command_problems("bin/autosp-env python -m pytest -q tests/test_docs.py", parser) == []
+    assert command_problems("python -m pytest -q tests/test_docs.py --long -k four_ranks -m long", parser) == []
 
 
 def test_the_link_check_fails_on_a_broken_link_or_anchor(tmp_path) -> None:
