@@ -37,6 +37,7 @@ METHOD_COLORS = {
     "autosp": "tab:red", "ulysses": "tab:blue", "ulysses-ac": "tab:cyan", "ulysses-compile": "tab:purple",
     "ring": "tab:green", "zero3": "tab:orange", "fsdp": "tab:brown", "ds-autosp": "tab:pink",
     "single": "tab:gray", "autosp:off": "salmon", "autosp:sac": "tab:red", "autosp:full": "darkred",
+    "alst": "tab:olive",
 }
 #: a trainability panel writes each bar's length on it up to this many bars; beyond, the axis and the ratio grid
 #: carry the numbers (labels of more bars would overlap at the size a figure is shown)
@@ -49,12 +50,16 @@ FAILED_HANDLE = Patch(facecolor="white", edgecolor="0.3", hatch="xx")
 FLOOR_HANDLE = Line2D([], [], color="k", linestyle="--", linewidth=0.8)
 
 
-def method_color(method: str) -> str:
+def method_color(method: str) -> str | tuple:
+    """The method's colour; a variant (`ulysses[ac=layer]`) is its method's colour, darker."""
     if method in METHOD_COLORS:
         return METHOD_COLORS[method]
     if method.startswith("autosp:"):
         return METHOD_COLORS["autosp"]
-    palette = [c for c in plt.get_cmap("tab20").colors if c not in METHOD_COLORS.values()]
+    if "[" in method:
+        return tuple(0.55 * c for c in matplotlib.colors.to_rgb(method_color(method.split("[", 1)[0])))
+    used = {matplotlib.colors.to_rgb(c) for c in METHOD_COLORS.values()}
+    palette = [c for c in plt.get_cmap("tab20").colors if c not in used]
     return palette[sum(map(ord, method)) % len(palette)]
 
 

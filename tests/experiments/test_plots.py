@@ -162,3 +162,14 @@ def test_the_floor_is_drawn_only_within_its_factor_of_the_bar() -> None:
     dashed = [c for ax in fig.axes for c in ax.collections if c.get_linestyle()[0][1] is not None]
     assert len(dashed) == 1  # autosp's floor (2x its bar); ulysses' (64x) says nothing and is left out
     plt.close(fig)
+
+
+def test_every_method_and_checkpointed_variant_has_a_colour_of_its_own() -> None:
+    import matplotlib.colors
+
+    from autosp.experiments.plots import method_color
+
+    methods = ["autosp", "ds-autosp", "alst", "ulysses", "ring", "fsdp", "zero3", "single"]
+    methods += [f"{m}[ac=layer]" for m in ("ulysses", "ring", "fsdp", "zero3")]
+    colours = [matplotlib.colors.to_rgb(method_color(m)) for m in methods]
+    assert len(set(colours)) == len(methods), dict(zip(methods, colours))
