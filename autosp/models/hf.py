@@ -1,5 +1,6 @@
 """`hf:<preset>`: the preset's hyper-parameters built as HF transformers' own LlamaForCausalLM
-(`hf-mistral:` / `hf-qwen2:` build Mistral / Qwen2 instead, `-w<N>` with a sliding window of N tokens).
+(`hf-mistral:` / `hf-qwen2:` build Mistral / Qwen2 instead, `-w<N>` with a sliding window of N tokens;
+`hf-mixtral:` / `hf-deepseek-v3:` a mixture of experts / multi-head latent attention with experts).
 
 Real third-party model code, so the compiler and baselines are tested on what users actually train.
 transformers is an optional extra (`pip install "autosp[hf]"`).
@@ -12,10 +13,35 @@ from torch import nn
 from autosp.errors import ConfigError
 from autosp.models.presets import HFVariant, ModelPreset
 
+MOE_EXPERTS, MOE_TOP_K = 4, 2  # routed experts per MoE layer and experts per token (hf-mixtral, hf-deepseek-v3)
+
+
+def _family_config(preset: ModelPreset, variant: HFVariant) -> dict:
+    """The config entries a family adds to the preset's: its window, or its experts and latent attention.
+
+    DeepSeek-V3: latent query rank hidden/2, latent key/value rank hidden/4, each head's dims split half rope,
+    half no-rope (values a full head), one dense layer then MoE layers of routed experts a quarter of the
+    preset's MLP wide plus one shared expert, one routing group."""
+    if variant.family == "mistral":
+        return {"sliding_window": variant.sliding_window}
+    if variant.family == "qwen2":
+        return {"use_sliding_window": variant.sliding_window is not None, "sliding_window": variant.sliding_window,
+                "max_window_layers": preset.num_layers // 2}
+    if variant.family == "mixtral":
+        return {"num_local_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+    if variant.family == "deepseek-v3":
+        return {"num_key_value_heads": preset.num_attention_heads, "q_lora_rank": preset.hidden_size // 2,
+                "kv_lora_rank": preset.hidden_size // 4, "qk_rope_head_dim": preset.head_dim // 2,
+                "qk_nope_head_dim": preset.head_dim // 2, "v_head_dim": preset.head_dim,
+                "n_routed_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K, "n_shared_experts": 1,
+                "moe_intermediate_size": preset.intermediate_size // 4, "first_k_dense_replace": 1,
+                "n_group": 1, "topk_group": 1}
+    return {}
+
 
 def build_hf_llama(preset: ModelPreset, variant: HFVariant = HFVariant("llama", None)) -> nn.Module:
-    """HF LlamaForCausalLM (or the variant's Mistral/Qwen2) for the preset (sdpa attention, no KV cache);
-    `build_model` seeds its weights. Qwen2 windows the upper half of its layers (`max_window_layers`)."""
+    """HF LlamaForCausalLM (or the variant's Mistral/Qwen2/Mixtral/DeepseekV3) for the preset (sdpa attention,
+    no KV cache); `build_model` seeds its weights. Qwen2 windows the upper half of its layers (`max_window_layers`)."""
     try:
         import transformers
     except ImportError as exc:
@@ -23,26 +49,21 @@ def build_hf_llama(preset: ModelPreset, variant: HFVariant = HFVariant("llama", 
             f"model 'hf:{preset.name}' needs HF transformers, which is not installed: "
             'pip install "autosp[hf]" or use the model name without "hf:"'
         ) from exc
-    window: dict = {}
-    if variant.family == "mistral":
-        window = {"sliding_window": variant.sliding_window}
-    elif variant.family == "qwen2":
-        window = {"use_sliding_window": variant.sliding_window is not None, "sliding_window": variant.sliding_window,
-                  "max_window_layers": preset.num_layers // 2}
-    family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[variant.family]
+    family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
+              "deepseek-v3": "DeepseekV3"}[variant.family]
     config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
-    config = config_class(
-        vocab_size=preset.vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        max_position_embeddings=preset.max_position_embeddings,
-        rms_norm_eps=preset.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
-        tie_word_embeddings=preset.tie_word_embeddings,
-        use_cache=False,
-        **window,
-    )
+    config = config_class(**{
+        "vocab_size": preset.vocab_size,
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_key_value_heads,
+        "max_position_embeddings": preset.max_position_embeddings,
+        "rms_norm_eps": preset.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": preset.rope_theta},
+        "tie_word_embeddings": preset.tie_word_embeddings,
+        "use_cache": False,
+        **_family_config(preset, variant),
+    })
     return model_class._from_config(config, attn_implementation="sdpa")

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from autosp.errors import ConfigError
 
 HF_PREFIX = "hf:"
-# hf:<preset> (Llama), hf-mistral:<preset>, hf-qwen2:<preset>; -w<N> adds a sliding attention window of N tokens
-HF_FAMILIES = ("llama", "mistral", "qwen2")
-_HF_NAME = re.compile(r"^hf(?:-(mistral|qwen2)(?:-w([1-9][0-9]*))?)?:(.+)$")
+# hf:<preset> (Llama), hf-mistral:<preset>, hf-qwen2:<preset> (-w<N> adds a sliding attention window of N tokens),
+# hf-mixtral:<preset> (mixture of experts), hf-deepseek-v3:<preset> (multi-head latent attention + experts)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek-v3")
+_HF_NAME = re.compile(r"^hf(?:-(?:(mistral|qwen2)(?:-w([1-9][0-9]*))?|(mixtral|deepseek-v3)))?:(.+)$")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ def preset_names() -> list[str]:
 
 def model_names() -> list[str]:
     """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form (also ``hf-mistral:``,
-    ``hf-qwen2:``, with ``-w<N>`` for a sliding window of N tokens, e.g. ``hf-mistral-w64:tiny``)."""
+    ``hf-qwen2:``, with ``-w<N>`` for a sliding window of N tokens, e.g. ``hf-mistral-w64:tiny``, and
+    ``hf-mixtral:``, ``hf-deepseek-v3:``)."""
     return preset_names() + [HF_PREFIX + name for name in _PRESETS]
 
 
@@ -85,14 +87,14 @@ def hf_variant(name: str) -> HFVariant:
     match = _HF_NAME.match(name)
     if match is None:
         raise ConfigError(f"{name!r} is not an HF model name (hf:<preset>, hf-mistral[-w<N>]:<preset>, ...)")
-    family, window, _ = match.groups()
-    return HFVariant(family or "llama", int(window) if window else None)
+    windowed, window, plain, _ = match.groups()
+    return HFVariant(windowed or plain or "llama", int(window) if window else None)
 
 
 def get_preset(name: str) -> ModelPreset:
     """The preset for ``name`` (``hf:<preset>`` gives the same hyper-parameters)."""
     match = _HF_NAME.match(name)
-    preset = _PRESETS.get(match.group(3) if match else name)
+    preset = _PRESETS.get(match.group(4) if match else name)
     if preset is None:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}")
     return preset

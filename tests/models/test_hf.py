@@ -87,6 +87,46 @@ def test_hf_mistral_and_qwen2_variants_with_sliding_windows(name, cls, window):
         assert model.config.layer_types == ["full_attention", "sliding_attention"]
 
 
-def test_unknown_hf_family_is_a_config_error():
+def test_hf_mixtral_and_deepseek_v3_are_moe_and_mla_with_the_presets_sizes():
+    mixtral, deepseek = build_model("hf-mixtral:tiny"), build_model("hf-deepseek-v3:tiny")
+    assert type(mixtral).__name__ == "MixtralForCausalLM" and type(deepseek).__name__ == "DeepseekV3ForCausalLM"
+    assert get_preset("hf-mixtral:tiny") == get_preset("hf-deepseek-v3:tiny") == get_preset("tiny")
+    m = mixtral.config
+    assert (m.num_local_experts, m.num_experts_per_tok, m.hidden_size, m.num_hidden_layers) == (4, 2, 64, 2)
+    d = deepseek.config
+    assert (d.q_lora_rank, d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim) == (32, 16, 8, 8, 16)
+    assert (d.n_routed_experts, d.num_experts_per_tok, d.n_shared_experts, d.moe_intermediate_size) == (4, 2, 1, 44)
+    assert deepseek.model.layers[1].mlp.experts is not None  # layer 0 dense, layer 1 routed experts
+    # seeded like every model: same seed, same weights; each expert and latent projection drawn, not HF's init
+    again = build_model("hf-deepseek-v3:tiny")
+    for (name, a), b in zip(deepseek.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert deepseek.model.layers[1].self_attn.kv_a_proj_with_mqa.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    ids = torch.randint(0, 512, (1, 16))
+    for model in (mixtral, deepseek):
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n or "_a_proj" in n)
+
+
+@pytest.mark.parametrize(("model", "tiling"), [
+    ("hf-mixtral:tiny", "loss"),
+    ("hf-deepseek-v3:tiny", "off"),
+    # the compiler's tiled loss on multi-head latent attention: gradients off by up to 1e3 (measured at seq 256,
+    # docs/measurements/2026-12-02-moe-mla-search.md); strict, so the fix shows as XPASS
+    pytest.param("hf-deepseek-v3:tiny", "loss",
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="tiled loss wrong on MLA")),
+])
+def test_autosp_check_passes_on_the_moe_and_mla_harness_models(model, tiling):
+    from autosp.harness.check import check
+    from autosp.harness.config import RunConfig
+
+    cfg = RunConfig(method="autosp", model=model, seq_len=128, world_size=2, compile_backend="aot_eager", zero=3,
+                    tiling=tiling, timeout_s=400)
+    report = check(cfg)
+    assert report.passed, report.format()
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2:tiny", "hf-deepseek-v3-w16:tiny", "hf-mixtral:huge"])
+def test_unknown_hf_family_is_a_config_error(name):
     with pytest.raises(ConfigError, match="unknown model"):
-        get_preset("hf-gpt2:tiny")
+        get_preset(name)
