@@ -6,6 +6,7 @@ Inductor read it).
 """
 from __future__ import annotations
 
+import operator
 from contextlib import nullcontext
 from typing import Any
 
@@ -62,3 +63,17 @@ def node_nbytes(node: fx.Node) -> int:
     """Bytes of a tensor-valued node from its fake value (symbolic sizes by their hint); 0 otherwise."""
     val = node.meta.get(ATEN)
     return nbytes(val) if isinstance(val, torch.Tensor) else 0
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep `node`: FX's own test, plus what it misses in Dynamo's Torch-IR: an
+    in-place method call (`buf[..., :d].copy_(x)`, `x.add_(y)`) and `operator.setitem`, whose result nobody reads but
+    whose write into a tensor is read later (MLA's key buffer, filled by two `copy_`s into views of a `new_empty`)."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
+        return True
+    return (node.op == "call_function" and node.target is operator.setitem) or node.is_impure()
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """`graph.eliminate_dead_code()` that keeps in-place writes (`writes_in_place`)."""
+    graph.eliminate_dead_code(is_impure_node=writes_in_place)

@@ -223,7 +223,7 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
                 loss = fx_nodes.emit(graph, torch.div, (loss, count), key=DYNAMO)
         ce.replace_all_uses_with(loss)  # the head, its casts/views and the loss are dead now
         report.tiled.append({"tokens": int(tokens), "vocab": int(vocab), "tile_tokens": int(tile_tokens)})
-    graph.eliminate_dead_code()
+    fx_nodes.eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return report
@@ -265,7 +265,7 @@ def keep_only_loss(gm: fx.GraphModule) -> bool:
         return value if not isinstance(value, fx.Node) or depends[value] else None
 
     output.args = (keep(output.args[0]),)
-    graph.eliminate_dead_code()
+    fx_nodes.eliminate_dead_code(graph)
     gm.recompile()
     return True
 

@@ -197,3 +197,27 @@ def test_mlp_whose_weights_are_made_inside_the_module_is_tiled():
     assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_dead_code_elimination_keeps_in_place_writes_into_a_buffer_read_later() -> None:
+    """FX counts Dynamo's `buf[..., :d].copy_(x)` (a method call whose result nobody reads) as pure and drops it, so
+    MLA's key buffer stayed uninitialised after the tiling pass; the compiler's elimination keeps it."""
+    import torch.fx as fx
+
+    from autosp.compiler import fx_nodes
+
+    def fill(x):
+        buf = x.new_empty(4)
+        buf[:2].copy_(x[:2])
+        buf[2:].copy_(x[2:] * 2)
+        return buf
+
+    def copies(graph: fx.Graph) -> int:
+        return sum(n.op == "call_method" and n.target == "copy_" for n in graph.nodes)
+
+    ours, fx_default = fx.symbolic_trace(fill), fx.symbolic_trace(fill)
+    fx_nodes.eliminate_dead_code(ours.graph)
+    fx_default.graph.eliminate_dead_code()
+    assert copies(ours.graph) == 2 and copies(fx_default.graph) == 0
+    ours.recompile()
+    assert torch.equal(ours(torch.arange(4.0)), torch.tensor([0.0, 1.0, 4.0, 6.0]))
