@@ -351,6 +351,7 @@ def run_search(
     if run is None:
         from autosp.harness.runner import run, validate
 
+        validate(cfg.replace(seq_len=default_granularity(cfg.world_size)))  # a refused model or method, as it is
         try:  # every probe length is a multiple of the granularity: a length the method refuses is bad input
             validate(cfg.replace(seq_len=granularity))
         except ConfigError as exc:

@@ -340,6 +340,15 @@ def test_bad_search_range_is_one_line_naming_the_flag(tmp_path, capsys, flags: l
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_a_method_that_refuses_the_model_says_so_not_the_granularity(tmp_path, capsys) -> None:
+    from autosp.cli import main
+
+    args = ["search", "--method", "ulysses", "--model", "hf:tiny", "--world-size", "2", "--memory-budget", "64MiB"]
+    assert main([*args, "--out", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ulysses" in err and "--granularity" not in err, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_autosp_search_ends_every_rank_and_records_interrupted(tmp_path, sig: signal.Signals) -> None:
     from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
