@@ -12,7 +12,7 @@ from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.tracing import data_dependent_shape_error
+from autosp.compiler.tracing import data_dependent_shape_error, tracing_config
 from autosp.errors import SequenceParallelError
 
 
@@ -95,7 +95,10 @@ class SequenceParallelModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         try:
-            return self._compiled(*args, **kwargs)
+            # also entered by Dynamo around the backend's calls (`backend_ctx_ctor`), which alone did not keep a
+            # model's logging call out of the graph (tests/compiler/test_coverage.py, the soft-capped attention)
+            with tracing_config():
+                return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(

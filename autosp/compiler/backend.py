@@ -6,10 +6,12 @@ decides what forward values backward keeps (sequence-aware checkpointing) before
 This module only binds a pipeline to the process groups and to Dynamo's calls (one static graph per length).
 
 What must hold while Dynamo traces (logging calls left out of the graph, HF's output hooks installed beforehand,
-`autosp.compiler.tracing`) is set up here too, so `autosp.compile` and a plain `torch.compile(model,
-backend=autosp.backend(...))` trace alike: Dynamo enters the backend's `backend_ctx_ctor` around every call of the
-compiled model, tracing included. Dynamo's own tracing errors (graph breaks, sizes read from tensor values) are
-raised at that call before any backend runs, so only the `autosp.compile` wrapper can turn them into one line.
+`autosp.compiler.tracing`) is set up here too, for a plain `torch.compile(model, backend=autosp.backend(model=m))`:
+the output hooks when the backend is given the model, the tracing settings as the backend's `backend_ctx_ctor`
+(which Dynamo enters around every call). That context alone did not keep a model's logging call out of the graph
+(tests/compiler/test_coverage.py, the soft-capped attention), so the `autosp.compile` wrapper enters the settings
+itself as well. Dynamo's own tracing errors (graph breaks, sizes read from tensor values) are raised at the call
+before any backend runs, so only that wrapper can turn them into one line.
 """
 from __future__ import annotations
 

@@ -30,6 +30,11 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(num_local_experts=4, head_dim=16, sliding_window=8,
                      layer_types=["sliding_attention", "full_attention"], **_MOE), {}),
+    # the same through HF's flex attention (the sinks as a score modification of flex_attention)
+    "gpt-oss-flex": ("GptOssForCausalLM", "GptOssConfig",
+                     dict(num_local_experts=4, head_dim=16, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"], **_MOE),
+                     dict(attn_implementation="flex_attention")),
     # chunked local attention, a NoPE layer, every token through every expert (the router's `repeat`) + shared
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig",
                dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=64,
