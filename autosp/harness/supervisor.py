@@ -117,9 +117,8 @@ def warm_rank_cpu_seconds() -> float:
     """CPU-seconds of the warm ranks that ended so far (the fork server's reaped children; 0 without a server)."""
     from multiprocessing import forkserver
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, TypeError):
+    fields = None if pid is None else _proc_stat(Path(f"/proc/{pid}/stat"))
+    if fields is None:
         return 0.0
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime + cstime
 
@@ -160,11 +159,8 @@ class _ForkedRank:
 
 def _zombie_exit_code(pid: int) -> int | None:
     """The exit code (negative: the signal) of process `pid` if it is a zombie, else None (running, or reaped)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    if fields[0] != "Z" or len(fields) < 50:  # field 52 of stat, the wait status, since Linux 3.5
+    fields = _proc_stat(Path(f"/proc/{pid}/stat"))
+    if fields is None or fields[0] != "Z" or len(fields) < 50:  # field 52 of stat, the wait status, since Linux 3.5
         return None
     status = int(fields[49])
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
@@ -259,8 +255,15 @@ def _group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
+        fields = _proc_stat(stat)
+        if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
     return not Path("/proc/self").exists()  # no /proc to tell zombies apart: trust killpg
+
+
+def _proc_stat(path: Path) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if the process is gone."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
