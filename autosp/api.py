@@ -12,7 +12,7 @@ from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.tracing import data_dependent_shape_error, tracing_config
+from autosp.compiler.tracing import breaking_module, data_dependent_shape_error, tracing_config
 from autosp.errors import SequenceParallelError
 
 
@@ -102,7 +102,8 @@ class SequenceParallelModule(torch.nn.Module):
         except torch._dynamo.exc.Unsupported as e:
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(
-                f"AutoSP needs the whole forward as one graph, but Dynamo broke it: {reason} "
+                f"AutoSP needs the whole forward as one graph, but Dynamo broke it{breaking_module(self.module, e)}: "
+                f"{reason} "
                 "(remove the data-dependent Python control flow or unsupported call it names)"
             ) from e
         except torch._dynamo.exc.UserError as e:

@@ -60,6 +60,24 @@ def _last_user_frame(message: str) -> str:
     return f" at {os.path.basename(path)}:{line} (`{code.strip()}`)"
 
 
+def breaking_module(model: torch.nn.Module, error: Exception) -> str:
+    """` in `name` (Class)`: the innermost submodule of `model` whose `forward` Dynamo's error stack passes through
+    (the layer that broke the graph; its first instance), or '' when the stack names none."""
+    owners: dict[tuple[str, int], str] = {}
+    for name, module in model.named_modules():
+        code = getattr(type(module).forward, "__code__", None)
+        if code is None:
+            continue
+        for _, _, line in code.co_lines():
+            if line is not None:
+                owners.setdefault((code.co_filename, line), f"`{name or 'the model'}` ({type(module).__name__})")
+    for frame in reversed(getattr(error, "real_stack", None) or []):
+        owner = owners.get((frame.filename, frame.lineno))
+        if owner:
+            return f" in {owner}"
+    return ""
+
+
 def data_dependent_shape_error(error: Exception) -> str:
     """One line for Dynamo's UserError on a size computed from tensor values (e.g. HF's eager experts loop)."""
     message = str(error)

@@ -43,8 +43,8 @@ def test_unmodified_hf_attention_variants_are_exact(runs, case):
 
 def test_gpt_oss_through_hf_flex_attention_is_refused_in_one_line(runs):
     """HF's flex-attention path breaks Dynamo's graph, so the forward is not one graph: refused, not run."""
-    with pytest.raises(AssertionError, match="SequenceParallelError: AutoSP needs the whole forward as one graph, "
-                                             "but Dynamo broke it: "):
+    with pytest.raises(AssertionError, match=r"SequenceParallelError: AutoSP needs the whole forward as one graph, "
+                                             r"but Dynamo broke it in `model\.layers\.0\.self_attn` \(GptOssAttention\): "):
         runs.assert_exact("gpt-oss-flex-2")
 
 
