@@ -1,7 +1,7 @@
 """Run one function on P ranks and bring back each rank's result, or an honest failure status.
 
 Two ways to get ranks:
-- local: spawn P fresh processes (gloo on 127.0.0.1 with a free port on CPU; nccl on CUDA, which is RCCL on
+- local: spawn P fresh processes (gloo on 127.0.0.1, the launcher serving the rendezvous; nccl on CUDA, which is RCCL on
   ROCm builds of torch), one GPU per rank - or, with `AUTOSP_SHARE_GPUS=1`, P ranks round-robin on fewer GPUs
   over gloo (NCCL refuses two ranks on one GPU): the multi-rank CUDA code paths and each rank's own memory peak on
   a one-GPU machine; step times mean nothing there (the ranks share one GPU and talk through host memory);
@@ -184,6 +184,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_store(timeout_s: float) -> dist.TCPStore:
+    """A local launch's rendezvous, served by the launcher for the whole run on a port the OS picks while binding
+    it. (A port found free and bound later by rank 0, seconds later under load, could be taken meanwhile by any
+    connection's ephemeral port: EADDRINUSE in a rank, a multi-rank flake.) The ranks join it as clients."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+
+
 def _classify(exc: BaseException) -> str:
     return "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"
 
@@ -214,10 +222,13 @@ def _bind_rank(device: str, rank: int, world_size: int, local_rank: int) -> None
         torch.cuda.set_device(local_rank % torch.cuda.device_count())  # one GPU per rank unless they share
 
 
-def _init_group(device: str, rank: int, world_size: int, timeout_s: float) -> None:
+def _init_group(device: str, rank: int, world_size: int, timeout_s: float, port: int | None = None) -> None:
+    """Join the default group: through the local launcher's store on `port`, or a job's env:// rendezvous."""
+    timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
+    store = None if port is None else dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group(
-        backend_for(device), init_method="env://", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+        backend_for(device), init_method=None if store else "env://", store=store,
+        rank=rank, world_size=world_size, timeout=timeout,
         device_id=torch.device("cuda", torch.cuda.current_device()) if backend_for(device) == "nccl" else None,
     )
 
@@ -229,7 +240,7 @@ def _worker(rank: int, world_size: int, port: int, device: str, timeout_s: float
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
         _bind_rank(device, rank, world_size, rank)
-        _init_group(device, rank, world_size, timeout_s)
+        _init_group(device, rank, world_size, timeout_s, port)
         # Plain pickle copies tensor data into the report (no file descriptors shared with a dying process).
         report = (rank, "ok", pickle.dumps(fn(*args)), None, None)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent, with its kind
@@ -269,7 +280,8 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
         if stop_requested():
             return _interrupted([None] * world_size, start, "")
         workdir = Path(tmp)
-        port = free_port()
+        store = rendezvous_store(timeout_s)  # held until every rank has ended
+        port = store.port
         reports = [str(workdir / f"rank{r}.out") for r in range(world_size)]
         ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
                                                  for r in range(world_size)], warm=device == "cpu")

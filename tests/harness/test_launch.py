@@ -102,6 +102,27 @@ def test_results_come_back_from_every_rank(rank_start) -> None:
     assert result.results == [(0, 1.0, "x", 1, 0), (1, 1.0, "x", 1, 0)]
 
 
+def test_the_rendezvous_port_is_held_by_the_launcher_before_any_rank_starts(monkeypatch) -> None:
+    """A port chosen free and bound only later by rank 0 could be taken meanwhile (EADDRINUSE in a rank): the
+    launcher serves the rendezvous itself, bound before the ranks exist."""
+    import socket
+
+    bound_before_start = []
+
+    class Ranks(launch_mod.RankProcesses):
+        def __init__(self, workdir, target, rank_args, **kwargs):
+            port = rank_args[0][2]
+            with socket.socket() as s, pytest.raises(OSError, match="Address already in use"):
+                s.bind(("127.0.0.1", port))
+            bound_before_start.append(port)
+            super().__init__(workdir, target, rank_args, **kwargs)
+
+    monkeypatch.setattr(launch_mod, "RankProcesses", Ranks)
+    result = launch(sum_ranks, ("x",), world_size=2, timeout_s=60)
+    assert result.status == "ok", result.error
+    assert len(bound_before_start) == 1
+
+
 def test_crashed_rank_ends_the_run_with_its_message(rank_start) -> None:
     result = launch(crash_rank_1, world_size=2, timeout_s=60)
     assert result.status == "error" and result.failed_rank == 1
