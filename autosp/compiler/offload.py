@@ -180,9 +180,16 @@ def _offloadable(node: fx.Node, model_outputs: set[fx.Node]) -> bool:
             and val.is_contiguous())
 
 
-def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+OFFLOAD_SCOPES = ("boundaries", "layers")
+"""What moves to host memory: the layer-boundary values only, or every saved value made inside a decoder layer as
+well (attention's inputs and outputs after the all-to-alls, whatever the partition keeps): the memory planner's
+second host-memory step, where the boundaries alone are not enough."""
+
+
+def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int, scope: str = "boundaries") -> list[fx.Node]:
     """Saved values made in one decoder layer (or before the first) and read in another (or after the last): the
-    residual stream between layers, which SAC keeps for backward."""
+    residual stream between layers, which SAC keeps for backward; with `scope="layers"` also every other saved
+    value made inside a decoder layer."""
     (output,) = fw_module.graph.find_nodes(op="output")
     outputs = list(output.args[0])
     model_outputs = {o for o in outputs[:num_fwd_outputs] if isinstance(o, fx.Node)}
@@ -192,14 +199,16 @@ def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.
         if not isinstance(node, fx.Node) or node in chosen or not _offloadable(node, model_outputs):
             continue
         sides = {layers.get(node)} | {layers.get(u) for u in node.users if u.op != "output"}
-        if len(sides) > 1:  # made on one side of a layer boundary, read on the other
-            chosen.append(node)
+        if len(sides) > 1 or (scope == "layers" and layers.get(node) is not None):
+            chosen.append(node)  # made on one side of a layer boundary and read on the other, or inside a layer
     return chosen
 
 
-def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> OffloadReport:
-    """Rewrite both graphs in place (module docstring); returns what is offloaded."""
-    chosen = boundary_values(fw_module, num_fwd_outputs)
+def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
+                       scope: str = "boundaries") -> OffloadReport:
+    """Rewrite both graphs in place (module docstring) for the saved values of `scope` (`OFFLOAD_SCOPES`); returns
+    what is offloaded."""
+    chosen = boundary_values(fw_module, num_fwd_outputs, scope)
     report = OffloadReport()
     if not chosen:
         return report

@@ -12,17 +12,21 @@ at compile time; no limit on CPU unless given):
 2. recompute the token-wise ops (linear/MLP, norms, rotary, elementwise) of the first k decoder layers, k = 1..N:
    the ``sac`` policy in k layers. Their FLOPs grow linearly in the sequence, attention's quadratically;
 3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
-   layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``).
+   layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``);
+4. also re-run the all-to-alls of the first k layers, k = 1..N: the whole layer recomputed from its input, as
+   per-layer activation checkpointing does (ALST, ``ulysses[ac=layer]``) — only when 3. with all N layers does
+   not fit: its cost is communication, and it frees what no other rung can (the all-to-alls' full-length
+   outputs, pinned on every other rung). The plan says ``recomputes_collectives``.
 
-On every rung that does not fit as it is, the layer-boundary values (`offload.boundary_values`) move to host
-memory before the next rung is tried (``offload=auto``), if their bytes fit the host budget: host memory is
-spent before recompute. ``offload=activations`` moves them on every rung, ``off`` never. With room to spare the
-first rung fits: nothing recomputed, nothing moved.
+On every rung that does not fit as it is, saved values move to host memory before the next rung is tried
+(``offload=auto``), if their bytes fit the host budget — first the layer-boundary values
+(`offload.boundary_values`), then every saved value made inside a layer: host memory is spent before recompute.
+``offload=activations`` moves the boundaries on every rung, ``off`` never. With room to spare the first rung fits:
+nothing recomputed, nothing moved.
 
-Collectives are never re-run by any rung (their outputs stay pinned; ZeRO-3 parameter gathers excepted, as in
-every policy). Within a phase the saved bytes fall as k grows, so the smallest fitting k is found by bisection:
-a graph is partitioned about 1 + 2 log2(N) times (up to twice as often where host memory is tried), each on a
-copy of the joint graph.
+ZeRO-3 parameter gathers are re-run in backward under every policy. Within a phase the saved bytes fall as k
+grows, so the smallest fitting k is found by bisection: a graph is partitioned about 1 + 3 log2(N) times at most
+(each on a copy of the joint graph); the host-memory variants of a rung reuse its partition.
 
 Cost model, from the graph alone (no run):
 * memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
@@ -52,8 +56,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.compiler.layers import assign_layers, forward_nodes
-from autosp.compiler.node_kinds import _getitem_parent, _is_view, is_attention_forward, is_attention_value, is_pinned_value
-from autosp.compiler.offload import OFFLOAD_OP, RELOAD_OP, OffloadReport, offload_boundaries
+from autosp.compiler.node_kinds import (_getitem_parent, _is_view, is_attention_forward, is_attention_value,
+                                       is_collective_value, is_pinned_value)
+from autosp.compiler.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
 from autosp.compiler.sac_records import saved_values
 from autosp.compiler.sac_tags import _regather_parameters, _tag, _tag_layers
 from autosp.comm.transients import nbytes, transient_bytes
@@ -71,8 +76,10 @@ class Plan:
     layers: int
     tokenwise_recompute_layers: int  # layers whose token-wise ops are recomputed
     attention_recompute_layers: int  # of those, layers whose attention is recomputed too
+    collective_recompute_layers: int  # of those, layers whose all-to-alls are re-run too (the whole layer)
     recompute_flops: int
     offloaded_bytes: int  # saved values moved to host memory in forward and back in backward (each way, per step)
+    offload_scope: str | None  # `offload.OFFLOAD_SCOPES`: the boundaries only, or every saved value of a layer
     fits: bool
     partitions_tried: int
 
@@ -81,8 +88,8 @@ class Plan:
         return self.attention_recompute_layers > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recomputes_attention": self.recomputes_attention, "recomputes_collectives": False,
-                "offloads": self.offloaded_bytes > 0}
+        return {**asdict(self), "recomputes_attention": self.recomputes_attention,
+                "recomputes_collectives": self.collective_recompute_layers > 0, "offloads": self.offloaded_bytes > 0}
 
 
 def default_budget(joint_inputs: Sequence[Any]) -> int | None:
@@ -122,16 +129,21 @@ def layer_order(joint_gm: fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(layer for layer in layers.values() if layer is not None))
 
 
-def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequence[str]) -> None:
-    """Tag one rung: collectives and opaque kernels always pinned, attention pinned outside `attention`, the token-wise ops of the
-    layers in `tokenwise` (attention too in `attention`) recomputed, layer outputs pinned when any layer is."""
+def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequence[str],
+             collectives: Sequence[str] = ()) -> None:
+    """Tag one rung: opaque kernels always pinned, collectives pinned outside `collectives`, attention pinned
+    outside `attention`, the token-wise ops of the layers in `tokenwise` (attention too in `attention`, and its
+    all-to-alls in `collectives`: the whole layer, as per-layer checkpointing re-runs it) recomputed, layer outputs
+    pinned when any layer is."""
     graph = joint_gm.graph
     forward = forward_nodes(graph)
     layers = assign_layers(graph, forward)
     for node in graph.nodes:
         if node not in forward:
             continue
-        if is_pinned_value(node) or (is_attention_value(node) and layers.get(node) not in attention):
+        rerun_collective = is_collective_value(node) and layers.get(node) in collectives
+        if (is_pinned_value(node) and not rerun_collective) or (
+                is_attention_value(node) and layers.get(node) not in attention):
             _tag(node, CheckpointPolicy.MUST_SAVE)
     _regather_parameters(graph, forward)
     if tokenwise:
@@ -142,11 +154,13 @@ def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequ
 class _Trial:
     tokenwise: int
     attention: int
+    collectives: int
     fw_module: fx.GraphModule
     bw_module: fx.GraphModule
     peak: int
     saved: int
     offload: OffloadReport | None
+    scope: str | None
 
 
 def plan_partition(
@@ -154,34 +168,49 @@ def plan_partition(
     offload: str = "auto", host_budget_bytes: int | None = None, **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
-    `offload` (`autosp.compiler.offload.offload_mode`): `auto` moves the layer-boundary values to host memory
-    where a rung does not fit without it and its host bytes fit `host_budget_bytes` (None: no limit), `activations`
-    on every rung, `off` never. Returns (forward, backward, the plan as a dict, what was offloaded or None).
-    Nothing fits: the last rung (every layer fully recomputed)."""
+    `offload` (`autosp.compiler.offload.offload_mode`): `auto` moves saved values to host memory where a rung
+    does not fit without it and its host bytes fit `host_budget_bytes` (None: no limit) — the layer boundaries
+    first, then every saved value of a layer; `activations` the boundaries on every rung, `off` never. Returns
+    (forward, backward, the plan as a dict, what was offloaded or None). Nothing fits: the last rung (every layer
+    recomputed whole, collectives included)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
-
-    def partition(tokenwise: int, attention: int, offloads: bool) -> _Trial:
-        gm = _copy(joint_gm)
-        tag_rung(gm, order[:tokenwise], order[:attention])
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        report = offload_boundaries(fw, bw, num_fwd_outputs) if offloads else None
-        peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
-        trials.append(_Trial(tokenwise, attention, fw, bw, peak, saved, report))
-        return trials[-1]
+    partitions = 0
 
     def fits(t: _Trial) -> bool:
         host_ok = t.offload is None or host_budget_bytes is None or t.offload.nbytes <= host_budget_bytes
         return host_ok and (budget is None or t.peak <= budget)
 
-    def trial(tokenwise: int, attention: int) -> _Trial:
-        """The rung kept on the device, else (offload auto) with its boundaries in host memory."""
-        t = partition(tokenwise, attention, offload == "activations")
-        if offload == "auto" and not fits(t):
-            moved = partition(tokenwise, attention, True)
-            if moved.offload.nbytes:
-                return moved
+    def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None) -> _Trial:
+        """The partitioned rung with the saved values of `scope` in host memory (None: all on the device)."""
+        if scope is not None:
+            fw, bw = _copy(fw), _copy(bw)  # the partition is reused by the next scope
+        report = offload_boundaries(fw, bw, num_fwd_outputs, scope) if scope else None
+        peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
+        trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
+        return trials[-1]
+
+    def trial(tokenwise: int, attention: int, collectives: int = 0) -> _Trial:
+        """One rung: kept on the device, else (offload auto) its boundaries in host memory, else all its layers'
+        saved values; the first that fits, or the last tried."""
+        nonlocal partitions
+        rung = (tokenwise, attention, collectives)
+        gm = _copy(joint_gm)
+        tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        partitions += 1
+        if offload == "activations":
+            return variant(rung, fw, bw, "boundaries")
+        t = variant(rung, fw, bw, None)
+        if offload != "auto":
+            return t
+        for scope in OFFLOAD_SCOPES:
+            if fits(t):
+                break
+            moved = variant(rung, fw, bw, scope)
+            if moved.offload.nbytes > (t.offload.nbytes if t.offload else 0):
+                t = moved
         return t
 
     def smallest_fitting(make: Any, count: int) -> _Trial | None:
@@ -200,15 +229,21 @@ def plan_partition(
         return best
 
     n = len(order)
+    forward = forward_nodes(joint_gm.graph)
+    layers_of = assign_layers(joint_gm.graph, forward)
+    # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
+    c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
     chosen = trial(0, 0)
     if not fits(chosen) and n:
         chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
-                  or next(t for t in reversed(trials) if (t.tokenwise, t.attention) == (n, n)))
+                  or (smallest_fitting(lambda k: trial(n, n, k), c) if c else None)
+                  or next(t for t in reversed(trials) if (t.tokenwise, t.attention, t.collectives) == (n, n, c)))
     plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
                 saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,
-                attention_recompute_layers=chosen.attention, recompute_flops=recompute_flops(chosen.bw_module),
-                offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, fits=fits(chosen),
-                partitions_tried=len(trials))
+                attention_recompute_layers=chosen.attention, collective_recompute_layers=chosen.collectives,
+                recompute_flops=recompute_flops(chosen.bw_module),
+                offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, offload_scope=chosen.scope,
+                fits=fits(chosen), partitions_tried=partitions)
     return chosen.fw_module, chosen.bw_module, plan.to_dict(), chosen.offload
 
 

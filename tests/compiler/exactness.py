@@ -73,13 +73,14 @@ def _compiled(model: torch.nn.Module, options: dict) -> Any:
 
 
 def _planner_choice(compiled: Any) -> dict[str, int]:
-    """What the memory planner (sac auto) chose over the compiled graphs: layers recomputed token-wise and with
-    attention, bytes offloaded (all 0 under another policy, or through `autosp.backend`)."""
+    """What the memory planner (sac auto) chose over the compiled graphs: layers recomputed token-wise, with
+    attention and with its all-to-alls, bytes offloaded (all 0 under another policy, or through `autosp.backend`)."""
     if not isinstance(compiled, autosp.SequenceParallelModule):
         return {}
     plans = [r.plan for r in compiled.partition_records if r.plan is not None]
     return {"tokenwise": sum(p["tokenwise_recompute_layers"] for p in plans),
             "attention": sum(p["attention_recompute_layers"] for p in plans),
+            "collectives": sum(p["collective_recompute_layers"] for p in plans),
             "offloaded_bytes": sum(r.nbytes for r in compiled.offload_reports)}
 
 

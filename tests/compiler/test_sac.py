@@ -234,9 +234,9 @@ class _SpLayer(nn.Module):
 
 
 class _SpModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_SpLayer() for _ in range(2))
+        self.layers = nn.ModuleList(_SpLayer() for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -273,6 +273,42 @@ def test_collectives_are_never_recomputed(one_rank_group, policy: str) -> None:
     _assert_grads_equal(model, [p.grad for p in reference.parameters()])
 
 
+def _sp_plan(layers: int, budget: int | None, **planner) -> tuple[PartitionRecord, dict]:
+    """The planner on `_SpModel` (one-rank all-to-alls), its gradients checked against eager."""
+    torch.manual_seed(0)
+    x = torch.randn(2, SEQ, 32)
+    reference = _SpModel(layers)
+    reference(x).backward()
+    model = _SpModel(layers)
+    model.load_state_dict(reference.state_dict())
+    torch._dynamo.reset()
+    policy = str(Policy("auto", budget_bytes=budget)) if budget is not None else "auto"
+    record = _compiled_step(model, policy, lambda c: c(x), **planner)
+    _assert_grads_equal(model, [p.grad for p in reference.parameters()])
+    return record, record.plan
+
+
+def test_auto_moves_every_saved_value_of_a_layer_to_host_where_the_boundaries_are_not_enough(one_rank_group):
+    _, boundaries = _sp_plan(2, None, offload="activations")  # everything kept, the boundaries in host memory
+    _, plan = _sp_plan(2, boundaries["estimated_peak_bytes"] - 1)
+    assert plan["fits"] and plan["offload_scope"] == "layers" and plan["tokenwise_recompute_layers"] == 0
+    assert plan["offloaded_bytes"] > boundaries["offloaded_bytes"]
+    assert plan["estimated_peak_bytes"] < boundaries["estimated_peak_bytes"]
+
+
+def test_auto_reruns_a_layers_all_to_alls_only_when_recomputing_all_else_does_not_fit(one_rank_group):
+    """The last rungs recompute whole layers, collectives included (as per-layer checkpointing does): backward
+    re-runs the forward all-to-alls of those layers, and the gradients stay exact."""
+    layers = 6
+    _, whole = _sp_plan(layers, 1, offload="off")  # nothing fits: every layer recomputed whole
+    assert not whole["fits"] and whole["collective_recompute_layers"] == layers
+    record, plan = _sp_plan(layers, whole["estimated_peak_bytes"], offload="off")
+    assert plan["fits"] and plan["recomputes_collectives"]
+    assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == layers
+    rerun = [n for n in record.bw_module.graph.nodes if is_collective(n) and n.meta.get("partitioner_tag") == "is_forward"]
+    assert len(rerun) == 4 * plan["collective_recompute_layers"]  # q, k, v and attention's output per layer
+
+
 class _OpaqueOpsModel(nn.Module):
     """An all-to-all (1-rank group) feeding the tiled loss: two ops whose buffers live inside their kernels."""
 
@@ -282,6 +318,7 @@ class _OpaqueOpsModel(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import autosp.compiler.tiled_loss_op  # noqa: F401 - registers autosp_sp::linear_cross_entropy
         from autosp.comm.ops import all_to_all
 
         h = all_to_all(self.proj(x).unsqueeze(0), 1, 2, 1, dist.group.WORLD.group_name).squeeze(0)
