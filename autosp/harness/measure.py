@@ -69,15 +69,16 @@ def format_sizes_apart(*sizes: float) -> list[str]:
 
 
 def ranks_on_this_node(device: torch.device) -> int:
-    """The ranks sharing this rank's host memory: every rank on CPU (one machine), else torchrun's LOCAL_WORLD_SIZE
-    or the node's GPU count."""
+    """The ranks sharing this rank's host memory: the launcher's LOCAL_WORLD_SIZE (torchrun's, the local launch's,
+    the simulator's node of the device it simulates), else every rank on CPU (one machine) or the node's GPU
+    count."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return 1
-    if device.type == "cpu":
-        return dist.get_world_size()
-    return int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return dist.get_world_size() if device.type == "cpu" else torch.cuda.device_count()
 
 
 def node_host_bytes(rank_host_bytes: int, ranks_per_node: int) -> int:

@@ -305,7 +305,8 @@ def test_auto_reruns_a_layers_all_to_alls_only_when_recomputing_all_else_does_no
     record, plan = _sp_plan(layers, whole["estimated_peak_bytes"], offload="off")
     assert plan["fits"] and plan["recomputes_collectives"]
     assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == layers
-    rerun = [n for n in record.bw_module.graph.nodes if is_collective(n) and n.meta.get("partitioner_tag") == "is_forward"]
+    rerun = [n for n in record.bw_module.graph.nodes
+             if is_collective(n) and n.meta.get("partitioner_tag") == "is_forward"]
     assert len(rerun) == 4 * plan["collective_recompute_layers"]  # q, k, v and attention's output per layer
 
 

@@ -408,6 +408,16 @@ def test_a_simulated_node_that_offloads_more_than_its_host_memory_is_oom_naming_
     assert within["status"] == "ok"
 
 
+def test_each_simulated_device_gets_its_own_plan_and_the_record_carries_it():
+    """The planner's choice depends on the device's memory: two devices in one process each get their own plan (a
+    prediction cached without the device's size gave the second device the first one's), in `extra.sac_auto`."""
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=2048, world_size=2, compile_backend="aot_eager",
+                    sac="auto", offload="auto")
+    small, large = (sim.simulate(cfg, get_device_model("cpu", mib * MIB))["extra"]["sac_auto"] for mib in (12, 16))
+    assert small[0]["budget_bytes"] < large[0]["budget_bytes"]
+    assert small[0]["tokenwise_recompute_layers"] > large[0]["tokenwise_recompute_layers"] == 0
+
+
 def test_the_memory_planner_is_simulated_at_full_depth():
     """autosp's planner (`--sac auto`) plans every layer against the whole device, so a 2- and 3-layer program
     keeps what the full depth recomputes or moves: no depth extrapolation for it, as for ZeRO-3."""

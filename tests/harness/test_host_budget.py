@@ -22,3 +22,21 @@ def test_the_host_budget_is_a_positive_size_and_unset_options_keep_older_hashes(
     assert plain.config_hash() == "c315f26f23a836b4"  # its hash before --ac and --host-memory-budget existed
     assert plain.config_hash() != plain.replace(host_memory_budget=2**40).config_hash()
     assert plain.config_hash() != plain.replace(ac="layer").config_hash()
+
+
+def test_a_ranks_node_is_the_launchers_local_world_size(monkeypatch) -> None:
+    """The ranks sharing a node's host memory: LOCAL_WORLD_SIZE where a launcher (or the simulator, as a node of
+    the device it simulates) set it, else every rank of a CPU run."""
+    import torch
+    import torch.distributed as dist
+
+    from autosp.harness.measure import ranks_on_this_node
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        assert ranks_on_this_node(torch.device("cpu")) == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+        assert ranks_on_this_node(torch.device("cpu")) == 8
+    finally:
+        dist.destroy_process_group()

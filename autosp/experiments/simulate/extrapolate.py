@@ -19,6 +19,9 @@ _PREDICTIONS: dict[tuple[str, int, int], tuple[RankPeak, dict[str, Any]]] = {}
 def predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
     """Rank 0's peak at the model's full depth: simulated whole, or at 2 and 3 layers and extrapolated."""
     key = (cfg.config_hash(), device.small_block_bytes, device.large_block_bytes)
+    if _planned(cfg):  # the planner's choices depend on the device's and its node's memory
+        key += (device.usable_bytes, device.fixed_bytes, device.host_bytes_per_node,
+                device.ranks_per_node(cfg.world_size))
     if key not in _PREDICTIONS:
         _PREDICTIONS[key] = _predict_peak(cfg, device)
     return _PREDICTIONS[key]

@@ -3,6 +3,7 @@ and the cache that lets a search's probes share it (`shared_rank_programs`)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,20 @@ def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTrack
             tracker.track(t)
             twins.add(t, getattr(real, name))
     return batch
+
+
+@contextlib.contextmanager
+def _local_world_size(ranks: int) -> Iterator[None]:
+    """LOCAL_WORLD_SIZE as a node of the simulated device sets it (`measure.ranks_on_this_node`), then as it was."""
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
 
 
 def simulate_rank(cfg: RunConfig, device: DeviceModel, *, num_layers: int | None = None, rank: int = 0) -> RankPeak:
@@ -75,10 +90,13 @@ class RankProgram:
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
             keep_hf_registries()
-            # the device's tensor memory is the memory planner's budget (autosp --sac auto), as on a real device
-            planned = cfg if cfg.memory_budget is not None else cfg.replace(
-                memory_budget=device.usable_bytes - device.fixed_bytes)
-            self.step = self.strategy.setup(self.model, self.ctx, planned)
+            # the device's tensor memory is the memory planner's budget (autosp --sac auto), as on a real device,
+            # and its node's host memory the host budget, shared by the node's ranks
+            tensor_memory = device.usable_bytes - device.fixed_bytes
+            planned = cfg.replace(memory_budget=tensor_memory if cfg.memory_budget is None else cfg.memory_budget,
+                                  host_memory_budget=cfg.host_memory_budget or device.host_bytes_per_node)
+            with _local_world_size(device.ranks_per_node(cfg.world_size)):
+                self.step = self.strategy.setup(self.model, self.ctx, planned)
         _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
@@ -89,6 +107,8 @@ class RankProgram:
         valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
         tracker, step, model = self.tracker, self.step, self.model
         ops, assumed_reads = tracker.ops, tracker.assumed_reads  # this call's counts, warm-up included
+        records = getattr(getattr(step, "compiled", None), "partition_records", None)  # an autosp step's
+        compiled_before = len(records) if records is not None else 0
         with self.fake_mode as fake_mode, tracker, contextlib.ExitStack() as stack:
             if self.shared:  # one symbolic trace serves every length; past the recompile limit fail, never run eager
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
@@ -148,11 +168,13 @@ class RankProgram:
                              transient_bytes=moment.charged - state - grads - acts, peak_op=moment.op)
 
         phases = {phase: breakdown(moment) for phase, moment in tracker.moments.items()}
+        records = getattr(getattr(step, "compiled", None), "partition_records", None)
+        plans = [r.plan for r in (records or [])[compiled_before:] if r.plan is not None]
         peak = tracker.peak()
         peak_phase = next(phase for phase, moment in tracker.moments.items() if moment is peak)
         return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
                         ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
-                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases)
+                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans)
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the

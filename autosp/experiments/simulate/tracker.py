@@ -238,6 +238,7 @@ class RankPeak(PhasePeak):
     host_offloaded_bytes: int = 0  # offloaded activations in host memory, most alive at once (not in peak_bytes)
     assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
     phases: dict[str, PhasePeak] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
+    plans: list[dict] = field(default_factory=list)  # the memory planner's choice per graph compiled for this length
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
