@@ -5,11 +5,14 @@ per q, k, v turns [B, H, S/P, D] into [B, H/P, S, D]; one on the output turns it
 itself then runs unchanged on full-length sequences, so causal flags and full masks stay as they are (a mask with
 a head dimension is cut to this rank's heads). KV heads fewer than (or not divisible by) the SP degree are
 replicated just enough to split evenly, which keeps each query head paired with its own KV head under GQA.
+With `attention_chunks` the region (all-to-alls, attention, all-to-all back) runs once per chunk of heads
+(`HeadChunks`), so one chunk's full-length tensors are alive at a time.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -127,6 +130,7 @@ class HeadChunks:
     heads: int  # query heads
     kv_heads: int  # KV heads after replication for the ranks
     kv_per_chunk: bool
+    _pieces: dict = field(default_factory=dict, compare=False, repr=False)  # value -> its unbind/split node
 
     @classmethod
     def of(cls, ctx: SPContext, label: str, heads: int, kv_heads: int) -> HeadChunks:
@@ -148,18 +152,23 @@ class HeadChunks:
         if self.count == 1:
             return t
         dim = ctx.current[t].dim() - 3
-        per = ctx.current[t].shape[dim] // (self.ranks * self.count)
-        blocks = ctx.emit(before, "unflatten", (t, dim, (self.ranks, self.count, per)), spec=spec.at(spec.dim + 2))
-        chunk = ctx.emit(before, "select", (blocks, dim + 1, j), spec=spec.at(spec.dim + 1))
+        if t not in self._pieces:  # one unbind per value: its backward stacks the chunks' gradients once
+            per = ctx.current[t].shape[dim] // (self.ranks * self.count)
+            blocks = ctx.emit(before, "unflatten", (t, dim, (self.ranks, self.count, per)), spec=spec.at(spec.dim + 2))
+            self._pieces[t] = ctx.emit(before, "unbind", (blocks, dim + 1))
+        chunk = ctx.emit(before, operator.getitem, (self._pieces[t], j), spec=spec.at(spec.dim + 1))
         return ctx.emit(before, "flatten", (chunk, dim, dim + 1), spec=spec)
 
     def kv_heads_of(self, ctx: SPContext, t: fx.Node, j: int, before: fx.Node) -> fx.Node:
         """The KV heads (of the ones this rank received whole) that chunk j's query heads use."""
-        if self.count == 1:
+        dim = ctx.current[t].dim() - 3
+        group, h = self.heads // self.kv_heads, self.heads // (self.ranks * self.count)
+        size = max(1, h // group)
+        if self.count == 1 or size == ctx.current[t].shape[dim]:  # every chunk uses them all
             return t
-        group = self.heads // self.kv_heads
-        h = self.heads // (self.ranks * self.count)
-        return ctx.emit(before, "narrow", (t, ctx.current[t].dim() - 3, j * h // group, max(1, h // group)))
+        if t not in self._pieces:  # one split per value: its backward concatenates the gradients once
+            self._pieces[t] = ctx.emit(before, "split", (t, size, dim))
+        return ctx.emit(before, operator.getitem, (self._pieces[t], j * h // group // size))
 
     def rank_heads(self, rank: int, j: int) -> tuple[int, int]:
         """(first, count) of the query heads rank `rank` attends in chunk j (for a per-head mask)."""
