@@ -34,8 +34,8 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
     # 2-D mesh: 2 SP groups x 2 data-parallel replicas (by default: the ZeRO 2 case below)
     pytest.param("small", 4, dict(sp_size=2, ignore_fraction=0.3), marks=pytest.mark.long),
     ("tiny", 2, dict(sp_size=1, ignore_fraction=0.3)),  # SP degree 1: compiled data parallelism only
-    # attention in chunks of heads: MHA (KV heads split into the chunks) with tiling, recomputing attention
-    ("tiny-mha", 2, dict(attention_chunks=2, tiling="auto:8", sac="full", ignore_fraction=0.3)),
+    # attention in chunks of heads: MHA (KV heads split into the chunks) with tiling, recomputing attention, a mask
+    ("tiny-mha", 2, dict(attention_chunks=2, tiling="auto:8", sac="full", ignore_fraction=0.3, pad_fraction=0.25)),
     # ... GQA with one KV head per rank (exchanged once, shared by the chunks), P=4 as Ulysses 2 x ring 2
     ("tiny", 4, dict(attention_chunks=2, ulysses_size=2, ignore_fraction=0.3)),
     pytest.param("small", 4, dict(attention_chunks=2), marks=pytest.mark.long),  # ... pure Ulysses over 4
@@ -158,6 +158,11 @@ def test_bad_sizes_are_config_errors_before_any_rank_starts():
     with pytest.raises(ConfigError, match=r"--ulysses-size 3 must divide the SP degree 4 and the 4 query heads; "
                                           r"valid: \[1, 2, 4\]"):
         validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=4, ulysses_size=3))
+    with pytest.raises(ConfigError, match=r"--attention-chunks 4 must divide the 2 query heads each rank attends "
+                                          r"\(4 over 2\); valid: \[1, 2\]"):
+        validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=2, attention_chunks=4))
+    with pytest.raises(ConfigError, match=r"--attention-chunks must be positive"):
+        RunConfig(method="autosp", model="tiny", seq_len=48, world_size=2, attention_chunks=0)
 
 
 class _GraphBreak(torch.nn.Module):
