@@ -159,7 +159,7 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
     consecutive-rank SP groups. process_group: an existing SP group instead. The compiler's options, given as an
     `options=CompileOptions(...)` object and/or as keywords (which override it): sac, backend, zero,
-    compute_dtype, tiling, outputs, ulysses_size, offload; each field's meaning, default and valid values are in
+    compute_dtype, tiling, outputs, ulysses_size, offload, attention_chunks; each field's meaning, default and valid values are in
     `autosp.compiler.options.CompileOptions`. At ZeRO stages 2/3 the model's parameters become this rank's flat
     shards (build the optimizer with `make_optimizer`, read full values with `full_parameters`/`full_gradients`);
     the stage that runs is the module's `zero`."""

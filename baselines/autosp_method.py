@@ -40,11 +40,13 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                                        backend=cfg.compile_backend,
                                        zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
                                        ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg),
-                                       offload=cfg.offload, host_budget=_host_budget_per_rank(cfg))
+                                       offload=cfg.offload, host_budget=_host_budget_per_rank(cfg),
+                                       attention_chunks=cfg.attention_chunks)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else "")
-                               + (f"-offload:{cfg.offload}" if parse_offload(cfg.offload) else ""))
+                               + (f"-offload:{cfg.offload}" if parse_offload(cfg.offload) else "")
+                               + (f"-chunks:{cfg.attention_chunks}" if cfg.attention_chunks > 1 else ""))
         self.seq_len = cfg.seq_len
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -108,7 +110,7 @@ class AutoSP(Strategy):
     sequence_parallel = True
     zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
-    options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload"})
+    options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload", "attention_chunks"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
@@ -118,6 +120,11 @@ class AutoSP(Strategy):
             valid = [d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0]
             raise ConfigError(f"--ulysses-size {u} must divide the SP degree {sp} and the {num_heads} query heads; "
                               f"valid: {valid}")
+        per_rank = num_heads // (u or sp)
+        if num_heads % (u or sp) == 0 and per_rank % cfg.attention_chunks:  # the compiler also checks how the chunks meet the KV heads
+            raise ConfigError(f"--attention-chunks {cfg.attention_chunks} must divide the {per_rank} query heads each "
+                              f"rank attends ({num_heads} over {u or sp}); valid: "
+                              f"{[d for d in range(1, per_rank + 1) if per_rank % d == 0]}")
         parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
         if parse_offload(cfg.offload) and cfg.compile_backend == "eager":
             raise ConfigError("--offload activations rewrites the partitioned forward/backward graphs: use "

@@ -66,6 +66,10 @@ class CompileOptions:
     offload: str = "auto"
     #: bytes of host memory this rank may hold for the planner's offload (None: no limit)
     host_budget: int | None = None
+    #: each attention's Ulysses region (all-to-alls of q, k, v, attention, all-to-all back) in this many chunks of
+    #: its heads, so one layer's full-length attention tensors exist for one chunk at a time, forward and backward
+    #: (`autosp.compiler.communicate.HeadChunks`); must divide the query heads per rank. Default 1 (no chunks)
+    attention_chunks: int = 1
 
     policy: Policy = field(init=False, repr=False, compare=False)
     tiling_options: Tiling = field(init=False, repr=False, compare=False)
@@ -90,6 +94,10 @@ class CompileOptions:
         if self.host_budget is not None and (not isinstance(self.host_budget, int) or self.host_budget < 0):
             raise SequenceParallelError(f"host_budget={self.host_budget!r}: give bytes of host memory (an int >= 0) "
                                         "or None")
+        if isinstance(self.attention_chunks, bool) or not isinstance(self.attention_chunks, int) \
+                or self.attention_chunks < 1:
+            raise SequenceParallelError(f"attention_chunks={self.attention_chunks!r}: give a positive number of "
+                                        "chunks of heads (1: none)")
         if self.offloads and self.backend == "eager":
             raise SequenceParallelError("offload=activations rewrites the partitioned forward/backward graphs; "
                                         "use backend aot_eager or inductor, not eager")

@@ -91,7 +91,8 @@ class Compilation:
 def sequence_parallel(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
     if c.sp_size > 1:  # an SP degree of 1 is single-device training: only the checkpointing policy applies
         gm = sequence_parallel_pass(gm, sp_rank=c.sp_rank, sp_size=c.sp_size, group_name=c.group_name,
-                                    ulysses_size=c.options.ulysses_size, hybrid_groups=c.hybrid_groups)
+                                    ulysses_size=c.options.ulysses_size, hybrid_groups=c.hybrid_groups,
+                                    attention_chunks=c.options.attention_chunks)
     return gm
 
 

@@ -29,12 +29,13 @@ _SHAPE_AGNOSTIC = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor
 
 def sequence_parallel_pass(
     gm: fx.GraphModule, *, sp_rank: int, sp_size: int, group_name: str, ulysses_size: int | None = None,
-    hybrid_groups: Callable[[int], tuple[str, str]] | None = None,
+    hybrid_groups: Callable[[int], tuple[str, str]] | None = None, attention_chunks: int = 1,
 ) -> fx.GraphModule:
     """Rewrite `gm` (one rank's copy) so it computes single-device training on this rank's sequence shard.
 
     ulysses_size: all-to-alls inside groups of this many ranks, ring attention across them (default: chosen from
-    the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups."""
+    the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups.
+    attention_chunks: each SDPA attention runs in this many chunks of its heads (`communicate.HeadChunks`)."""
     analysis = analyze(gm)
     masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
     eager = any(not is_attention(site.node) for site in analysis.sites)
@@ -48,7 +49,8 @@ def sequence_parallel_pass(
     fake_mode = next(v.fake_mode for v in original.values() if isinstance(v, FakeTensor))
     ctx = SPContext(gm.graph, analysis.seq_len, sp_rank, sp_size, group_name, fake_mode, original,
                     trainable=indices.trainable_nodes(gm.graph, original),
-                    ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1])
+                    ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
+                    attention_chunks=attention_chunks)
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows

@@ -83,6 +83,7 @@ class SPContext:
     ulysses_size: int = 0  # hybrid Ulysses x Ring: all-to-alls inside groups of this size (0: the SP degree)
     ulysses_group: str = ""
     ring_group: str = ""
+    attention_chunks: int = 1  # each attention's all-to-alls and kernel in this many chunks of heads (`communicate`)
 
     @property
     def a2a_size(self) -> int:

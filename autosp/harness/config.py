@@ -19,7 +19,7 @@ __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 
 #: RunConfig fields only some methods read; each method declares its own (`baselines.base.Strategy.options`) and
 #: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
-METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac")
+METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac", "attention_chunks")
 #: `--ac`: the baselines' per-layer activation checkpointing (`baselines.checkpointing`)
 ACTIVATION_CHECKPOINTING = ("off", "layer")
 
@@ -52,6 +52,7 @@ class RunConfig:
     # --sac auto planner decides)
     ac: str = "off"  # ulysses, ring, zero3, fsdp: off | layer (per-layer activation checkpointing)
     host_memory_budget: int | None = None  # bytes of host memory per node; more offloaded there ends the run as `oom`
+    attention_chunks: int = 1  # autosp only: each attention's all-to-alls and kernel in chunks of heads (1: none)
 
     def __post_init__(self) -> None:
         """Every number is checked here, once, whoever builds the config (flags, a record, a search probe)."""
@@ -73,6 +74,7 @@ class RunConfig:
             _check_integer("ulysses_size", self.ulysses_size, low=1)
         if self.host_memory_budget is not None:
             _check_integer("host_memory_budget", self.host_memory_budget, low=1)
+        _check_integer("attention_chunks", self.attention_chunks, low=1)
         if self.ac not in ACTIVATION_CHECKPOINTING:
             raise ConfigError(f"--ac must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got {self.ac!r}")
 
@@ -100,7 +102,7 @@ class RunConfig:
 
 
 #: fields added after records existed, with their defaults: hashed only when set
-_HASHED_ONLY_WHEN_SET = {"ac": "off", "host_memory_budget": None}
+_HASHED_ONLY_WHEN_SET = {"ac": "off", "host_memory_budget": None, "attention_chunks": 1}
 
 #: field -> the flag a user typed, where the two differ
 _FLAGS = {"timeout_s": "--timeout"}

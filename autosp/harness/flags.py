@@ -55,6 +55,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
     g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
                    help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
+    g.add_argument("--attention-chunks", type=int, default=d["attention_chunks"],
+                   help="autosp: each attention's all-to-alls and kernel in this many chunks of the heads a rank "
+                   "attends, so one chunk's full-length tensors exist at a time (default 1: none)")
     g.add_argument("--import", dest="extra_imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE in every rank first (out-of-tree methods register on import); repeatable")
     g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
@@ -81,5 +84,5 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   device=args.device, seed=args.seed, lr=args.lr, steps=args.steps, warmup=args.warmup, sac=args.sac,
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
                   zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size, offload=args.offload,
-                  ac=args.ac, host_memory_budget=host_budget)
+                  ac=args.ac, host_memory_budget=host_budget, attention_chunks=args.attention_chunks)
     return RunConfig(**{**fields, **varied})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from autosp.harness.config import ConfigError, RunConfig, flag_name
 
 #: options whose values are integers (the others are strings, parsed by the method's own validation)
-_INTEGER_OPTIONS = ("zero", "ulysses_size")
+_INTEGER_OPTIONS = ("zero", "ulysses_size", "attention_chunks")
 _SPEC = re.compile(r"^(?P<method>[^\[\]=,]+)(?:\[(?P<options>[^\[\]]*)\])?$")
 
 

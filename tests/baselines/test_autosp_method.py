@@ -34,6 +34,11 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
     # 2-D mesh: 2 SP groups x 2 data-parallel replicas (by default: the ZeRO 2 case below)
     pytest.param("small", 4, dict(sp_size=2, ignore_fraction=0.3), marks=pytest.mark.long),
     ("tiny", 2, dict(sp_size=1, ignore_fraction=0.3)),  # SP degree 1: compiled data parallelism only
+    # attention in chunks of heads: MHA (KV heads split into the chunks) with tiling, recomputing attention, a mask
+    ("tiny-mha", 2, dict(attention_chunks=2, tiling="auto:8", sac="full", ignore_fraction=0.3, pad_fraction=0.25)),
+    # ... GQA with one KV head per rank (exchanged once, shared by the chunks), P=4 as Ulysses 2 x ring 2
+    ("tiny", 4, dict(attention_chunks=2, ulysses_size=2, ignore_fraction=0.3)),
+    pytest.param("small", 4, dict(attention_chunks=2), marks=pytest.mark.long),  # ... pure Ulysses over 4
 ])
 def test_project_llama_matches_single_process(model, world_size, options):
     _check(model, world_size, **{"sac": "off" if world_size == 4 else "sac", **options})
@@ -72,6 +77,7 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
     ("tiny", 4, 2, dict(sp_size=2, ignore_fraction=0.3)),  # shards over SP x DP, gradients / dp_size
     ("hf:tiny-tied", 2, 3, dict(ignore_fraction=0.3)),  # unmodified HF Llama, parametrized; head tied: one shard
     ("tiny", 2, 1, dict(packed_documents=2)),  # ZeroRedundancyOptimizer
+    ("small", 2, 3, dict(attention_chunks=2, ignore_fraction=0.3)),  # GQA, 2 KV heads per rank split in 2 chunks
     # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
     ("tiny", 2, 0, dict(dtype="bfloat16", seq_len=128)),  # parameters cast where used (autosp.comm.precision)
     ("tiny", 2, 3, dict(dtype="bfloat16", seq_len=128)),  # bf16 gathers of fp32 master shards
@@ -139,8 +145,9 @@ def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts(
 
 @pytest.mark.slow
 @pytest.mark.long  # by default: tests/compiler/test_sac.py's inductor SAC against eager
-def test_inductor_with_sac_matches_single_process():
-    _check("tiny", 2, backend="inductor", sac="sac", ignore_fraction=0.3)
+@pytest.mark.parametrize("model, options", [("tiny", {}), ("tiny-mha", dict(attention_chunks=2))])
+def test_inductor_with_sac_matches_single_process(model, options):
+    _check(model, 2, backend="inductor", sac="sac", ignore_fraction=0.3, **options)
 
 
 def test_bad_sizes_are_config_errors_before_any_rank_starts():
@@ -151,6 +158,11 @@ def test_bad_sizes_are_config_errors_before_any_rank_starts():
     with pytest.raises(ConfigError, match=r"--ulysses-size 3 must divide the SP degree 4 and the 4 query heads; "
                                           r"valid: \[1, 2, 4\]"):
         validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=4, ulysses_size=3))
+    with pytest.raises(ConfigError, match=r"--attention-chunks 4 must divide the 2 query heads each rank attends "
+                                          r"\(4 over 2\); valid: \[1, 2\]"):
+        validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=2, attention_chunks=4))
+    with pytest.raises(ConfigError, match=r"--attention-chunks must be positive"):
+        RunConfig(method="autosp", model="tiny", seq_len=48, world_size=2, attention_chunks=0)
 
 
 class _GraphBreak(torch.nn.Module):

@@ -34,6 +34,7 @@ def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
     (dict(offload="weights"), ConfigError, "unknown --offload 'weights'"),
     (dict(offload="activations", backend="eager"), SequenceParallelError, "use backend aot_eager or inductor"),
     (dict(ulysses_size=0), SequenceParallelError, "ulysses_size=0: give a positive rank count"),
+    (dict(attention_chunks=0), SequenceParallelError, "attention_chunks=0: give a positive number of chunks"),
     (dict(host_budget=-1), SequenceParallelError, "host_budget=-1: give bytes of host memory"),
     (dict(compute_dtype=torch.int8), SequenceParallelError, "compute_dtype=torch.int8"),
 ])

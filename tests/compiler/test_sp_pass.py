@@ -180,3 +180,42 @@ def test_indexing_the_shard_with_global_positions_is_refused():
     gm, _ = capture(_GlobalIndex(), input_ids=torch.zeros(1, 16, dtype=torch.long))
     with pytest.raises(SequenceParallelError, match="not computed from this rank's tokens"):
         _sp(gm)
+
+
+def _a2a_sizes(gm) -> list[int]:
+    return [n.meta["example_value"].numel() for n in gm.graph.nodes if n.target is A2A]
+
+
+@pytest.mark.parametrize("name, sp_size, chunks, kv_shared", [
+    ("tiny-mha", 2, 2, False),  # MHA: every all-to-all of a chunk is 1/c the size
+    ("small", 2, 4, True),  # GQA, 2 KV heads per rank for chunks of 1 query head: KV exchanged once, sliced
+    ("tiny", 2, 2, True),  # GQA, 1 KV head per rank (the llama-3.1-8b case at 8 ranks)
+])
+def test_attention_chunks_make_each_query_and_output_all_to_all_one_cth(name, sp_size, chunks, kv_shared):
+    layers = get_preset(name).num_layers
+    plain = _a2a_sizes(_sp(_llama_graph(name)[0], sp_size=sp_size))
+    gm = sequence_parallel_pass(_llama_graph(name)[0], sp_rank=1, sp_size=sp_size, group_name="unused",
+                                attention_chunks=chunks)
+    sizes = _a2a_sizes(gm)
+    q, k, out = plain[0], plain[1], plain[3]  # per layer: q, k, v, then the output's all-to-all back
+    per_layer = (2 + 2 * chunks) if kv_shared else 4 * chunks
+    assert len(sizes) == per_layer * layers
+    layer = sizes[:per_layer]
+    if kv_shared:
+        assert layer[:2] == [k, k] and layer[2:] == [q // chunks, out // chunks] * chunks
+    else:
+        assert layer == [q // chunks, k // chunks, k // chunks, out // chunks] * chunks
+    assert sum(sizes) <= sum(plain)  # no head is exchanged twice
+
+
+def test_attention_chunks_with_the_hybrid_ring_give_one_ring_per_chunk():
+    gm, _ = _llama_graph("tiny", seq_len=48)
+    gm = sequence_parallel_pass(gm, sp_rank=1, sp_size=4, group_name="sp", ulysses_size=2, attention_chunks=2,
+                                hybrid_groups=lambda u: ("ulysses", "ring"))
+    assert count(gm, RING) == 2 * get_preset("tiny").num_layers
+
+
+def test_attention_chunks_not_dividing_the_heads_of_a_rank_name_the_divisors():
+    gm, _ = _llama_graph("tiny")
+    with pytest.raises(SequenceParallelError, match=r"attention_chunks=3 must divide the 2 query heads each rank"):
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused", attention_chunks=3)

@@ -46,21 +46,21 @@ def test_reference_must_be_measured_in_the_same_run(tmp_path) -> None:
 
 
 def test_each_method_receives_and_records_only_the_options_it_honours(tmp_path) -> None:
-    """autosp's flags (tiling, sac, offload, ulysses_size) reach autosp only; `zero` every method with a choice of
+    """autosp's flags (tiling, sac, offload, ulysses_size, attention_chunks) reach autosp only; `zero` every method with a choice of
     stages; `compile_backend` the methods that compile. The rest run, and are recorded, at the defaults."""
     received: dict = {}
     run = fake_run([])
     out = tmp_path / "bench.jsonl"
     cfg = RunConfig(method="autosp", model="tiny", seq_len=1, world_size=2, sac="auto", compile_backend="aot_eager",
-                    zero=3, tiling="auto", ulysses_size=2, offload="activations")
+                    zero=3, tiling="auto", ulysses_size=2, offload="activations", attention_chunks=2)
     run_bench(cfg, methods=["autosp", "ulysses", "zero3", "ulysses-compile"], seq_lens=[128], repeats=1, out=str(out),
               run=lambda c: received.setdefault(c.method, c) and run(c))
-    options = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload")
+    options = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "attention_chunks")
     got = {m: tuple(getattr(c, o) for o in options) for m, c in received.items()}
-    assert got == {"autosp": ("auto", "aot_eager", 3, "auto", 2, "activations"),
-                   "ulysses": ("sac", "inductor", 3, "off", None, "off"),
-                   "zero3": ("sac", "inductor", None, "off", None, "off"),
-                   "ulysses-compile": ("sac", "aot_eager", None, "off", None, "off")}
+    assert got == {"autosp": ("auto", "aot_eager", 3, "auto", 2, "activations", 2),
+                   "ulysses": ("sac", "inductor", 3, "off", None, "off", 1),
+                   "zero3": ("sac", "inductor", None, "off", None, "off", 1),
+                   "ulysses-compile": ("sac", "aot_eager", None, "off", None, "off", 1)}
     records = load_records(out).set_index("method")
     assert records.loc["ulysses", "config.tiling"] == "off" and records.loc["zero3", "zero"] == 3
     # a record built from the raw configuration (a search's result row) leaves the foreign options out too
