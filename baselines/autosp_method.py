@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
-from autosp.compiler.offload import parse_offload
+from autosp.comm.host_optimizer import iter_pairs
+from autosp.compiler.offload import offload_optimizer, parse_offload
 from autosp.compiler.options import COMPILE_BACKENDS
 from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
@@ -42,9 +43,10 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                                        ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg),
                                        offload=cfg.offload, host_budget=_host_budget_per_rank(cfg))
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
+        offloads = ["activations"] * parse_offload(cfg.offload) + ["optimizer"] * bool(offload_optimizer(cfg.offload))
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else "")
-                               + (f"-offload:{cfg.offload}" if parse_offload(cfg.offload) else ""))
+                               + (f"-offload:{','.join(offloads)}" if offloads else ""))
         self.seq_len = cfg.seq_len
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -69,16 +71,21 @@ class AutoSPTrainStep(ReplicatedTrainStep):
 
     def metrics(self) -> dict[str, Any]:
         """Bytes each compiled graph saves for backward, total and by operator category (the SAC comparison)."""
+        host = list(iter_pairs(self.optimizer))
+        optimizer = {"optimizer_offload": {
+            "host_bytes": sum(o.host_bytes() for o in host), "device_bytes_saved": sum(o.device_bytes_saved()
+                                                                                      for o in host),
+            "implementation": host[0].implementation}} if host else {}
         records = self.compiled.partition_records
         if not records:
-            return {}
+            return optimizer
         plans = [r.plan for r in records if r.plan is not None]
         offloads = self.compiled.offload_reports
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
                 "saved_quadratic": quadratic_saved_values(records, self.seq_len),
                 "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
-                **({"sac_auto": plans} if plans else {}),
+                **({"sac_auto": plans} if plans else {}), **optimizer,
                 **({"offloaded_bytes": sum(r.nbytes for r in offloads),
                     "offloaded_values": sum(len(r.values) for r in offloads)} if offloads else {})}
 
@@ -96,8 +103,13 @@ def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
                       zero=zero)
     batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
-    resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
-                + sum(t.numel() * t.element_size() for t in batch))
+    params, optimizer = state.params_bytes, state.optimizer_bytes
+    if offload_optimizer(cfg.offload):  # AdamW's moments in host memory; the device parameters in the compute dtype
+        dtype = compute_dtype(cfg)
+        optimizer = 0
+        if dtype is not None:
+            params = params * torch.empty(0, dtype=dtype).element_size() // 4
+    resident = params + optimizer + state.gathered_unit_bytes + sum(t.numel() * t.element_size() for t in batch)
     return Policy(SacPolicy.AUTO, budget_bytes=max(0, cfg.memory_budget - resident))
 
 
@@ -106,6 +118,7 @@ class AutoSP(Strategy):
     name = "autosp"
     description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
     sequence_parallel = True
+    distributed = False  # one rank: the SP pass shards nothing; the planner, tiling and the offloads still apply
     zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
     options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload"})
