@@ -1,6 +1,7 @@
 """Public entry points: `autosp.compile(model, ...)` and `autosp.backend(...)`."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,9 +47,8 @@ class SequenceParallelModule(torch.nn.Module):
         offload=optimizer the class steps host masters on the CPU (`autosp.comm.host_optimizer.HostOptimizer`)."""
         if self.host_masters is not None:
             use_deepspeed = {"auto": None, "torch": False, "deepspeed": True}[self.host_adam or "auto"]
-            kwargs = dict(optimizer_class=optimizer_class, masters=self.host_masters, use_deepspeed=use_deepspeed,
-                          **kwargs)
-            optimizer_class = HostOptimizer
+            optimizer_class = functools.partial(HostOptimizer, optimizer_class=optimizer_class,
+                                                masters=self.host_masters, use_deepspeed=use_deepspeed)
         if self.zero == 1 and dist.get_world_size(self.reduce_group) > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -20,6 +20,7 @@ replaces to book the same allocations as host on a simulated device.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -152,6 +153,10 @@ class HostOptimizer(torch.optim.Optimizer):
             inner = _deepspeed_cpu_adam(groups, defaults)
         self.implementation = DEEPSPEED_IMPLEMENTATION if inner is not None else \
             f"{optimizer_class.__module__}.{optimizer_class.__name__} {TORCH_IMPLEMENTATION}"
+        if inner is None and "foreach" in inspect.signature(optimizer_class).parameters:
+            # what torch picks for CPU tensors anyway, said outright: a simulated GPU run (fake tensors, all on
+            # "cpu", torch's choice patched to the GPU's) steps the host masters as the device run does
+            defaults = {"foreach": False, **defaults}
         self.inner = inner if inner is not None else optimizer_class(groups, **defaults)
 
     @torch.no_grad()

@@ -363,6 +363,35 @@ def test_alsts_optimizer_offload_puts_20_bytes_per_partitioned_parameter_in_host
     assert host == {"nvidia": 5 * 4 * partition + 4, "cpu": 0}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_autosps_optimizer_offload_puts_16_bytes_per_partitioned_parameter_in_host_memory(dtype):
+    """autosp's `--offload optimizer` (`autosp.comm.host_optimizer`) on simulated devices, ZeRO 3 over 2 ranks: the
+    fp32 master shard, its fp32 gradient buffer and AdamW's two fp32 moments, 4 x 4 B per element of the rank's
+    shards, + AdamW's 4-byte step count per tensor, stay in host memory after the step, on a GPU and on CPU alike
+    (the CPU meter books them as host too); the device holds 8 B (fp32) or 10 B (bf16 mixed: bf16 shards where
+    the masters were) per element less when the step starts."""
+    from autosp.experiments.simulate.programs import RankProgram
+    from autosp.models import build_model
+
+    params = list(build_model("tiny", seed=0).parameters())
+    partition = sum(-(-p.numel() // 2) for p in params)
+    cfg = RunConfig(method="autosp", model="tiny", world_size=2, seq_len=256, zero=3, sac="sac", dtype=dtype,
+                    compile_backend="aot_eager")
+    host, resident = {}, {}
+    for offload in ("off", "optimizer"):
+        for device in (get_device_model("h100-80gb", None), CPU):
+            with sim.fake_world(2, 0):
+                program = RankProgram(sim.simulate_config(cfg.replace(offload=offload)), device)
+                program.measure(sim.simulate_config(cfg.replace(offload=offload)))
+                host[offload, device.vendor] = program.tracker.host_bytes()
+                resident[offload, device.vendor] = sum(program.tracker.sizes().values())
+    expected = 16 * partition + 4 * len(params)
+    assert host == {("off", "nvidia"): 0, ("off", "cpu"): 0, ("optimizer", "nvidia"): expected,
+                    ("optimizer", "cpu"): expected}
+    saved = (8 if dtype == "float32" else 10) * partition + 4 * len(params)
+    assert resident["off", "cpu"] - resident["optimizer", "cpu"] == saved
+
+
 @pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])
 def test_alst_is_simulated_within_10_percent_of_its_measured_peak_and_its_host_bytes_exactly(seq_len):
     """ALST (DeepSpeed's Ulysses, TiledMLP, tiled logits+loss, ZeRO-3; each layer's checkpointed input in host
