@@ -123,6 +123,10 @@ class AutoSP(Strategy):
     pads_sequence = True
     options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload"})
 
+    def zero_stage(self, cfg: RunConfig) -> int:
+        """One rank shares nothing: stage 0 is what runs there, whatever was asked (`resolve_stage`)."""
+        return 0 if cfg.world_size == 1 else super().zero_stage(cfg)
+
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)
         sp = cfg.sp_size or self.default_sp_size(cfg.world_size)

@@ -173,7 +173,9 @@ def test_inductor_with_sac_matches_single_process():
 
 
 def test_bad_sizes_are_config_errors_before_any_rank_starts():
-    validate(RunConfig(method="autosp", model="tiny", seq_len=64, world_size=1))  # one rank: a group of one
+    one_rank = RunConfig(method="autosp", model="tiny", seq_len=64, world_size=1)
+    validate(one_rank)  # one rank: a group of one, where stage 0 is what runs (and what records say)
+    assert validate(one_rank)[0].zero_stage(one_rank) == validate(one_rank)[0].zero_stage(one_rank.replace(zero=3)) == 0
     validate(RunConfig(method="autosp", model="tiny", seq_len=65, world_size=4))  # any length: shards are padded
     validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=3))  # hybrid: a ring over 3 ranks
     with pytest.raises(ConfigError, match=r"--ulysses-size 3 must divide the SP degree 4 and the 4 query heads; "
