@@ -283,6 +283,25 @@ def test_cli_needs_a_length_or_search(capsys):
     assert "--seq-len" in capsys.readouterr().err
 
 
+def test_cli_simulates_autosp_on_one_rank_with_its_optimizer_state_in_host_memory(tmp_path, capsys):
+    """One rank (no SP: the planner and the offloads alone), `--offload optimizer`: the record books the 16 B per
+    parameter (+ the step's temporaries) as host, the node's host bytes against the budget; a budget below the
+    state is `oom` naming the host."""
+    from autosp.harness.records import read_records
+    from autosp.models import build_model
+
+    n = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
+    args = ["simulate", "--method", "autosp", "--model", "tiny", "--world-size", "1", "--device", "cpu",
+            "--memory-budget", "48MiB", "--seq-len", "1024", "--offload", "optimizer", "--compile-backend",
+            "aot_eager", "--out", str(tmp_path / "sim.jsonl")]
+    assert main(args) == 0
+    assert main([*args, "--host-memory-budget", "1MiB"]) == 0  # an oom is a result, not a failure
+    fits, short = read_records(tmp_path / "sim.jsonl")
+    assert fits["status"] == "ok" and fits["zero"] == 0 and fits["extra"]["node_host_bytes"] >= 16 * n
+    assert short["status"] == "oom" and short["error"].startswith("host memory: offload=optimizer keeps")
+    assert "oom: host memory" in capsys.readouterr().out
+
+
 def test_validation_table_pairs_measured_and_simulated_runs_of_the_same_configuration():
     from autosp.harness.records import new_record
 
