@@ -115,10 +115,15 @@ class HostMemoryError(torch.OutOfMemoryError):
     """The host memory a rank may use is too small for what it must keep there."""
 
 
-def _deepspeed_cpu_adam(groups: list[dict[str, Any]], defaults: dict[str, Any]) -> torch.optim.Optimizer | None:
+def _deepspeed_cpu_adam(groups: list[dict[str, Any]], defaults: dict[str, Any],
+                        required: bool = False) -> torch.optim.Optimizer | None:
     """DeepSpeed's CPU Adam (AdamW mode) over the host masters, or None where its op does not load or the options
-    are ones it lacks."""
+    are ones it lacks (`required`: a one-line error saying why instead)."""
     if defaults.get("amsgrad") or set(defaults) - {"lr", "betas", "eps", "weight_decay"}:
+        if required:
+            raise SequenceParallelError(f"offload=optimizer:deepspeed: DeepSpeed's CPU Adam takes lr, betas, eps and "
+                                        f"weight_decay, not {sorted(set(defaults) - {'lr', 'betas', 'eps'})}; use "
+                                        "optimizer:torch")
         return None
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -126,7 +131,11 @@ def _deepspeed_cpu_adam(groups: list[dict[str, Any]], defaults: dict[str, Any]) 
         # torch's AdamW defaults, which DeepSpeed's differ from (its weight decay is 0)
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
                                                             "weight_decay": 1e-2, **defaults})
-    except Exception:  # noqa: BLE001 - any failure to build or load the op: torch's optimizer steps instead
+    except Exception as exc:  # noqa: BLE001 - any failure to build or load the op: torch's optimizer steps instead
+        if required:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise SequenceParallelError(f"offload=optimizer:deepspeed: DeepSpeed's CPU Adam did not load ({reason}); "
+                                        "use optimizer:torch, or optimizer (DeepSpeed's where it loads)") from None
         return None
 
 
@@ -149,8 +158,11 @@ class HostOptimizer(torch.optim.Optimizer):
                   for g in self.param_groups]
         on_gpu = any(p.device.type == "cuda" for p, _ in self._pairs)
         inner = None
+        if use_deepspeed and optimizer_class is not torch.optim.AdamW:
+            raise SequenceParallelError(f"offload=optimizer:deepspeed runs DeepSpeed's CPU Adam in place of "
+                                        f"torch.optim.AdamW, not of {optimizer_class.__name__}; use optimizer:torch")
         if optimizer_class is torch.optim.AdamW and (use_deepspeed if use_deepspeed is not None else on_gpu):
-            inner = _deepspeed_cpu_adam(groups, defaults)
+            inner = _deepspeed_cpu_adam(groups, defaults, required=bool(use_deepspeed))
         self.implementation = DEEPSPEED_IMPLEMENTATION if inner is not None else \
             f"{optimizer_class.__module__}.{optimizer_class.__name__} {TORCH_IMPLEMENTATION}"
         if inner is None and "foreach" in inspect.signature(optimizer_class).parameters:

@@ -81,3 +81,12 @@ def test_deepspeeds_cpu_adam_steps_the_masters_within_fp32_tolerance_of_torchs()
     _steps(offloaded, optimizer)
     for p, q in zip(reference.parameters(), offloaded.parameters()):
         assert (p - q).norm() <= 1e-5 * p.norm()
+
+
+def test_deepspeed_asked_for_another_optimizer_class_is_refused_in_one_line():
+    from autosp.errors import SequenceParallelError
+
+    model = _model()
+    masters = HostMasters.capture(model.parameters(), None)
+    with pytest.raises(SequenceParallelError, match="not of SGD; use optimizer:torch"):
+        HostOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, masters=masters, use_deepspeed=True, lr=0.1)
