@@ -234,9 +234,10 @@ def backend(
     `BackendCompilerFailed` around the one-line `SequenceParallelError` (its `inner_exception`): only the
     `autosp.compile` wrapper sits around the call to turn them into one line."""
     options = CompileOptions.of(options, **keywords)
-    if options.zero not in (None, 0) or options.compute_dtype is not None:
-        raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype); "
-                                    "use autosp.compile for zero= or compute_dtype=")
+    if options.zero not in (None, 0) or options.compute_dtype is not None or options.host_adam is not None:
+        raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype, "
+                                    "the optimizer's state where the optimizer puts it); use autosp.compile for zero=, "
+                                    "compute_dtype= or offload=optimizer")
     if process_group is None and sp_size is not None and model is None and dist.is_initialized() \
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")
