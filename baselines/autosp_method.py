@@ -92,8 +92,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
 
 def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less what the memory
-    meter finds resident when the step starts: parameters, AdamW moments, gathered parameters (the floor's
-    arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
+    meter finds resident when the step starts: parameters, AdamW moments (none on the device with --offload
+    optimizer), gathered parameters (the floor's arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
     counts them itself."""
     from autosp.harness.runner import global_batch
 
@@ -101,15 +101,10 @@ def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
         return policy
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                      zero=zero)
+                      zero=zero, optimizer_offload=offload_optimizer(cfg.offload) is not None)
     batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
-    params, optimizer = state.params_bytes, state.optimizer_bytes
-    if offload_optimizer(cfg.offload):  # AdamW's moments in host memory; the device parameters in the compute dtype
-        dtype = compute_dtype(cfg)
-        optimizer = 0
-        if dtype is not None:
-            params = params * torch.empty(0, dtype=dtype).element_size() // 4
-    resident = params + optimizer + state.gathered_unit_bytes + sum(t.numel() * t.element_size() for t in batch)
+    resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
+                + sum(t.numel() * t.element_size() for t in batch))
     return Policy(SacPolicy.AUTO, budget_bytes=max(0, cfg.memory_budget - resident))
 
 

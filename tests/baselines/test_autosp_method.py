@@ -52,6 +52,9 @@ def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
     assert sac_policy(cfg.replace(memory_budget=None), 0) == Policy("auto")  # the device's free memory / no limit
     assert sac_policy(cfg.replace(memory_budget=1), 0) == Policy("auto", budget_bytes=0)
     assert sac_policy(cfg.replace(sac="budget=1MiB"), 0) == Policy("auto", budget_bytes=1 << 20)
+    # the optimizer state in host memory: no moments on the device
+    assert sac_policy(cfg.replace(offload="optimizer"), 0) == Policy(
+        "auto", budget_bytes=(48 << 20) - state.params_bytes - batch)
 
 
 @pytest.mark.parametrize("world_size, options", [
