@@ -1,6 +1,7 @@
 """Public entry points: `autosp.compile(model, ...)` and `autosp.backend(...)`."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autosp.comm.host_optimizer import HostMasters, HostOptimizer, check_host_budget
 from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
@@ -25,7 +27,8 @@ class SequenceParallelModule(torch.nn.Module):
     [r*L, min((r+1)*L, S)) for SP rank r, L = ceil(S/P)."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable, sp_group: dist.ProcessGroup, backend: Callable,
-                 *, reduce_group: dist.ProcessGroup | None = None, zero: int = 0):
+                 *, reduce_group: dist.ProcessGroup | None = None, zero: int = 0,
+                 host_masters: HostMasters | None = None, host_adam: str | None = None):
         super().__init__()
         self.module = model
         self._compiled = compiled
@@ -33,21 +36,50 @@ class SequenceParallelModule(torch.nn.Module):
         self.reduce_group = reduce_group or sp_group
         self.zero = zero
         self._backend = backend
+        #: offload=optimizer: the host master of every parameter (`autosp.comm.host_optimizer`), and the host AdamW
+        self.host_masters = host_masters
+        self.host_adam = host_adam
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """The optimizer for this module's parameters at its ZeRO stage: at stage 1 wrapped in torch's
         ZeroRedundancyOptimizer (state sharded over the ranks sharing the parameters); at stages 2/3 the
-        parameters already are this rank's shards, so a plain optimizer holds only their state."""
+        parameters already are this rank's shards, so a plain optimizer holds only their state. With
+        offload=optimizer the class steps host masters on the CPU (`autosp.comm.host_optimizer.HostOptimizer`)."""
+        if self.host_masters is not None:
+            use_deepspeed = {"auto": None, "torch": False, "deepspeed": True}[self.host_adam or "auto"]
+            optimizer_class = functools.partial(HostOptimizer, optimizer_class=optimizer_class,
+                                                masters=self.host_masters, use_deepspeed=use_deepspeed)
         if self.zero == 1 and dist.get_world_size(self.reduce_group) > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class,
-                                           process_group=self.reduce_group, **kwargs)
+            optimizer = ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=optimizer_class,
+                                                process_group=self.reduce_group, **kwargs)
+            if self.host_masters is not None:  # the other ranks step (and hold the masters of) the rest
+                self.host_masters.keep_only(p for g in optimizer.optim.param_groups for p in g["params"])
+            return optimizer
         return optimizer_class(self.module.parameters(), **kwargs)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Collective: every parameter's full value on CPU, keyed by the model's own (unsharded) names."""
-        return full_state(self.module, gradients=False)
+        """Collective: every parameter's full value on CPU, keyed by the model's own (unsharded) names (with
+        offload=optimizer the host masters', not their compute-dtype casts on the device)."""
+        masters = self.host_masters
+        if masters is not None and self.zero == 1 and dist.get_world_size(self.reduce_group) > 1:
+            masters = self._gathered_masters()
+        return full_state(self.module, gradients=False, masters=masters)
+
+    def _gathered_masters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """Collective, ZeRO 1 with offload=optimizer: every parameter's master from the rank that steps it (a sum
+        over the ranks of the owner's master and everyone else's zeros, exact)."""
+        out = {}
+        for p in dict.fromkeys(self.module.parameters()):
+            if not p.is_floating_point():
+                continue
+            mine = self.host_masters.get(p)
+            value = (mine.to(p.device) if mine is not None
+                     else torch.zeros(p.shape, dtype=self.host_masters.master_dtype, device=p.device))
+            dist.all_reduce(value, group=self.reduce_group)
+            out[p] = value
+        return out
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter's full gradient (zeros where none) on CPU, keyed like `full_parameters`."""
@@ -159,24 +191,36 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     sp_size: SP degree (default: the world size); below the world size the ranks form a (dp, sp) mesh of
     consecutive-rank SP groups. process_group: an existing SP group instead. The compiler's options, given as an
     `options=CompileOptions(...)` object and/or as keywords (which override it): sac, backend, zero,
-    compute_dtype, tiling, outputs, ulysses_size, offload, attention_chunks; each field's meaning, default and valid values are in
+    compute_dtype, tiling, outputs, ulysses_size, attention_chunks, offload (`offload="optimizer"`: master weights
+    and AdamW moments in host memory, the step on the CPU), host_budget; each field's meaning, default and valid
+    values are in
     `autosp.compiler.options.CompileOptions`. At ZeRO stages 2/3 the model's parameters become this rank's flat
     shards (build the optimizer with `make_optimizer`, read full values with `full_parameters`/`full_gradients`);
     the stage that runs is the module's `zero`."""
     options = CompileOptions.of(options, **keywords)  # every option checked, before anything else
     sp_group, reduce_group, dp_size = _groups(model, sp_size, process_group)
     device_type = next(model.parameters(), torch.empty(0)).device.type
-    zero = resolve_stage(options.zero, dist.get_world_size(reduce_group), dist.get_backend(reduce_group), device_type)
-    if zero >= 2 and dist.get_world_size(reduce_group) > 1:
+    group_size = dist.get_world_size(reduce_group)
+    zero = resolve_stage(options.zero, group_size, dist.get_backend(reduce_group), device_type)
+    if zero >= 2 and group_size > 1:
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3,
                          compute_dtype=options.compute_dtype)
-    elif options.compute_dtype is not None:
+    elif options.compute_dtype is not None and options.host_adam is None:
         cast_parameters(model, options.compute_dtype)
+    masters = None
+    if options.host_adam is not None:  # the masters and moments in host memory; the device keeps compute-dtype casts
+        stepped = [p for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
+        numel = sum(p.numel() for p in stepped) // (group_size if zero == 1 else 1)
+        need = check_host_budget(numel, stepped[0].dtype if stepped else torch.float32, options.host_budget)
+        if options.host_budget is not None:  # the planner's activations get what the optimizer state leaves
+            options = CompileOptions.of(options, host_budget=options.host_budget - need)
+        masters = HostMasters.capture(stepped, options.compute_dtype)
     sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero, model=model)
     # dynamic=None: a size that changes between calls (the sequence length) makes Dynamo trace once more with that
     # size symbolic; the backend then specialises the one trace per length (`specialize.per_length`)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=None)
-    return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero)
+    return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero,
+                                  host_masters=masters, host_adam=options.host_adam)
 
 
 def backend(
@@ -192,9 +236,10 @@ def backend(
     `BackendCompilerFailed` around the one-line `SequenceParallelError` (its `inner_exception`): only the
     `autosp.compile` wrapper sits around the call to turn them into one line."""
     options = CompileOptions.of(options, **keywords)
-    if options.zero not in (None, 0) or options.compute_dtype is not None:
-        raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype); "
-                                    "use autosp.compile for zero= or compute_dtype=")
+    if options.zero not in (None, 0) or options.compute_dtype is not None or options.host_adam is not None:
+        raise SequenceParallelError("autosp.backend keeps the parameters as they are (ZeRO stage 0, their own dtype, "
+                                    "the optimizer's state where the optimizer puts it); use autosp.compile for zero=, "
+                                    "compute_dtype= or offload=optimizer")
     if process_group is None and sp_size is not None and model is None and dist.is_initialized() \
             and sp_size != dist.get_world_size():
         raise SequenceParallelError("autosp.backend(sp_size < world size) needs model= to build the (dp, sp) mesh")

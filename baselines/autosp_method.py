@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
-from autosp.compiler.offload import parse_offload
+from autosp.comm.host_optimizer import iter_pairs
+from autosp.compiler.offload import offload_optimizer, parse_offload
 from autosp.compiler.options import COMPILE_BACKENDS
 from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
@@ -43,9 +44,10 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                                        offload=cfg.offload, host_budget=_host_budget_per_rank(cfg),
                                        attention_chunks=cfg.attention_chunks)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
+        offloads = ["activations"] * parse_offload(cfg.offload) + ["optimizer"] * bool(offload_optimizer(cfg.offload))
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else "")
-                               + (f"-offload:{cfg.offload}" if parse_offload(cfg.offload) else "")
+                               + (f"-offload:{','.join(offloads)}" if offloads else "")
                                + (f"-chunks:{cfg.attention_chunks}" if cfg.attention_chunks > 1 else ""))
         self.seq_len = cfg.seq_len
 
@@ -71,24 +73,29 @@ class AutoSPTrainStep(ReplicatedTrainStep):
 
     def metrics(self) -> dict[str, Any]:
         """Bytes each compiled graph saves for backward, total and by operator category (the SAC comparison)."""
+        host = list(iter_pairs(self.optimizer))
+        optimizer = {"optimizer_offload": {
+            "host_bytes": sum(o.host_bytes() for o in host), "device_bytes_saved": sum(o.device_bytes_saved()
+                                                                                      for o in host),
+            "implementation": host[0].implementation}} if host else {}
         records = self.compiled.partition_records
         if not records:
-            return {}
+            return optimizer
         plans = [r.plan for r in records if r.plan is not None]
         offloads = self.compiled.offload_reports
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
                 "saved_quadratic": quadratic_saved_values(records, self.seq_len),
                 "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
-                **({"sac_auto": plans} if plans else {}),
+                **({"sac_auto": plans} if plans else {}), **optimizer,
                 **({"offloaded_bytes": sum(r.nbytes for r in offloads),
                     "offloaded_values": sum(len(r.values) for r in offloads)} if offloads else {})}
 
 
 def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less what the memory
-    meter finds resident when the step starts: parameters, AdamW moments, gathered parameters (the floor's
-    arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
+    meter finds resident when the step starts: parameters, AdamW moments (none on the device with --offload
+    optimizer), gathered parameters (the floor's arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
     counts them itself."""
     from autosp.harness.runner import global_batch
 
@@ -96,7 +103,7 @@ def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
         return policy
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                      zero=zero)
+                      zero=zero, optimizer_offload=offload_optimizer(cfg.offload) is not None)
     batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
     resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
                 + sum(t.numel() * t.element_size() for t in batch))
@@ -108,9 +115,14 @@ class AutoSP(Strategy):
     name = "autosp"
     description = "AutoSP: Ulysses sequence parallelism inserted by the compiler into unmodified model code"
     sequence_parallel = True
+    distributed = False  # one rank: the SP pass shards nothing; the planner, tiling and the offloads still apply
     zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
     options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload", "attention_chunks"})
+
+    def zero_stage(self, cfg: RunConfig) -> int:
+        """One rank shares nothing: stage 0 is what runs there, whatever was asked (`resolve_stage`)."""
+        return 0 if cfg.world_size == 1 else super().zero_stage(cfg)
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         super().validate(cfg, num_heads, num_kv_heads)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -177,15 +178,19 @@ def full_name(name: str) -> str:
     return _PARAMETRIZED.sub(lambda m: "." + m.group(1), name).lstrip(".")
 
 
-def full_state(model: nn.Module, *, gradients: bool) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module, *, gradients: bool, masters: Any = None) -> dict[str, torch.Tensor]:
     """Collective: every parameter's full value (or gradient; zeros where none) on CPU, keyed by the model's
-    unsharded names, whatever the stage (sharded parameters are gathered, replicated ones copied)."""
+    unsharded names, whatever the stage (sharded parameters are gathered, replicated ones copied). `masters`
+    (`autosp.comm.host_optimizer.HostMasters`): values are read from a parameter's host master where it has one."""
     specs = {f"{prefix}.parametrizations.{name}.original".lstrip("."): plist[0]
              for prefix, module in model.named_modules() if parametrize.is_parametrized(module)
              for name, plist in module.parametrizations.items()}
     out = {}
     for name, p in model.named_parameters():
         value = (p.grad if p.grad is not None else torch.zeros_like(p)) if gradients else p
+        master = masters.get(p) if masters is not None and not gradients else None
+        if master is not None:
+            value = master.to(p.device)
         spec = specs.get(name)
         full = spec.unshard(value) if isinstance(spec, ShardedParameter) else value.detach()
         out[full_name(name)] = full.cpu().clone()

@@ -48,6 +48,10 @@ from autosp.compiler.node_kinds import _is_view
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations", "auto")
+OPTIMIZER_ITEM = "optimizer"
+"""The `offload` item that keeps the optimizer state in host memory (`autosp.comm.host_optimizer`); `optimizer:torch`
+and `optimizer:deepspeed` choose the host AdamW (default: DeepSpeed's CPU Adam on GPUs, torch's on CPU)."""
+HOST_ADAM_CHOICES = ("auto", "torch", "deepspeed")
 DEVICE_WINDOW = 2
 """Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
 (the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
@@ -55,18 +59,41 @@ OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 
 
+def _items(value: str | None) -> tuple[str, str | None]:
+    """`offload` as (the activations' mode, the optimizer item's host AdamW or None): a comma-separated list of at
+    most one of off | activations | auto and at most one optimizer[:torch|deepspeed]; the activations' mode is off
+    when only the optimizer is named."""
+    text = "off" if value is None else str(value).strip().lower()
+    modes, optimizer = [], None
+    for item in (part.strip() for part in text.split(",")):
+        name, _, adam = item.partition(":")
+        if name == OPTIMIZER_ITEM and optimizer is None and (adam or "auto") in HOST_ADAM_CHOICES:
+            optimizer = adam or "auto"
+        elif item in OFFLOAD_CHOICES and not modes:
+            modes.append(item)
+        else:
+            raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}, "
+                              f"{OPTIMIZER_ITEM}[:{'|'.join(HOST_ADAM_CHOICES[1:])}] (the AdamW state in host memory), "
+                              f"or one of each joined by a comma, e.g. activations,{OPTIMIZER_ITEM}")
+    return (modes[0] if modes else "off"), optimizer
+
+
 def offload_mode(value: str | None) -> str:
     """`off | activations | auto` (None: off), checked: `auto` leaves the choice to the memory planner
-    (`autosp.compiler.sac_auto`; under any other checkpointing policy it is `off`)."""
-    text = "off" if value is None else str(value).strip().lower()
-    if text not in OFFLOAD_CHOICES:
-        raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}")
-    return text
+    (`autosp.compiler.sac_auto`; under any other checkpointing policy it is `off`). An `optimizer` item beside it
+    (`offload_optimizer`) does not change it."""
+    return _items(value)[0]
 
 
 def parse_offload(value: str | None) -> bool:
     """`off | activations | auto` -> whether the layer-boundary activations are always offloaded (`activations`)."""
     return offload_mode(value) == "activations"
+
+
+def offload_optimizer(value: str | None) -> str | None:
+    """The host AdamW (auto | torch | deepspeed) when `value` names the `optimizer` item (the optimizer state in
+    host memory, `autosp.comm.host_optimizer`), else None."""
+    return _items(value)[1]
 
 
 def check_device(device: torch.device) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autosp.comm.sharding import check_stage
-from autosp.compiler.offload import offload_mode, parse_offload
+from autosp.compiler.offload import offload_mode, offload_optimizer, parse_offload
 from autosp.compiler.sac_policy import Policy, parse_policy
 from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
@@ -62,9 +62,13 @@ class CompileOptions:
     ulysses_size: int | None = None
     #: off | activations | auto: layer-boundary values wait in host memory between forward and backward
     #: (`autosp.compiler.offload`); activations needs backend aot_eager or inductor. Default auto: the planner
-    #: (sac auto) moves them where the device budget needs it; under any other policy auto is off
+    #: (sac auto) moves them where the device budget needs it; under any other policy auto is off. An `optimizer`
+    #: item (`optimizer`, `activations,optimizer`, `auto,optimizer`; `optimizer:torch|deepspeed` picks the host
+    #: AdamW) keeps the fp32 master weights and the optimizer's moments in host memory, the step on the CPU
+    #: (`autosp.comm.host_optimizer`; build the optimizer with `make_optimizer`); named alone, activations are off
     offload: str = "auto"
-    #: bytes of host memory this rank may hold for the planner's offload (None: no limit)
+    #: bytes of host memory this rank may hold for the offloads (None: no limit): the optimizer state's first, the
+    #: planner's activations in the rest
     host_budget: int | None = None
     #: each attention's Ulysses region (all-to-alls of q, k, v, attention, all-to-all back) in this many chunks of
     #: its heads, so one layer's full-length attention tensors exist for one chunk at a time, forward and backward
@@ -75,6 +79,7 @@ class CompileOptions:
     tiling_options: Tiling = field(init=False, repr=False, compare=False)
     offloads: bool = field(init=False, repr=False, compare=False)  # the offload pass runs (offload=activations)
     offload_mode: str = field(init=False, repr=False, compare=False)  # off | activations | auto
+    host_adam: str | None = field(init=False, repr=False, compare=False)  # optimizer offload: auto|torch|deepspeed
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -91,6 +96,7 @@ class CompileOptions:
         check_outputs(self.outputs)
         object.__setattr__(self, "offloads", parse_offload(self.offload))
         object.__setattr__(self, "offload_mode", offload_mode(self.offload))
+        object.__setattr__(self, "host_adam", offload_optimizer(self.offload))
         if self.host_budget is not None and (not isinstance(self.host_budget, int) or self.host_budget < 0):
             raise SequenceParallelError(f"host_budget={self.host_budget!r}: give bytes of host memory (an int >= 0) "
                                         "or None")

@@ -230,7 +230,10 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     Host memory apart: on CPU the emulated device and the host are the same memory, so what the offload op
     allocates (`autosp.compiler.offload`: the host copies of offloaded activations), and its later free at the
     same address, are booked to a separate host pool, not to the device peak; the record gets the host pool's
-    peak in the step as `host_offloaded_bytes`."""
+    peak in the step as `host_offloaded_bytes`. So is what the optimizer offload allocates inside its host region
+    (`autosp.comm.host_optimizer.HOST_REGION`: master weights, gradient buffers, AdamW moments and the step's
+    temporaries), from wherever in the run it was made (setup, the warm-up's first step)."""
+    from autosp.comm.host_optimizer import HOST_REGION
     from autosp.compiler.offload import OFFLOAD_OP_NAME
 
     allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
@@ -241,7 +244,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         if node.tag == torch._C._profiler._EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
-                host = fields.alloc_size > 0 and _inside(node, OFFLOAD_OP_NAME)
+                host = fields.alloc_size > 0 and (_inside(node, OFFLOAD_OP_NAME) or _inside(node, HOST_REGION))
                 allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, host))
         elif node.name == mark:
             windows.append((node.start_time_ns, node.end_time_ns))

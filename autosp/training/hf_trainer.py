@@ -64,6 +64,9 @@ class AutoSPMixin:
         if options.zero == 1:
             raise SequenceParallelError("AutoSPTrainer: zero=1 (ZeroRedundancyOptimizer) does not take the Trainer's "
                                         "parameter groups; use zero=0, 2 or 3")
+        if options.host_adam is not None:
+            raise SequenceParallelError("AutoSPTrainer: offload=optimizer needs the optimizer make_optimizer builds "
+                                        "(host masters), not the Trainer's; drop the optimizer item of offload")
         # the ranks of one SP group share their batch: counting its labels on each would count them P times
         self.args.average_tokens_across_devices = False
         self.sp_model = autosp.compile(self.model, options=options)

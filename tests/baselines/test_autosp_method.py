@@ -57,6 +57,9 @@ def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
     assert sac_policy(cfg.replace(memory_budget=None), 0) == Policy("auto")  # the device's free memory / no limit
     assert sac_policy(cfg.replace(memory_budget=1), 0) == Policy("auto", budget_bytes=0)
     assert sac_policy(cfg.replace(sac="budget=1MiB"), 0) == Policy("auto", budget_bytes=1 << 20)
+    # the optimizer state in host memory: no moments on the device
+    assert sac_policy(cfg.replace(offload="optimizer"), 0) == Policy(
+        "auto", budget_bytes=(48 << 20) - state.params_bytes - batch)
 
 
 @pytest.mark.parametrize("world_size, options", [
@@ -84,6 +87,35 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
 ])
 def test_zero_stages_match_single_process(model, world_size, zero, options):
     _check(model, world_size, zero=zero, **options)
+
+
+@pytest.mark.parametrize("options, exact", [
+    # one rank: nothing sharded, the planner and the activation offload as at P ranks: bit for bit
+    (dict(sac="auto", memory_budget=1, offload="activations", ignore_fraction=0.3), True),
+    (dict(offload="optimizer", ignore_fraction=0.3), True),  # the host AdamW is torch's, on the same values
+    (dict(tiling="auto:8", offload="auto,optimizer"), False),  # tiles sum the loss's gradient in another order
+])
+def test_one_rank_equals_single_process_training(options, exact):
+    report = _check("tiny", 1, **options)
+    worst = max(*report.loss_errors, *report.grad_errors.values(), *report.param_errors.values())
+    assert worst == 0.0 if exact else worst < 1e-4, report.format()
+
+
+@pytest.mark.parametrize("world_size, zero, options", [
+    (2, 0, dict(ignore_fraction=0.3)),  # replicated: every rank steps every master on the host
+    (2, 3, dict(ignore_fraction=0.3)),  # each rank's fp32 shard and its moments on the host
+    ("bf16", 3, dict(dtype="bfloat16", seq_len=128)),  # bf16 shards on the device, fp32 masters on the host
+    pytest.param(4, 3, dict(pad_fraction=0.25), marks=pytest.mark.long),
+    pytest.param(2, 1, dict(packed_documents=2), marks=pytest.mark.long),  # ZeroRedundancyOptimizer's shares
+    pytest.param(2, 2, dict(sp_size=1), marks=pytest.mark.long),
+    pytest.param("bf16", 0, dict(dtype="bfloat16", seq_len=128), marks=pytest.mark.long),  # bf16 replicas
+    pytest.param("bf16", 1, dict(dtype="bfloat16", seq_len=128), marks=pytest.mark.long),  # masters of one's share
+])
+def test_optimizer_state_in_host_memory_matches_single_process(world_size, zero, options):
+    """offload=optimizer (`autosp.comm.host_optimizer`): masters and AdamW moments on the host, the step on the
+    CPU; loss, gradients and parameters after two steps as single-process training (fp32 tolerance; bf16 mixed
+    within the mixed-precision bound). That the state really is on the host: the record test below."""
+    _check("tiny", 2 if world_size == "bf16" else world_size, zero=zero, offload="optimizer", **options)
 
 
 def _mixed_precision_dtypes(method: str) -> dict:
@@ -151,8 +183,9 @@ def test_inductor_with_sac_matches_single_process(model, options):
 
 
 def test_bad_sizes_are_config_errors_before_any_rank_starts():
-    with pytest.raises(ConfigError, match="needs a process group; use --world-size >= 2"):
-        validate(RunConfig(method="autosp", model="tiny", seq_len=64, world_size=1))
+    one_rank = RunConfig(method="autosp", model="tiny", seq_len=64, world_size=1)
+    validate(one_rank)  # one rank: a group of one, where stage 0 is what runs (and what records say)
+    assert validate(one_rank)[0].zero_stage(one_rank) == validate(one_rank)[0].zero_stage(one_rank.replace(zero=3)) == 0
     validate(RunConfig(method="autosp", model="tiny", seq_len=65, world_size=4))  # any length: shards are padded
     validate(RunConfig(method="autosp", model="tiny", seq_len=48, world_size=3))  # hybrid: a ring over 3 ranks
     with pytest.raises(ConfigError, match=r"--ulysses-size 3 must divide the SP degree 4 and the 4 query heads; "
@@ -190,3 +223,30 @@ def test_graph_break_names_dynamos_reason():
     outcome = launch(_compile_graph_break, world_size=1, timeout_s=120)
     assert outcome.status == "ok", outcome.traceback
     assert "Dynamo broke it" in outcome.results[0] and "data-dependent" in outcome.results[0].lower()
+
+
+def test_the_optimizer_offload_is_booked_as_host_memory_in_the_record():
+    """One rank (the meter is deterministic there), fp32: masters, gradient buffers and AdamW's two moments are 16 B
+    per parameter in host memory (+ AdamW's 4-byte step count per tensor), the device holds 8 B per parameter less
+    when the step starts (the moments), and the CPU meter books the host buffers apart from the device peak. A host
+    budget below the state is `oom` naming the host before anything is compiled."""
+    from autosp.harness.runner import run
+    from autosp.models import build_model
+
+    params = list(build_model("tiny", seed=0).parameters())
+    n, tensors = sum(p.numel() for p in params), len(params)
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=256, world_size=1, zero=0, compile_backend="aot_eager",
+                    sac="sac", steps=1, timeout_s=300)
+    plain, offloaded = run(cfg), run(cfg.replace(offload="optimizer"))
+    assert plain["status"] == offloaded["status"] == "ok", (plain["error"], offloaded["error"])
+    assert offloaded["implementation"].endswith("-offload:optimizer")
+    assert offloaded["extra"]["optimizer_offload"] == {
+        "host_bytes": 16 * n + 4 * tensors, "device_bytes_saved": 8 * n,
+        "implementation": "torch.optim.adamw.AdamW torch (host tensors)"}
+    memory, plain_memory = offloaded["extra"]["memory"], plain["extra"]["memory"]
+    assert plain_memory["host_offloaded_bytes"] == 0 and "optimizer_offload" not in plain["extra"]
+    assert memory["host_offloaded_bytes"] >= 16 * n + 4 * tensors  # + the CPU step's temporaries
+    assert plain_memory["resident_at_step_start_bytes"] - memory["resident_at_step_start_bytes"] == 8 * n + 4 * tensors
+    assert plain["peak_mem_bytes"] - offloaded["peak_mem_bytes"] >= 8 * n
+    short = run(cfg.replace(offload="optimizer", host_memory_budget=16 * n))
+    assert short["status"] == "oom" and short["error"].count("host memory") == 1, short["error"]

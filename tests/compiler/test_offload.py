@@ -65,3 +65,15 @@ def test_unknown_offload_value_is_refused_in_one_line():
     assert parse_offload("activations") and not parse_offload("off") and not parse_offload(None)
     with pytest.raises(ConfigError, match="--offload"):
         parse_offload("weights")
+
+
+def test_the_optimizer_item_rides_beside_the_activations_mode():
+    from autosp.compiler.offload import offload_mode, offload_optimizer
+
+    cases = {"optimizer": ("off", "auto"), "activations,optimizer": ("activations", "auto"),
+             "auto, optimizer:torch": ("auto", "torch"), "optimizer:deepspeed,off": ("off", "deepspeed"),
+             "activations": ("activations", None), None: ("off", None)}
+    assert {v: (offload_mode(v), offload_optimizer(v)) for v in cases} == cases
+    for bad in ("optimizer,optimizer", "activations,auto", "optimizer:adam"):
+        with pytest.raises(ConfigError, match=r"unknown --offload .*activations,optimizer"):
+            offload_mode(bad)

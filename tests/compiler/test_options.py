@@ -51,8 +51,10 @@ def test_compile_takes_an_options_object_and_keywords_over_it_before_anything_el
         autosp.compile(model, options=CompileOptions(backend="aot_eager"), sac="most")
     with pytest.raises(TypeError, match="unknown AutoSP option 'inner'"):
         autosp.compile(model, inner="aot_eager")
-    with pytest.raises(SequenceParallelError, match="use autosp.compile for zero= or compute_dtype="):
+    with pytest.raises(SequenceParallelError, match="use autosp.compile for zero=, compute_dtype= or offload="):
         autosp.backend(zero=3)
+    with pytest.raises(SequenceParallelError, match="offload=optimizer"):
+        autosp.backend(offload="activations,optimizer")
     assert CompileOptions.of(CompileOptions(tiling="loss"), sac="off") == CompileOptions(tiling="loss", sac="off")
 
 

@@ -138,3 +138,20 @@ def test_a_runs_floor_is_at_the_zero_stage_its_method_runs() -> None:
     z0, z3 = floor("autosp", 0), floor("autosp", 3)
     assert (z0.zero, z3.zero) == (0, 3) and z0.static_bytes > z3.static_bytes
     assert floor("ulysses", None).zero == 3 and floor("fsdp", None).zero == 3
+
+
+def test_the_optimizer_offload_leaves_the_device_its_compute_dtype_parameters_and_gradients():
+    """--offload optimizer: no moments on the device, parameters and gradients in the compute dtype (no separate
+    cast copies at stages 0/1), 16 B per stepped element in host memory (as the CPU meter and simulator book it:
+    tests/baselines/test_autosp_method.py, tests/experiments/test_simulate.py)."""
+    from autosp.experiments.floor import floor_for
+
+    n = floor_for("autosp", "tiny", world_size=1).parameter_count
+    plain = floor_for("autosp", "tiny", world_size=1, zero=0, dtype="bfloat16")
+    moved = floor_for("autosp", "tiny", world_size=1, zero=0, dtype="bfloat16", optimizer_offload=True)
+    assert (plain.params_bytes, plain.optimizer_bytes, plain.gathered_unit_bytes) == (4 * n, 8 * n, 2 * n)
+    assert (moved.params_bytes, moved.grads_bytes, moved.optimizer_bytes, moved.gathered_unit_bytes,
+            moved.host_state_bytes) == (2 * n, 2 * n, 0, 0, 16 * n)
+    sharded = floor_for("autosp", "tiny", world_size=2, zero=3, optimizer_offload=True)
+    assert (sharded.params_bytes, sharded.optimizer_bytes, sharded.host_state_bytes) == (
+        4 * -(-n // 2), 0, 16 * -(-n // 2))

@@ -283,6 +283,25 @@ def test_cli_needs_a_length_or_search(capsys):
     assert "--seq-len" in capsys.readouterr().err
 
 
+def test_cli_simulates_autosp_on_one_rank_with_its_optimizer_state_in_host_memory(tmp_path, capsys):
+    """One rank (no SP: the planner and the offloads alone), `--offload optimizer`: the record books the 16 B per
+    parameter (+ the step's temporaries) as host, the node's host bytes against the budget; a budget below the
+    state is `oom` naming the host."""
+    from autosp.harness.records import read_records
+    from autosp.models import build_model
+
+    n = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
+    args = ["simulate", "--method", "autosp", "--model", "tiny", "--world-size", "1", "--device", "cpu",
+            "--memory-budget", "48MiB", "--seq-len", "1024", "--offload", "optimizer", "--compile-backend",
+            "aot_eager", "--out", str(tmp_path / "sim.jsonl")]
+    assert main(args) == 0
+    assert main([*args, "--host-memory-budget", "1MiB"]) == 0  # an oom is a result, not a failure
+    fits, short = read_records(tmp_path / "sim.jsonl")
+    assert fits["status"] == "ok" and fits["zero"] == 0 and fits["extra"]["node_host_bytes"] >= 16 * n
+    assert short["status"] == "oom" and short["error"].startswith("host memory: offload=optimizer keeps")
+    assert "oom: host memory" in capsys.readouterr().out
+
+
 def test_validation_table_pairs_measured_and_simulated_runs_of_the_same_configuration():
     from autosp.harness.records import new_record
 
@@ -361,6 +380,35 @@ def test_alsts_optimizer_offload_puts_20_bytes_per_partitioned_parameter_in_host
             program.measure(cfg)
             host[device.vendor] = program.tracker.host_bytes()
     assert host == {"nvidia": 5 * 4 * partition + 4, "cpu": 0}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_autosps_optimizer_offload_puts_16_bytes_per_partitioned_parameter_in_host_memory(dtype):
+    """autosp's `--offload optimizer` (`autosp.comm.host_optimizer`) on simulated devices, ZeRO 3 over 2 ranks: the
+    fp32 master shard, its fp32 gradient buffer and AdamW's two fp32 moments, 4 x 4 B per element of the rank's
+    shards, + AdamW's 4-byte step count per tensor, stay in host memory after the step, on a GPU and on CPU alike
+    (the CPU meter books them as host too); the device holds 8 B (fp32) or 10 B (bf16 mixed: bf16 shards where
+    the masters were) per element less when the step starts."""
+    from autosp.experiments.simulate.programs import RankProgram
+    from autosp.models import build_model
+
+    params = list(build_model("tiny", seed=0).parameters())
+    partition = sum(-(-p.numel() // 2) for p in params)
+    cfg = RunConfig(method="autosp", model="tiny", world_size=2, seq_len=256, zero=3, sac="sac", dtype=dtype,
+                    compile_backend="aot_eager")
+    host, resident = {}, {}
+    for offload in ("off", "optimizer"):
+        for device in (get_device_model("h100-80gb", None), CPU):
+            with sim.fake_world(2, 0):
+                program = RankProgram(sim.simulate_config(cfg.replace(offload=offload)), device)
+                program.measure(sim.simulate_config(cfg.replace(offload=offload)))
+                host[offload, device.vendor] = program.tracker.host_bytes()
+                resident[offload, device.vendor] = sum(program.tracker.sizes().values())
+    expected = 16 * partition + 4 * len(params)
+    assert host == {("off", "nvidia"): 0, ("off", "cpu"): 0, ("optimizer", "nvidia"): expected,
+                    ("optimizer", "cpu"): expected}
+    saved = (8 if dtype == "float32" else 10) * partition + 4 * len(params)
+    assert resident["off", "cpu"] - resident["optimizer", "cpu"] == saved
 
 
 @pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])

@@ -25,9 +25,9 @@ def _batch(step: int) -> dict:
 
 
 def _train(zero: int, start: int, load_from: str | None, save_to: str | None, export_to: str | None,
-           stop: int = STEPS) -> dict:
+           stop: int = STEPS, offload: str = "auto") -> dict:
     """Steps [start, stop) of AdamW on `MODEL` compiled at `zero`; loads `load_from` first, saves at SAVE_AT."""
-    model = autosp.compile(build_model(MODEL, seed=0), backend="aot_eager", zero=zero)
+    model = autosp.compile(build_model(MODEL, seed=0), backend="aot_eager", zero=zero, offload=offload)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     if load_from:
         assert checkpoint.load(load_from, model, optimizer) == {"step": start}
@@ -68,6 +68,18 @@ def test_resume_at_another_world_size_continues_the_same_training(uninterrupted,
     resumed = _run(world, 3, SAVE_AT, str(root / "step10"), None, None)
     assert resumed["world"] == world and resumed["zero"] == (3 if world > 1 else 0)
     assert sorted(resumed["losses"]) == list(range(SAVE_AT, STEPS))
+    for step, loss in resumed["losses"].items():
+        assert loss == pytest.approx(reference["losses"][step], rel=1e-5), step
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.long  # the host optimizer's state is the same tensors as AdamW's plus the master (tests/comm)
+def test_the_optimizer_state_in_host_memory_resumes_at_another_world_size(uninterrupted, tmp_path):
+    """offload=optimizer: saved on 2 ranks at ZeRO 3 (the fp32 masters among the optimizer state), resumed on 1."""
+    _, reference = uninterrupted
+    _run(2, 3, 0, None, str(tmp_path / "step10"), None, SAVE_AT, "optimizer")
+    resumed = _run(1, 3, SAVE_AT, str(tmp_path / "step10"), None, None, STEPS, "optimizer")
     for step, loss in resumed["losses"].items():
         assert loss == pytest.approx(reference["losses"][step], rel=1e-5), step
     for name, value in reference["params"].items():

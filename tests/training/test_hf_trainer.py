@@ -101,7 +101,8 @@ def test_what_does_not_compose_is_refused_in_one_line(field, value):
 
 
 @pytest.mark.parametrize("setting,keywords", [("compute_metrics", {"compute_metrics": len}),
-                                              ("sp_size", {"autosp_options": {"sp_size": 1}})])
+                                              ("sp_size", {"autosp_options": {"sp_size": 1}}),
+                                              ("offload=optimizer", {"autosp_options": {"offload": "optimizer"}})])
 def test_what_the_trainer_cannot_shard_is_refused_in_one_line(tmp_path, setting, keywords):
     from autosp.training.hf_trainer import AutoSPTrainer
 

@@ -256,3 +256,17 @@ def _deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[
             stack.enter_context(mock.patch.object(Stage3, name, on_host(name)))
         stack.enter_context(mock.patch.object(Stage3, "_setup_for_real_optimizer", setup_then_book))
         yield
+
+
+@contextlib.contextmanager
+def _host_optimizer_state(tracker: Any) -> Iterator[None]:
+    """autosp's optimizer offload (`offload=optimizer`, `autosp.comm.host_optimizer`) booked as host memory: every
+    storage it makes inside its `host_region` (master weights, gradient buffers, AdamW's moments and the step's
+    temporaries) on any simulated device, as the CPU meter books it in a measured run (the fake ranks run on CPU,
+    where its host and device tensors are alike)."""
+    from unittest import mock
+
+    from autosp.comm import host_optimizer
+
+    with mock.patch.object(host_optimizer, "host_region", tracker.host_allocations):
+        yield

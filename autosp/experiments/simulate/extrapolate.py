@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
+from autosp.comm.host_optimizer import HostMemoryError
 from autosp.errors import AutoSPError
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import RunConfig
@@ -49,7 +50,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
         if peak is None:
             return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
                                                  "note": f"{note}: simulated whole"}
-    except SimulationError:
+    except (SimulationError, HostMemoryError):  # the latter: over the host budget, as a measured run is (oom)
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of the method on fake tensors is reported, not guessed
         first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 
+from autosp.comm.host_optimizer import HostMemoryError
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
@@ -28,6 +29,10 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     except SimulationError as exc:
         record.update(status="error", error=str(exc))
         record["extra"]["wall_s"] = round(time.monotonic() - started, 3)
+        return record
+    except HostMemoryError as exc:  # offload=optimizer: the state alone is over the rank's share of the host budget
+        record.update(status="oom", error=str(exc))
+        record["extra"].update(oom_in="host", wall_s=round(time.monotonic() - started, 3))
         return record
     total = peak.peak_bytes + device.fixed_bytes
     host_budget, node_host = _host_budget(cfg, device), node_host_bytes(peak.host_offloaded_bytes,
@@ -145,8 +150,8 @@ def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | N
 
 def _summary(record: dict[str, Any]) -> str:
     head = f"{record['method']} {record['model']} P={record['world_size']} on {record['device']} (simulated)"
-    if record["status"] == "error":
-        return f"{head}: error: {record['error']}"
+    if record["status"] == "error" or (record.get("peak_mem_bytes") is None and record.get("error")):
+        return f"{head}: {record['status']}: {record['error']}"
     b = record["extra"].get("breakdown", {})
     parts = ", ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {format_size(b[k])}" for k in COMPONENTS if k in b)
     detail = (f"peak {format_size(record['peak_mem_bytes'])} of {format_size(record['memory_budget'])} "

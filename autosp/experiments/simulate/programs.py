@@ -13,6 +13,7 @@ from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
                                                   _deepspeed_optimizer_offload, _deepspeed_rank0_answers,
+                                                  _host_optimizer_state,
                                                   _identity_move, _inductor_compile_unfused,
                                                   _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
@@ -85,7 +86,7 @@ class RankProgram:
         self.warmed = False
         self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
         with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"), \
-                _deepspeed_optimizer_offload(tracker, device):
+                _deepspeed_optimizer_offload(tracker, device), _host_optimizer_state(tracker):
             torch.manual_seed(cfg.seed)
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
             self.model.to = _identity_move(self.model)
@@ -117,6 +118,7 @@ class RankProgram:
             stack.enter_context(_inductor_compile_unfused())
             stack.enter_context(_optimizer_implementation_of(tracker.device))
             stack.enter_context(_deepspeed_optimizer_offload(tracker, tracker.device))
+            stack.enter_context(_host_optimizer_state(tracker))
             twins = RealTwins()
             stack.enter_context(_alst_data_answers(twins, tracker, valid_labels))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)

@@ -1,0 +1,92 @@
+"""`autosp.comm.host_optimizer` on one process: the host AdamW steps masters exactly as AdamW steps the parameters,
+the device parameters are their compute-dtype casts, the state survives a state_dict round trip, the host budget
+is checked before anything is allocated. (Every ZeRO stage over gloo ranks: tests/baselines/test_autosp_method.py.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autosp.comm.host_optimizer import HostMasters, HostMemoryError, HostOptimizer, check_host_budget
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    for step in range(steps):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step)).to(next(model.parameters()).dtype)
+        model(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_host_adamw_steps_the_masters_bit_for_bit_as_adamw_steps_the_parameters():
+    reference, offloaded = _model(), _model()
+    _steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    masters = HostMasters.capture(offloaded.parameters(), None)
+    optimizer = HostOptimizer(offloaded.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
+    _steps(offloaded, optimizer)
+    for p, q in zip(reference.parameters(), offloaded.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, masters.master(q))
+    assert optimizer.implementation == "torch.optim.adamw.AdamW torch (host tensors)"
+    n = sum(p.numel() for p in reference.parameters())
+    assert optimizer.host_bytes() == 16 * n + 4 * 4 and optimizer.device_bytes_saved() == 8 * n
+
+
+def test_mixed_precision_keeps_bf16_casts_on_the_device_and_fp32_masters_on_the_host():
+    model = _model()
+    masters = HostMasters.capture(model.parameters(), torch.bfloat16)
+    optimizer = HostOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
+    _steps(model, optimizer, steps=2)
+    for p in model.parameters():
+        assert p.dtype == torch.bfloat16 and masters.master(p).dtype == torch.float32
+        assert torch.equal(p, masters.master(p).to(torch.bfloat16))
+    assert optimizer.device_bytes_saved() == sum(8 * p.numel() + 2 * 2 * p.numel() for p in model.parameters())
+
+
+def test_state_dict_round_trip_restores_masters_moments_and_device_parameters():
+    model = _model()
+    masters = HostMasters.capture(model.parameters(), torch.bfloat16)
+    optimizer = HostOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
+    _steps(model, optimizer, steps=2)
+    saved, after = copy.deepcopy(optimizer.state_dict()), [masters.master(p).clone() for p in model.parameters()]
+    _steps(model, optimizer, steps=1)  # move away, then restore
+    optimizer.load_state_dict(saved)
+    for p, master in zip(model.parameters(), after):
+        assert torch.equal(masters.master(p), master) and torch.equal(p, master.to(torch.bfloat16))
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq", "master"} for s in optimizer.state.values())
+
+
+def test_a_host_budget_below_the_state_is_out_of_memory_naming_the_host():
+    assert check_host_budget(1000, torch.float32, 16_000) == 16_000
+    with pytest.raises(HostMemoryError, match="^host memory: offload=optimizer keeps 16000 B"):
+        check_host_budget(1000, torch.float32, 15_999)
+    assert issubclass(HostMemoryError, torch.OutOfMemoryError)  # a run records it as `oom`
+
+
+@pytest.mark.long  # DeepSpeed's CPU Adam is built on first use (a JIT C++ build, minutes on a fresh machine)
+def test_deepspeeds_cpu_adam_steps_the_masters_within_fp32_tolerance_of_torchs():
+    pytest.importorskip("deepspeed")
+    reference, offloaded = _model(), _model()
+    _steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))
+    masters = HostMasters.capture(offloaded.parameters(), None)
+    optimizer = HostOptimizer(offloaded.parameters(), optimizer_class=torch.optim.AdamW, masters=masters,
+                              use_deepspeed=True, lr=1e-2)
+    if optimizer.implementation != "deepspeed-cpu-adam":
+        pytest.skip("DeepSpeed's CPU Adam op does not build here")
+    _steps(offloaded, optimizer)
+    for p, q in zip(reference.parameters(), offloaded.parameters()):
+        assert (p - q).norm() <= 1e-5 * p.norm()
+
+
+def test_deepspeed_asked_for_another_optimizer_class_is_refused_in_one_line():
+    from autosp.errors import SequenceParallelError
+
+    model = _model()
+    masters = HostMasters.capture(model.parameters(), None)
+    with pytest.raises(SequenceParallelError, match="not of SGD; use optimizer:torch"):
+        HostOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, masters=masters, use_deepspeed=True, lr=0.1)
