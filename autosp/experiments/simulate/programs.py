@@ -15,7 +15,8 @@ from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers,
                                                   _identity_move, _inductor_compile_unfused,
                                                   _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
-from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world, keep_hf_registries
+from autosp.experiments.simulate.world import (_keep_deepspeed_splice, fake_world, install_registrations,
+                                               keep_hf_registries, process_registrations, registrations_installed)
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
     """The global batch as fake tensors, each with its real twin; its valid-label count (data, not shape) read from
@@ -78,7 +79,12 @@ class RankProgram:
             # the device's tensor memory is the memory planner's budget (autosp --sac auto), as on a real device
             planned = cfg if cfg.memory_budget is not None else cfg.replace(
                 memory_budget=device.usable_bytes - device.fixed_bytes)
+            before = process_registrations()
             self.step = self.strategy.setup(self.model, self.ctx, planned)
+            # what the setup registered process-wide (alst: its SP groups and Ulysses wrapper) is this program's,
+            # installed around its steps; the next program's setup (another depth or device) starts from before
+            self.registrations = process_registrations()
+            install_registrations(before)
         _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
@@ -93,6 +99,7 @@ class RankProgram:
             if self.shared:  # one symbolic trace serves every length; past the recompile limit fail, never run eager
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
                 stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+            stack.enter_context(registrations_installed(self.registrations))
             stack.enter_context(_deepspeed_rank0_answers(self.rank))
             stack.enter_context(_inductor_compile_unfused())
             stack.enter_context(_optimizer_implementation_of(tracker.device))
