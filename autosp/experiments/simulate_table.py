@@ -43,9 +43,9 @@ PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "ri
 #: the practical anchors beside them (`--methods` adds them): ALST and the baselines with per-layer activation
 #: checkpointing, each at ZeRO 3 (`method[ac=layer]:stage`), labelled in the table as their own columns
 PRACTICAL_METHODS = ("alst", "ulysses[ac=layer]:3", "ring[ac=layer]:3", "fsdp[ac=layer]", "zero3[ac=layer]")
-#: the default's share of them: alst not yet (a second alst program in one fake world fails, so its search cannot
-#: span device types; docs/measurements/2026-12-02-alst-8b.md)
-DEFAULT_PRACTICAL = PRACTICAL_METHODS[1:]
+#: the default's share of them: all (alst's rank programs of two depths and device types share a fake world, each
+#: with its own SP groups and Ulysses registration: `simulate.world.process_registrations`)
+DEFAULT_PRACTICAL = PRACTICAL_METHODS
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
@@ -114,8 +114,9 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
 #: how costly a cell's probes are, by method: DeepSpeed's AutoSP compiles every length through DeepSpeed's pass and
 #: aot_autograd; ZeRO-3 runs DeepSpeed's engine at full depth (`simulate.NOT_LINEAR_IN_DEPTH`); autosp compiles
 #: every length; the eager baselines run each probe's step only (measured at c4116db: ~110-145, 36-124 and 30-41
-#: CPU-s a cell against 3-20)
-COST_RANK = {"ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
+#: CPU-s a cell against 3-20); alst's probes grow with the length (TiledMLP's and the tiled loss's shards: ~70 CPU-s
+#: a 2-layer probe of llama-3.1-8b at 1M tokens on 8 ranks)
+COST_RANK = {"alst": 4, "ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
 
 
 def cell_order(configs: list[RunConfig]) -> list[RunConfig]:
