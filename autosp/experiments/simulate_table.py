@@ -203,6 +203,29 @@ def markdown_table(table: "pd.DataFrame") -> str:
     return "\n".join(lines)
 
 
+def rendered_rows(paths: list[str]) -> list[dict]:
+    """The search rows of earlier runs: JSONL records, or a rendered Markdown table (`results/simulated_table.md`,
+    whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
+    ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table."""
+    from autosp.experiments.tables import method_variant, simulated_table_rows
+    from autosp.harness.records import read_records
+
+    cells: dict[tuple, dict] = {}
+    for path in paths:
+        if str(path).endswith(".md"):
+            table = simulated_table_rows(path)
+            table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
+                              for m, method in zip(table["model"], table["method"])]
+            found = [{k: v for k, v in row.items() if v == v or k == "max_seq_len"}  # NaN: a missing field
+                     for row in table.to_dict("records")]
+        else:
+            found = [r for r in read_records(path) if r.get("kind") == "search"]
+        for row in found:
+            variant = method_variant(row["method"], row.get("ac") or (row.get("config") or {}).get("ac"))
+            cells[(row["model"], row["device"], variant, row.get("zero"))] = row
+    return list(cells.values())
+
+
 def _cmd_simulate_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -222,9 +245,7 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     check_writable(args.table_out, "--table-out")
     started, cpu = time.monotonic(), os.times()
     if args.render:  # the rows of an earlier (possibly stopped) run: table and figure only
-        from autosp.harness.records import read_records
-
-        rows = [r for path in args.render for r in read_records(path) if r.get("kind") == "search"]
+        rows = rendered_rows(args.render)
     else:
         rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
                               max_len=args.max_len)
@@ -233,7 +254,8 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)
-    footer = ("\n\nRendered from " + " ".join(args.render) + "." if args.render else
+    footer = (f"\n\nworld size {args.world_size}, {args.dtype}: rendered from " + " ".join(args.render) + "."
+              if args.render else
               f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
               f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
               f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
@@ -266,7 +288,8 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table-out", default="results/simulated_table.md", help="the Markdown table")
     p.add_argument("--figure", nargs="*", default=[], help="trainability figure files (.png, .pdf)")
     p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
-                   help="no simulation: the table and figure of the search rows in these files")
+                   help="no simulation: the table and figure of the search rows in these files (JSONL, or a "
+                        "rendered table .md; a cell in a later file replaces an earlier file's)")
     p.add_argument("--allow-errors", action="store_true",
                    help="exit 0 even where a method cannot be simulated (its cells say why)")
     p.set_defaults(func=_cmd_simulate_table)
