@@ -24,6 +24,7 @@ ZeRO-3 at 8B, 3.0x vs Ring.
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -216,14 +217,21 @@ def rendered_rows(paths: list[str]) -> list[dict]:
             table = simulated_table_rows(path)
             table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
                               for m, method in zip(table["model"], table["method"])]
-            found = [{k: v for k, v in row.items() if v == v or k == "max_seq_len"}  # NaN: a missing field
-                     for row in table.to_dict("records")]
+            found = table.to_dict("records")
         else:
             found = [r for r in read_records(path) if r.get("kind") == "search"]
         for row in found:
             variant = method_variant(row["method"], row.get("ac") or (row.get("config") or {}).get("ac"))
             cells[(row["model"], row["device"], variant, row.get("zero"))] = row
     return list(cells.values())
+
+
+def _setting(rows: list[dict]) -> str:
+    """`world size 8, bfloat16`: the rows' world sizes and dtypes (a rendered table's rows carry no dtype)."""
+    worlds = sorted({int(r["world_size"]) for r in rows if isinstance(r.get("world_size"), numbers.Real)
+                     and r["world_size"] == r["world_size"]})  # NaN: a table without its world size
+    dtypes = sorted({r["dtype"] for r in rows if isinstance(r.get("dtype"), str)})
+    return ", ".join(([f"world size {'/'.join(map(str, worlds))}"] if worlds else []) + dtypes)
 
 
 def _cmd_simulate_table(args: argparse.Namespace) -> int:
@@ -254,8 +262,7 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)
-    footer = (f"\n\nworld size {args.world_size}, {args.dtype}: rendered from " + " ".join(args.render) + "."
-              if args.render else
+    footer = (f"\n\n{_setting(rows)}: rendered from " + " ".join(args.render) + "." if args.render else
               f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
               f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
               f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
