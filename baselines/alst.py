@@ -122,10 +122,23 @@ def shard_like_the_adapter(batch: "Batch", sp_rank: int, sp_size: int) -> dict[s
             "shift_labels": shift_labels[:, mine].contiguous()}
 
 
+def refuse_a_tied_lm_head(model: nn.Module, name: str) -> None:
+    """ALST's recipe fails on a model whose LM head is its embedding (llama-3.2-1b/3b): after
+    `TiledFusedLogitsLoss` runs the head's backward inside forward, ZeRO-3's gradient hook meets the shared weight
+    without a gradient (DeepSpeed 0.19.8; `tests/baselines/test_alst.py` pins it). Refused in one line at setup."""
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        raise ConfigError(
+            f"--method alst cannot train {name}: its LM head is tied to its embedding, and under ZeRO-3 DeepSpeed's "
+            "gradient hook finds that weight's gradient None after TiledFusedLogitsLoss's backward inside forward "
+            "(AttributeError in stage3 __add_grad_to_ipg_bucket); use a model with an untied head, e.g. "
+            "hf:llama-3.1-8b")
+
+
 class AlstStep(DeepSpeedZeroStep):
     implementation = "alst (deepspeed ulysses_sp + zero3)"
 
     def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+        refuse_a_tied_lm_head(model, cfg.model)
         self.deepspeed = import_deepspeed("alst")
         import transformers.masking_utils
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF

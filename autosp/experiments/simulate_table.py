@@ -24,6 +24,7 @@ ZeRO-3 at 8B, 3.0x vs Ring.
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -43,9 +44,9 @@ PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "ri
 #: the practical anchors beside them (`--methods` adds them): ALST and the baselines with per-layer activation
 #: checkpointing, each at ZeRO 3 (`method[ac=layer]:stage`), labelled in the table as their own columns
 PRACTICAL_METHODS = ("alst", "ulysses[ac=layer]:3", "ring[ac=layer]:3", "fsdp[ac=layer]", "zero3[ac=layer]")
-#: the default's share of them: alst not yet (a second alst program in one fake world fails, so its search cannot
-#: span device types; docs/measurements/2026-12-02-alst-8b.md)
-DEFAULT_PRACTICAL = PRACTICAL_METHODS[1:]
+#: the default's share of them: all (alst's rank programs of two depths and device types share a fake world, each
+#: with its own SP groups and Ulysses registration: `simulate.world.process_registrations`)
+DEFAULT_PRACTICAL = PRACTICAL_METHODS
 PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
@@ -114,8 +115,9 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
 #: how costly a cell's probes are, by method: DeepSpeed's AutoSP compiles every length through DeepSpeed's pass and
 #: aot_autograd; ZeRO-3 runs DeepSpeed's engine at full depth (`simulate.NOT_LINEAR_IN_DEPTH`); autosp compiles
 #: every length; the eager baselines run each probe's step only (measured at c4116db: ~110-145, 36-124 and 30-41
-#: CPU-s a cell against 3-20)
-COST_RANK = {"ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
+#: CPU-s a cell against 3-20); alst's probes grow with the length (TiledMLP's and the tiled loss's shards: ~70 CPU-s
+#: a 2-layer probe of llama-3.1-8b at 1M tokens on 8 ranks)
+COST_RANK = {"alst": 4, "ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
 
 
 def cell_order(configs: list[RunConfig]) -> list[RunConfig]:
@@ -202,6 +204,36 @@ def markdown_table(table: "pd.DataFrame") -> str:
     return "\n".join(lines)
 
 
+def rendered_rows(paths: list[str]) -> list[dict]:
+    """The search rows of earlier runs: JSONL records, or a rendered Markdown table (`results/simulated_table.md`,
+    whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
+    ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table."""
+    from autosp.experiments.tables import method_variant, simulated_table_rows
+    from autosp.harness.records import read_records
+
+    cells: dict[tuple, dict] = {}
+    for path in paths:
+        if str(path).endswith(".md"):
+            table = simulated_table_rows(path)
+            table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
+                              for m, method in zip(table["model"], table["method"])]
+            found = table.to_dict("records")
+        else:
+            found = [r for r in read_records(path) if r.get("kind") == "search"]
+        for row in found:
+            variant = method_variant(row["method"], row.get("ac") or (row.get("config") or {}).get("ac"))
+            cells[(row["model"], row["device"], variant, row.get("zero"))] = row
+    return list(cells.values())
+
+
+def _setting(rows: list[dict]) -> str:
+    """`world size 8, bfloat16`: the rows' world sizes and dtypes (a rendered table's rows carry no dtype)."""
+    worlds = sorted({int(r["world_size"]) for r in rows if isinstance(r.get("world_size"), numbers.Real)
+                     and r["world_size"] == r["world_size"]})  # NaN: a table without its world size
+    dtypes = sorted({r["dtype"] for r in rows if isinstance(r.get("dtype"), str)})
+    return ", ".join(([f"world size {'/'.join(map(str, worlds))}"] if worlds else []) + dtypes)
+
+
 def _cmd_simulate_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -221,9 +253,7 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     check_writable(args.table_out, "--table-out")
     started, cpu = time.monotonic(), os.times()
     if args.render:  # the rows of an earlier (possibly stopped) run: table and figure only
-        from autosp.harness.records import read_records
-
-        rows = [r for path in args.render for r in read_records(path) if r.get("kind") == "search"]
+        rows = rendered_rows(args.render)
     else:
         rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
                               max_len=args.max_len)
@@ -232,7 +262,7 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)
-    footer = ("\n\nRendered from " + " ".join(args.render) + "." if args.render else
+    footer = (f"\n\n{_setting(rows)}: rendered from " + " ".join(args.render) + "." if args.render else
               f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
               f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
               f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
@@ -265,7 +295,8 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--table-out", default="results/simulated_table.md", help="the Markdown table")
     p.add_argument("--figure", nargs="*", default=[], help="trainability figure files (.png, .pdf)")
     p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
-                   help="no simulation: the table and figure of the search rows in these files")
+                   help="no simulation: the table and figure of the search rows in these files (JSONL, or a "
+                        "rendered table .md; a cell in a later file replaces an earlier file's)")
     p.add_argument("--allow-errors", action="store_true",
                    help="exit 0 even where a method cannot be simulated (its cells say why)")
     p.set_defaults(func=_cmd_simulate_table)

@@ -221,10 +221,12 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
     rows = []
     for (mode, where, world, model), cell in table.groupby(["mode", "where", "world_size", "model"], sort=False):
         best = cell.groupby("method")["n"].max()
+        failed = cell.groupby("method")["status"].agg(lambda s: bool((s == "error").all()))  # refused or crashed
         budget = cell["memory_budget"].iloc[0]
         row = {"source": mode, "model": model,
                "setting": f"{where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")}
-        row.update({m: (f"{best[m] / 1024:g}K" if best[m] > 0 else "none fits") if m in best else "" for m in methods})
+        row.update({m: (f"{best[m] / 1024:g}K" if best[m] > 0 else "error" if failed[m] else "none fits")
+                    if m in best else "" for m in methods})
         for ref in HEADLINE_RATIOS:
             if ref in methods:
                 ok = best.get("autosp", 0) > 0 and best.get(ref, 0) > 0

@@ -34,3 +34,20 @@ def test_alst_refuses_what_it_cannot_run_in_one_line(model: str, world_size: int
     cfg = RunConfig("alst", model, 96, world_size=world_size)
     with pytest.raises(ConfigError, match=message):
         get_strategy("alst").validate(cfg, num_heads=8, num_kv_heads=4)
+
+
+def test_alst_refuses_a_tied_lm_head_at_setup_which_deepspeed_zero3_fails_on(monkeypatch) -> None:
+    """hf:tiny-tied (LM head = embedding, as llama-3.2-1b/3b): refused in one line; with the refusal lifted, the
+    step fails inside DeepSpeed ZeRO-3's gradient hook (rank 0 of 2 on fake tensors: the same AttributeError a
+    two-rank CPU run gives). When this stops failing, DeepSpeed trains tied heads under ALST: lift the refusal."""
+    import baselines.alst as alst
+    from autosp.experiments import simulate as sim
+    from autosp.experiments.devices import get_device_model
+
+    cfg = sim.simulate_config(RunConfig("alst", "hf:tiny-tied", 256, world_size=2, dtype="bfloat16"))
+    device = get_device_model("cpu", 1 << 30)
+    with pytest.raises(ConfigError, match="LM head is tied to its embedding"):
+        sim.simulate_rank(cfg, device)
+    monkeypatch.setattr(alst, "refuse_a_tied_lm_head", lambda model, name: None)
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'numel'"):
+        sim.simulate_rank(cfg, device)

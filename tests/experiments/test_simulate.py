@@ -214,6 +214,53 @@ def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method,
     assert not sim._SHARED and not torch.distributed.is_initialized()  # the scope closed its fake world
 
 
+def test_alst_is_simulated_on_two_device_types_in_one_command_as_on_each_alone(tmp_path):
+    """Two device types with different allocator blocks (cpu, a100-80gb) in one `autosp simulate` are two alst rank
+    programs in one fake world: each keeps its own SP groups and Ulysses registration (`process_registrations`), so
+    the second's setup neither meets DeepSpeed's "already initialized" nor wraps the first's wrapper, and each
+    device's record is the one a fresh process gives."""
+    out = tmp_path / "sim.jsonl"
+    assert main(["simulate", "--method", "alst", "--model", "hf:tiny", "--world-size", "2", "--seq-len", "512",
+                 "--device", "cpu,a100-80gb", "--memory-budget", "1GiB", "--out", str(out)]) == 0
+    together = pd.read_json(out, lines=True)
+    assert list(together["status"]) == ["ok", "ok"], list(together["error"])
+    sim._PREDICTIONS.clear()
+    cfg = RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=512)
+    alone = [sim.simulate(cfg, get_device_model(name, 1 << 30)) for name in ("cpu", "a100-80gb")]
+    assert list(together["peak_mem_bytes"]) == [r["peak_mem_bytes"] for r in alone]
+    assert [b["host_offloaded_bytes"] for b in together["extra"].map(lambda e: e["breakdown"])] == \
+        [r["extra"]["breakdown"]["host_offloaded_bytes"] for r in alone]
+    assert alone[1]["extra"]["breakdown"]["host_offloaded_bytes"] > 0  # the a100's optimizer offload: a GPU program
+    assert not torch.distributed.is_initialized()
+
+
+def test_alsts_peak_at_depth_is_the_line_through_2_and_3_layers(monkeypatch):
+    """alst is extrapolated from 2 and 3 layers (not `NOT_LINEAR_IN_DEPTH`): with every layer checkpointed, its input
+    offloaded and its optimizer state on the host, a layer adds its parameter partition and nothing bucket-sized.
+    hf:tiny made 6 layers deep (a preset of that depth, so that its 2- and 3-layer stand-ins get the 6-layer model's
+    ZeRO-3 buckets, as the paper models' do), on an a100-80gb: `predict_peak`'s 2-3 line is the 6-layer
+    simulation at the same op, its live bytes and host bytes to the byte; the allocator-charged peak within one
+    block (a storage that grows by 46,080 B a layer is charged 46,080 or 46,592: 512-B rounding; at paper scale one
+    2 MiB block). All three depths in one fake world, as a search's probes."""
+    import dataclasses
+
+    from autosp.models import presets
+
+    monkeypatch.setitem(presets._PRESETS, "tiny6", dataclasses.replace(presets._PRESETS["tiny"], name="tiny6",
+                                                                      num_layers=6))
+    cfg = RunConfig(method="alst", model="hf:tiny6", world_size=2, seq_len=1024, dtype="bfloat16")
+    a100 = get_device_model("a100-80gb")
+    with sim.shared_rank_programs():
+        line, how = sim.predict_peak(cfg, a100)
+        whole = sim._rank_peak(sim.simulate_config(cfg), a100)
+    assert how["extrapolated_from"] == [2, 3] and "note" not in how and whole.num_layers == line.num_layers == 6
+    assert how["per_layer_peak_bytes"] > 0  # the depth shows
+    terms = ("live_tensor_bytes", "gradient_bytes", "saved_activation_bytes", "peak_op", "peak_phase",
+             "host_offloaded_bytes")
+    assert {t: getattr(line, t) for t in terms} == {t: getattr(whole, t) for t in terms}
+    assert 0 <= whole.peak_bytes - line.peak_bytes <= a100.small_block_bytes
+
+
 def test_gpu_devices_charge_allocator_blocks_context_and_workspace():
     a100 = get_device_model("a100-80gb")
     assert a100.block_bytes(1) == 512 and a100.block_bytes(LARGE_REQUEST_BYTES + 1) == 2 * MIB

@@ -67,6 +67,29 @@ def test_a_variant_column_reads_back_from_the_markdown_table(tmp_path):
         409600, 204800, 819200]
 
 
+def test_render_takes_the_committed_markdown_table_and_new_rows_a_later_cell_replacing_an_earlier(tmp_path):
+    """`--render results/simulated_table.md new.jsonl`: the committed table's cells (its JSONL is not committed)
+    plus new cells; an HF method's column keeps its `(hf)` label, and a cell of the later file replaces the
+    table's."""
+    (tmp_path / "t.md").write_text(
+        "| model | device | autosp z3 | ds-autosp (hf) z1 | alst (hf) z3 |\n|---|---|---|---|---|\n"
+        "| llama-3.1-8b | h100-80gb | 400K | 80K | error |\n\nworld size 8, bfloat16\n")
+    new = dict(kind="search", model="hf:llama-3.1-8b", device="h100-80gb", device_name="h100-80gb", world_size=8,
+               memory_budget=8e10, mode="simulated", method="alst", zero=3, status="found", max_seq_len=1600 * 1024,
+               dtype="bfloat16", config={"ac": "off"})
+    (tmp_path / "new.jsonl").write_text(json.dumps(new) + "\n")
+    out = tmp_path / "out.md"
+    assert main(["simulate-table", "--render", str(tmp_path / "t.md"), str(tmp_path / "new.jsonl"),
+                 "--table-out", str(out)]) == 0
+    head, row = (line.split(" | ") for line in out.read_text().splitlines()[:3:2])
+    assert head[2:5] == ["autosp z3", "ds-autosp (hf) z1", "alst (hf) z3"] and row[2:5] == ["400K", "80K", "1600K"]
+    assert "0.25x" in row  # autosp/alst
+    assert "world size 8, bfloat16" in out.read_text()
+    again = tmp_path / "again.md"  # the table alone, re-rendered: the same cells
+    assert main(["simulate-table", "--render", str(out), "--table-out", str(again), "--allow-errors"]) == 0
+    assert again.read_text().split("\n\n")[0] == out.read_text().split("\n\n")[0]
+
+
 def test_the_paper_methods_compare_every_sp_method_at_autosps_zero_3_stage_too():
     assert {"autosp:3", "ulysses:3", "ring:3"} <= set(PAPER_METHODS)
 

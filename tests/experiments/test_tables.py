@@ -178,6 +178,8 @@ def test_headline_table_labels_measured_and_simulated_rows(tmp_path, capsys) -> 
     assert rows.loc[("measured", "hf:tiny", "cpu, 2 ranks, 64 MiB"), "autosp / ds-autosp"] == "1.45x"
     a100 = rows.loc[("simulated", "llama-3.1-8b", "a100-80gb, 8 ranks")]
     assert a100["autosp"] == "186K" and a100["autosp / ulysses"] == "3.00x" and a100["autosp / ds-autosp"] == "2.91x"
+    # a method that failed there (refused, crashed) is an error, not a length that does not fit
+    assert rows.loc[("simulated", "llama-3.1-8b", "mi250-gcd, 8 ranks"), "ds-autosp"] == "error"
     assert "alst" not in table  # a ratio column only for a method with records
     assert main(["table", "headline", "--in", str(tmp_path / "sim.md"), str(records), "--devices", "cpu"]) == 0
     out = capsys.readouterr().out

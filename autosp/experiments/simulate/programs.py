@@ -17,7 +17,8 @@ from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers,
                                                   _identity_move, _inductor_compile_unfused,
                                                   _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
-from autosp.experiments.simulate.world import _keep_deepspeed_splice, fake_world, keep_hf_registries
+from autosp.experiments.simulate.world import (_keep_deepspeed_splice, fake_world, install_registrations,
+                                               keep_hf_registries, process_registrations, registrations_installed)
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
     """The global batch as fake tensors, each with its real twin; its valid-label count (data, not shape) read from
@@ -96,8 +97,13 @@ class RankProgram:
             tensor_memory = device.usable_bytes - device.fixed_bytes
             planned = cfg.replace(memory_budget=tensor_memory if cfg.memory_budget is None else cfg.memory_budget,
                                   host_memory_budget=cfg.host_memory_budget or device.host_bytes_per_node)
+            before = process_registrations()
             with _local_world_size(device.ranks_per_node(cfg.world_size)):
                 self.step = self.strategy.setup(self.model, self.ctx, planned)
+            # what the setup registered process-wide (alst: its SP groups and Ulysses wrapper) is this program's,
+            # installed around its steps; the next program's setup (another depth or device) starts from before
+            self.registrations = process_registrations()
+            install_registrations(before)
         _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
@@ -114,6 +120,7 @@ class RankProgram:
             if self.shared:  # one symbolic trace serves every length; past the recompile limit fail, never run eager
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
                 stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
+            stack.enter_context(registrations_installed(self.registrations))
             stack.enter_context(_deepspeed_rank0_answers(self.rank))
             stack.enter_context(_inductor_compile_unfused())
             stack.enter_context(_optimizer_implementation_of(tracker.device))

@@ -45,24 +45,68 @@ _RESTORE: list[list] = []  # per active fake world: what to put back when it end
 def keep_hf_registries() -> None:
     """transformers' attention and mask registries as they are now, put back when the fake world ends: alst's setup
     replaces their `sdpa` entries process-wide (DeepSpeed's Ulysses wrapper, no mask under SP), which a later
-    program in this process (another depth, another cell, a test) would otherwise run through, or wrap again.
+    program in this process (another cell, a test) would otherwise run through, or wrap again.
     Called before a method's setup, when transformers is loaded (an HF model was built)."""
+    if _RESTORE and _hf_registries():
+        saved = process_registrations()
+        _RESTORE[-1].append(lambda: install_registrations(saved))
+
+
+def _hf_registries() -> list:
     import sys
 
-    if not _RESTORE or "transformers.masking_utils" not in sys.modules:
-        return
+    if "transformers.masking_utils" not in sys.modules:
+        return []
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for registry in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS):
-        saved = dict(type(registry)._global_mapping), dict(registry._local_mapping)
+    return [ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS]
 
-        def restore(registry=registry, saved=saved) -> None:
-            for mapping, before in zip((type(registry)._global_mapping, registry._local_mapping), saved):
+
+#: ALST's SP groups (`UlyssesSPAttentionHF.register_with_transformers` sets them once per process; DeepSpeed's
+#: engine reads them back through its mpu at every step)
+_SP_STATE = "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+_SP_GROUPS = ("_SEQUENCE_PARALLEL_GROUP", "_SEQUENCE_DATA_PARALLEL_GROUP")
+
+
+def process_registrations() -> list[tuple]:
+    """What a program's setup registers process-wide and its steps read back: transformers' attention and mask
+    registries (alst's Ulysses wrapper, its no-mask entry) and ALST's SP groups. Several rank programs of one
+    fake world (two depths, two devices' allocator blocks) each keep their own (`RankProgram`): a second alst
+    setup on the first's would find the SP groups set (DeepSpeed asserts) and wrap the wrapper (two all-to-alls)."""
+    import sys
+
+    state: list[tuple] = [(registry, dict(type(registry)._global_mapping), dict(registry._local_mapping))
+                          for registry in _hf_registries()]
+    sp = sys.modules.get(_SP_STATE)  # not loaded yet: no groups (its import-time values)
+    state.append((_SP_STATE, *(getattr(sp, name, None) for name in _SP_GROUPS)))
+    return state
+
+
+def install_registrations(state: list[tuple]) -> None:
+    """Put back what `process_registrations` read (an entry of a module not loaded then stays as it is)."""
+    import sys
+
+    for owner, *values in state:
+        if owner == _SP_STATE:  # ALST's SP groups
+            if (sp := sys.modules.get(_SP_STATE)) is not None:
+                for name, value in zip(_SP_GROUPS, values):
+                    setattr(sp, name, value)
+        else:  # a transformers registry: its class-wide and its own mapping
+            for mapping, before in zip((type(owner)._global_mapping, owner._local_mapping), values):
                 mapping.clear()
                 mapping.update(before)
 
-        _RESTORE[-1].append(restore)
+
+@contextlib.contextmanager
+def registrations_installed(state: list[tuple]) -> Iterator[None]:
+    """`state` installed inside (one program's step), what was there before put back after."""
+    before = process_registrations()
+    install_registrations(state)
+    try:
+        yield
+    finally:
+        install_registrations(before)
 
 
 def _forget_deepspeed_groups() -> None:
