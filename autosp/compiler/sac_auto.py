@@ -251,9 +251,13 @@ def plan_partition(
 
 
 def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node whose allocation `node`'s value lives in (a view's base; itself otherwise)."""
+    """The node whose allocation `node`'s value lives in: a view's base, and so for each piece a multi-output view
+    op returns (split's, unbind's: the base lives until its last piece dies); itself otherwise."""
     if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
         return owners[node.args[0]]
+    parent = _getitem_parent(node)
+    if parent is not None and _is_view(parent):
+        return owners[parent]
     return node
 
 
@@ -294,7 +298,8 @@ def _running_bytes(node: fx.Node) -> int:
     """Bytes alive only while `node` runs: its op's declared scratch, and for a multi-output op all its outputs
     (allocated by the op; the replay books each again at the getitem that takes it, and frees unused ones)."""
     val = node.meta.get("val")
-    outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if isinstance(val, (tuple, list)) else 0
+    allocates = isinstance(val, (tuple, list)) and not _is_view(node)  # a split's pieces are views of its input
+    outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if allocates else 0
     return transient_bytes(node) + outputs
 
 
