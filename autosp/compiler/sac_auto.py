@@ -329,7 +329,10 @@ def recompute_flops(bw: fx.GraphModule) -> int:
 
     total = 0
     for node in bw.graph.nodes:
-        if node.op != "call_function" or node.meta.get("partitioner_tag") != "is_forward":
+        # a random op recomputed in backward (attention with dropout's RNG state, under every recompute policy)
+        # runs in the partitioner's RNG wrapper, a node of its own that carries no partitioner tag
+        rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
+        if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
             continue
         if node.target is operator.getitem or _getitem_parent(node) is not None:
             continue

@@ -471,3 +471,18 @@ def test_replay_keeps_a_split_base_alive_until_its_last_tile_dies() -> None:
     measured = meter.report().detail["step_increase_bytes"]
     assert abs(measured - (base + half + 4 * half)) <= 256, measured  # the profiler books a few bytes besides
     del outputs
+
+
+def test_recompute_flops_count_attention_recomputed_in_its_rng_wrapper() -> None:
+    """Attention recomputed in backward runs inside the partitioner's RNG wrapper (`run_with_rng_state`, no
+    partitioner tag): its FLOPs are in the plan's `recompute_flops` (they were missing: 1.5 GFLOP recorded where
+    attention alone re-ran 189 GFLOP, tiny at 27K tokens)."""
+    from autosp.compiler.node_kinds import is_attention_forward
+    from autosp.compiler.sac_auto import _attention_flops, recompute_flops
+    from tests.compiler.test_attention_chunks import _backward
+
+    full, _ = _backward("tiny-mha", 256, 1, "full")
+    sac, _ = _backward("tiny-mha", 256, 1, "sac")  # the same token-wise recompute, attention kept
+    attention = [n for n in full.graph.nodes if is_attention_forward(n)]
+    assert len(attention) == 2 and not any(is_attention_forward(n) for n in sac.graph.nodes)
+    assert recompute_flops(full) - recompute_flops(sac) >= sum(_attention_flops(n) for n in attention) > 0
