@@ -343,7 +343,9 @@ def recompute_flops(bw: fx.GraphModule) -> int:
 
 def _attention_flops(node: fx.Node) -> int:
     """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
-    query, key = [a.meta["val"] for a in node.args  # past an RNG wrapper's leading (state, op) arguments
+    wrapper = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}  # leading (op) or (RNG state tensor, op)
+    args = node.args[wrapper.get(getattr(node.target, "__name__", ""), 0):]
+    query, key = [a.meta["val"] for a in args
                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
     *batch_heads_sq, head_dim = query.shape
     numel = 1

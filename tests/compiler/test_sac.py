@@ -485,4 +485,7 @@ def test_recompute_flops_count_attention_recomputed_in_its_rng_wrapper() -> None
     sac, _ = _backward("tiny-mha", 256, 1, "sac")  # the same token-wise recompute, attention kept
     attention = [n for n in full.graph.nodes if is_attention_forward(n)]
     assert len(attention) == 2 and not any(is_attention_forward(n) for n in sac.graph.nodes)
+    # 4 B H S_q S_k D from the wrapped op's query (the wrapper's first arguments: the RNG state, the op)
+    batch, heads, seq, head_dim = attention[0].args[2].meta["val"].shape
+    assert [_attention_flops(n) for n in attention] == [4 * batch * heads * seq * seq * head_dim] * 2
     assert recompute_flops(full) - recompute_flops(sac) >= sum(_attention_flops(n) for n in attention) > 0
