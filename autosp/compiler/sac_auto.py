@@ -251,9 +251,13 @@ def plan_partition(
 
 
 def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node whose allocation `node`'s value lives in (a view's base; itself otherwise)."""
+    """The node whose allocation `node`'s value lives in: a view's base, and so for each piece a multi-output view
+    op returns (split's, unbind's: the base lives until its last piece dies); itself otherwise."""
     if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
         return owners[node.args[0]]
+    parent = _getitem_parent(node)
+    if parent is not None and _is_view(parent):
+        return owners[parent]
     return node
 
 
@@ -294,7 +298,8 @@ def _running_bytes(node: fx.Node) -> int:
     """Bytes alive only while `node` runs: its op's declared scratch, and for a multi-output op all its outputs
     (allocated by the op; the replay books each again at the getitem that takes it, and frees unused ones)."""
     val = node.meta.get("val")
-    outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if isinstance(val, (tuple, list)) else 0
+    allocates = isinstance(val, (tuple, list)) and not _is_view(node)  # a split's pieces are views of its input
+    outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if allocates else 0
     return transient_bytes(node) + outputs
 
 
@@ -324,7 +329,10 @@ def recompute_flops(bw: fx.GraphModule) -> int:
 
     total = 0
     for node in bw.graph.nodes:
-        if node.op != "call_function" or node.meta.get("partitioner_tag") != "is_forward":
+        # a random op recomputed in backward (attention with dropout's RNG state, under every recompute policy)
+        # runs in the partitioner's RNG wrapper, a node of its own that carries no partitioner tag
+        rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
+        if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
             continue
         if node.target is operator.getitem or _getitem_parent(node) is not None:
             continue
@@ -335,7 +343,9 @@ def recompute_flops(bw: fx.GraphModule) -> int:
 
 def _attention_flops(node: fx.Node) -> int:
     """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
-    query, key = [a.meta["val"] for a in node.args  # past an RNG wrapper's leading (state, op) arguments
+    wrapper = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}  # leading (op) or (RNG state tensor, op)
+    args = node.args[wrapper.get(getattr(node.target, "__name__", ""), 0):]
+    query, key = [a.meta["val"] for a in args
                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
     *batch_heads_sq, head_dim = query.shape
     numel = 1
