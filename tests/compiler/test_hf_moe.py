@@ -26,7 +26,10 @@ CASES = {
     "olmoe-2": (2, _hf("olmoe", 32, adamw_eps=1e-6)),  # shared expert with its sigmoid gate beside the routed experts
     "deepseek-v3-2": (2, _hf("deepseek-v3", 32)),  # MLA (latent projections, split rope dims) + routed/shared MoE
     # ZeRO 3: the experts' weights are flat shards gathered inside the graph, gradients reduce-scattered
-    "qwen2-moe-zero3-2": (2, _hf("qwen2-moe", 31, zero=3)),
+    # (eps=1e-6 as for olmoe: with AdamW's default 1e-8 the gradients agreed within 6.5e-6 but the parameters after
+    # the step moved 2.4e-4 apart at fd1da4f (within 1e-4 at 02a8996; which merged change moved the summation order
+    # was not traced): Adam divides gradient entries far below eps' scale by their own magnitude)
+    "qwen2-moe-zero3-2": (2, _hf("qwen2-moe", 31, zero=3, adamw_eps=1e-6)),
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
     "mixtral-aux-4": (4, _hf("mixtral-aux", 62)),
     # 64 tokens on 4 ranks: gradient entries of 3.1e-9 (layer-0 k_proj.bias, largest 1.2e-4) and 2.4e-9 (layer-1
