@@ -27,7 +27,9 @@ def sum_ranks(tag: str) -> tuple:
     held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(40)]
     before = _resident()
     del held
-    returned_mib = (before - _resident()) >> 20  # freed memory glibc gave back to the kernel (host_allocator)
+    # freed memory glibc gave back to the kernel (host_allocator); none if the rank's other threads (gloo, the
+    # rendezvous store's client) grew the resident set meanwhile (a negative difference, -1 MiB after the shift)
+    returned_mib = max(0, before - _resident()) >> 20
     return dist.get_rank(), float(t), tag, torch.get_num_threads(), returned_mib
 
 
