@@ -132,6 +132,11 @@ class SequenceParallelModule(torch.nn.Module):
             with tracing_config():
                 return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
+            if isinstance(e.__cause__, torch._dynamo.exc.ObservedException):  # the model's own code raised
+                raise SequenceParallelError(
+                    f"the model's forward{breaking_module(self.module, e)} {' '.join(str(e.__cause__).split())[:300]} while "
+                    "Dynamo traced it (it raises the same without AutoSP): fix what that error names"
+                ) from e
             reason = str(e).strip().splitlines()[0]
             raise SequenceParallelError(
                 f"AutoSP needs the whole forward as one graph, but Dynamo broke it{breaking_module(self.module, e)}: "

@@ -39,6 +39,7 @@ class SequenceAnalysis:
 
 
 def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
+    _refuse_flex_attention(gm)
     sites = []
     for node in gm.graph.nodes:
         if not is_attention(node):
@@ -76,6 +77,18 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
         if size == seq_len
     )
     return SequenceAnalysis(seq_len, tuple(sites), sequence_inputs)
+
+
+def _refuse_flex_attention(gm: fx.GraphModule) -> None:
+    """flex_attention is not sharded: left in the graph, it would attend within each rank's shard only. Its block
+    mask is built in the graph from the whole sequence (HF: a dense [S, S] mask through `mask_mod`, reduced to
+    blocks), which the pass does not yet rewrite."""
+    flex = torch.ops.higher_order.flex_attention
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is flex), None)
+    if node is not None:
+        raise SequenceParallelError(
+            f"{node_label(node)} runs flex_attention (HF attn_implementation=\"flex_attention\"), which AutoSP does "
+            "not shard: load the model with attn_implementation=\"sdpa\" (the same attention, exact under AutoSP)")
 
 
 def _is_user_tensor(node: fx.Node) -> bool:

@@ -35,6 +35,8 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                      dict(num_local_experts=4, head_dim=16, sliding_window=8,
                           layer_types=["sliding_attention", "full_attention"], **_MOE),
                      dict(attn_implementation="flex_attention")),
+    # plain Llama through HF's flex attention (build_hf_flex: its backward allowed on CPU)
+    "llama-flex": ("LlamaForCausalLM", "LlamaConfig", {}, dict(attn_implementation="flex_attention")),
     # chunked local attention, a NoPE layer, every token through every expert (the router's `repeat`) + shared
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig",
                dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=64,
@@ -56,3 +58,18 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides})
     return getattr(transformers, model_class)._from_config(config, **keywords).train()
+
+
+def build_hf_flex(family: str, seed: int = 0) -> nn.Module:
+    """`build_hf`, with torch's up-front refusal of flex attention's backward on CPU lifted (its dense math backward
+    exists), so the graph reaches AutoSP's pass as it would on a GPU."""
+    import torch.nn.attention.flex_attention as flex
+
+    refuse = flex._validate_device
+
+    def validate_off_cpu(query, key, value):
+        if query.device.type != "cpu":
+            refuse(query, key, value)
+
+    flex._validate_device = validate_off_cpu
+    return build_hf(family, seed)

@@ -22,7 +22,10 @@ def _hf(family: str, seq_len: int, steps: int = 2, **compile_options) -> dict:
 # is not checked here
 CASES = {
     "gpt-oss-2": (2, _hf("gpt-oss", 31, steps=1)),  # 31 tokens: the sink column sits after padded keys
-    "gpt-oss-flex-2": (2, _hf("gpt-oss-flex", 32, steps=1)),  # refused: HF's flex path breaks Dynamo's graph
+    "gpt-oss-flex-2": (2, _hf("gpt-oss-flex", 32, steps=1)),  # refused: HF raises for sinks through flex on CPU
+    # refused by the pass: flex_attention is not sharded (torch's CPU guard on its backward lifted, as on a GPU)
+    "llama-flex-2": (2, exact_case(builder="tests.compiler.hf_models.build_hf_flex", family="llama-flex", seq_len=32,
+                                   steps=1)),
     "llama4-2": (2, _hf("llama4", 32)),
     "phi3-longrope-2": (2, _hf("phi3-longrope", 32)),  # rank 0's positions alone (0..15) would pick short factors
     "gpt-oss-4": (4, _hf("gpt-oss", 64, steps=1)),
@@ -42,10 +45,16 @@ def test_unmodified_hf_attention_variants_are_exact(runs, case):
 
 
 def test_gpt_oss_through_hf_flex_attention_is_refused_in_one_line(runs):
-    """HF's flex-attention path breaks Dynamo's graph, so the forward is not one graph: refused, not run."""
-    with pytest.raises(AssertionError, match=r"SequenceParallelError: AutoSP needs the whole forward as one graph, "
-                                             r"but Dynamo broke it in `model\.layers\.0\.self_attn` \(GptOssAttention\): "):
-        runs.assert_exact("gpt-oss-flex-2")
+    """HF's flex path raises for attention sinks on CPU, single-device too: AutoSP reports that error, one line,
+    naming the layer, rather than a graph break."""
+    runs.assert_refused("gpt-oss-flex-2", "the model's forward in `model.layers.0.self_attn` (GptOssAttention) raised "
+                        "exception ValueError('Attention sinks cannot be run on CPU with flex attention")
+
+
+def test_flex_attention_is_refused_naming_the_layer_not_run_within_each_shard(runs):
+    """Left in the graph, flex_attention would attend within each rank's shard only (a wrong gradient)."""
+    runs.assert_refused("llama-flex-2", "model.layers.0.self_attn", "runs flex_attention",
+                        'attn_implementation="sdpa"')
 
 
 @pytest.mark.long
