@@ -1,0 +1,49 @@
+"""`autosp.comm.host_params` on one process: the fetch copies a host shard to the device and its gradient back to
+host memory, the `params` offload item and its one-line refusals. (Training against single-process training at
+one rank and at ZeRO 3 over gloo ranks, and the bytes the meter books: tests/baselines/test_autosp_method.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autosp.comm.host_params import fetch_parameter, gradient_to_host, place_on_host
+from autosp.compiler.offload import offload_mode, offload_optimizer, offload_params
+from autosp.compiler.options import CompileOptions
+from autosp.errors import ConfigError
+
+
+def test_the_fetch_copies_to_the_device_and_its_gradient_comes_back_as_a_fresh_host_copy():
+    host = torch.arange(6, dtype=torch.float32).requires_grad_()
+    fetched = fetch_parameter(host, torch.device("cpu"))
+    assert torch.equal(fetched, host) and fetched.data_ptr() != host.data_ptr()  # a copy, never the host storage
+    weight = torch.arange(6.0) + 1
+    (fetched * weight).sum().backward()
+    assert torch.equal(host.grad, weight)
+    grad = torch.ones(3)
+    copied = gradient_to_host(grad)
+    assert torch.equal(copied, grad) and copied.data_ptr() != grad.data_ptr()
+
+
+def test_the_fetch_refuses_a_device_it_cannot_copy_to_in_one_line():
+    with pytest.raises(Exception, match="offload=params runs on CUDA/ROCm .* or CPU") as info:
+        fetch_parameter(torch.ones(2), torch.device("meta"))
+    assert "\n" not in str(info.value).strip()
+
+
+def test_placing_on_host_keeps_the_parameter_object_and_its_values():
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    before = p.detach().clone()
+    place_on_host([p, p])
+    assert torch.equal(p, before) and isinstance(p, torch.nn.Parameter)
+
+
+def test_the_params_item_sits_beside_the_others_and_needs_the_optimizer_item():
+    assert (offload_mode("auto,optimizer,params"), offload_optimizer("auto,optimizer,params"),
+            offload_params("auto,optimizer,params")) == ("auto", "auto", True)
+    assert offload_params("params,optimizer:torch") and not offload_params("auto,optimizer")
+    assert CompileOptions(offload="optimizer,params").host_params
+    with pytest.raises(ConfigError, match="add optimizer") as info:
+        CompileOptions(offload="auto,params")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="unknown --offload"):
+        offload_params("optimizer,params,params")
