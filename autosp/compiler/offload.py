@@ -83,8 +83,8 @@ def _items(value: str | None) -> tuple[str, str | None, bool]:
                               f"{PARAMS_ITEM} (the parameters in host memory, with {OPTIMIZER_ITEM}), or one of each "
                               f"joined by commas, e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM}")
     if params and optimizer is None:
-        raise ConfigError(f"--offload {value!r}: {PARAMS_ITEM} keeps the parameters in host memory, where only the host "
-                          f"optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM})")
+        raise ConfigError(f"--offload {value!r}: {PARAMS_ITEM} keeps the parameters in host memory, where only the "
+                          f"host optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM})")
     return (modes[0] if modes else "off"), optimizer, params
 
 
