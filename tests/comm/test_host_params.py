@@ -47,3 +47,39 @@ def test_the_params_item_sits_beside_the_others_and_needs_the_optimizer_item():
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="unknown --offload"):
         offload_params("optimizer,params,params")
+
+
+def _zero3_rank() -> dict:
+    import autosp
+    from autosp.harness.config import DataConfig
+    from autosp.models import build_model
+    from autosp.models.data import make_batch
+
+    compiled = autosp.compile(build_model("tiny", seed=0), backend="aot_eager", sac="sac", zero=3,
+                              offload="optimizer:torch,params")
+    batch = make_batch(DataConfig(), batch_size=1, seq_len=64, vocab_size=256, seed=0)
+    compiled(**batch.model_kwargs()).loss.backward()
+    (record,) = compiled.partition_records
+
+    def count(graph: torch.fx.GraphModule, name: str) -> int:
+        return sum(f"autosp_sp.{name}" in str(n.target) for n in graph.graph.nodes)
+
+    return {"fetches": (count(record.fw_module, "fetch_parameter"), count(record.bw_module, "fetch_parameter")),
+            "to_host": count(record.bw_module, "gradient_to_host"),
+            "params": len(list(compiled.parameters())),
+            "prefetched": [[b.prefetched for b in graph] for graph in compiled.gather_buckets]}
+
+
+def test_at_zero_3_every_shard_is_fetched_in_forward_and_again_in_backward_and_gathers_still_go_a_layer_ahead():
+    """Two gloo ranks: one fetch per shard in forward and again in backward (the partitioner re-runs it, never keeps a
+    device copy from forward), one gradient copy to host per shard in backward, and every layer's gather bucket but the first of
+    each graph still issued during the previous layer (the fetches move with it)."""
+    from autosp.harness.launch import launch
+
+    outcome = launch(_zero3_rank, world_size=2, timeout_s=300)
+    assert outcome.status == "ok", outcome.traceback
+    result = outcome.results[0]
+    # backward needs every parameter again but the embedding table (its gradient needs only the token ids)
+    assert result["fetches"] == (result["params"], result["params"] - 1) and result["to_host"] == result["params"]
+    for graph in result["prefetched"]:
+        assert len(graph) > 2 and not graph[0] and all(graph[1:]), result["prefetched"]
