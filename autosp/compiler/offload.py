@@ -81,7 +81,8 @@ def _items(value: str | None) -> tuple[str, str | None, bool]:
             raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}, "
                               f"{OPTIMIZER_ITEM}[:{'|'.join(HOST_ADAM_CHOICES[1:])}] (the AdamW state in host memory), "
                               f"{PARAMS_ITEM} (the parameters in host memory, with {OPTIMIZER_ITEM}), or one of each "
-                              f"joined by commas, e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM}")
+                              f"joined by commas, e.g. activations,{OPTIMIZER_ITEM} or "
+                              f"auto,{OPTIMIZER_ITEM},{PARAMS_ITEM}")
     if params and optimizer is None:
         raise ConfigError(f"--offload {value!r}: {PARAMS_ITEM} keeps the parameters in host memory, where only the "
                           f"host optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM})")
