@@ -12,7 +12,8 @@ required: the `optimizer` item) reads for its CPU step and writes back into.
 
 Devices: on CUDA the host shards are pinned, the fetch is a `non_blocking` copy on the compute stream, the gradient's
 copy runs on a side stream (which first waits for the compute stream; the device gradient is kept alive for the
-copy by `record_stream`), and the host optimizer synchronises the device before it reads the gradients. Written
+copy by `record_stream`), the host optimizer synchronises the device before it reads the gradients, and a gradient
+accumulated into an existing `.grad` waits for the copies first. Written
 against torch's CUDA API, not run on a GPU here. On CPU the device *is* host memory, so a device run is emulated:
 the host shards are allocated inside the host optimizer's `host_region` and the gradients inside the
 `gradient_to_host` op, both of which the CPU memory meter (and the simulator's tracker) book as host memory.
@@ -95,3 +96,19 @@ def place_on_host(params: Iterable[nn.Parameter]) -> None:
         with host_optimizer.host_region():
             host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pinned).copy_(p.detach())
         p.data = host
+        if pinned:
+            p.register_hook(_copies_done_before_accumulating(p))
+
+
+def _copies_done_before_accumulating(p: nn.Parameter):
+    """A gradient hook: before autograd adds a new host gradient to an existing `.grad` (gradient accumulation over
+    several backward calls, on the CPU), the side stream's copies into both have finished (the host optimizer
+    synchronises before its step, which covers a single backward)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if p.grad is not None:
+            for side in _side_streams.values():
+                side.synchronize()
+        return grad
+
+    return hook
