@@ -187,8 +187,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
-        if any(p.device.type == "cpu" for p, _ in self._pairs) and torch.cuda.is_available() \
-                and torch.cuda.is_initialized():
+        if self.masters.params_on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # gradients streamed to host memory in backward (offload=params) have arrived
         devices = set()
         for p, master in self._pairs:

@@ -37,6 +37,14 @@ def test_placing_on_host_keeps_the_parameter_object_and_its_values():
     assert torch.equal(p, before) and isinstance(p, torch.nn.Parameter)
 
 
+def test_the_host_budget_counts_the_parameters_and_their_gradients_beside_the_adamw_state():
+    from autosp.comm.host_optimizer import HostMemoryError, check_host_budget
+
+    assert check_host_budget(10, torch.float32, None, params_dtype=torch.bfloat16) == 10 * (16 + 2 * 2)
+    with pytest.raises(HostMemoryError, match="and the parameters with their gradients"):
+        check_host_budget(10, torch.float32, 199, params_dtype=torch.bfloat16)
+
+
 def test_the_params_item_sits_beside_the_others_and_needs_the_optimizer_item():
     assert (offload_mode("auto,optimizer,params"), offload_optimizer("auto,optimizer,params"),
             offload_params("auto,optimizer,params")) == ("auto", "auto", True)
