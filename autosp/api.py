@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autosp.comm.host_optimizer import HostMasters, HostOptimizer, check_host_budget
+from autosp.comm.host_params import place_on_host
 from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
@@ -207,19 +208,27 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     device_type = next(model.parameters(), torch.empty(0)).device.type
     group_size = dist.get_world_size(reduce_group)
     zero = resolve_stage(options.zero, group_size, dist.get_backend(reduce_group), device_type)
-    if zero >= 2 and group_size > 1:
+    if options.host_params and zero != 3 and group_size > 1:
+        raise SequenceParallelError(f"offload=params keeps ZeRO-3 shards in host memory, but this run is at ZeRO "
+                                    f"stage {zero} over {group_size} ranks: use zero=3 (or drop params from offload)")
+    if (zero >= 2 and group_size > 1) or options.host_params:  # params: one rank's "shard" is the whole parameter
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3,
-                         compute_dtype=options.compute_dtype)
+                         compute_dtype=options.compute_dtype, fetch=options.host_params)
     elif options.compute_dtype is not None and options.host_adam is None:
         cast_parameters(model, options.compute_dtype)
     masters = None
     if options.host_adam is not None:  # the masters and moments in host memory; the device keeps compute-dtype casts
         stepped = [p for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
         numel = sum(p.numel() for p in stepped) // (group_size if zero == 1 else 1)
-        need = check_host_budget(numel, stepped[0].dtype if stepped else torch.float32, options.host_budget)
+        master_dtype = stepped[0].dtype if stepped else torch.float32
+        need = check_host_budget(numel, master_dtype, options.host_budget,
+                                 params_dtype=(options.compute_dtype or master_dtype) if options.host_params else None)
         if options.host_budget is not None:  # the planner's activations get what the optimizer state leaves
             options = CompileOptions.of(options, host_budget=options.host_budget - need)
         masters = HostMasters.capture(stepped, options.compute_dtype)
+        if options.host_params:  # the compute-dtype parameters (shards) too; their gradients come in backward
+            place_on_host(stepped)
+            masters.params_on_host = True
     sp_backend = make_backend(sp_group, options, reduce_group=reduce_group, dp_size=dp_size, zero=zero, model=model)
     # dynamic=None: a size that changes between calls (the sequence length) makes Dynamo trace once more with that
     # size symbolic; the backend then specialises the one trace per length (`specialize.per_length`)

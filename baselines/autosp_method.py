@@ -15,7 +15,7 @@ from torch import nn
 
 import autosp
 from autosp.comm.host_optimizer import iter_pairs
-from autosp.compiler.offload import offload_optimizer, parse_offload
+from autosp.compiler.offload import offload_optimizer, offload_params, parse_offload
 from autosp.compiler.options import COMPILE_BACKENDS
 from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
 from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
@@ -44,7 +44,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                                        offload=cfg.offload, host_budget=_host_budget_per_rank(cfg),
                                        attention_chunks=cfg.attention_chunks)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
-        offloads = ["activations"] * parse_offload(cfg.offload) + ["optimizer"] * bool(offload_optimizer(cfg.offload))
+        offloads = (["activations"] * parse_offload(cfg.offload) + ["optimizer"] * bool(offload_optimizer(cfg.offload))
+                    + ["params"] * offload_params(cfg.offload))
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
                                + (f"-tiling:{cfg.tiling}" if tiled else "")
                                + (f"-offload:{','.join(offloads)}" if offloads else "")
@@ -103,7 +104,8 @@ def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
         return policy
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                      zero=zero, optimizer_offload=offload_optimizer(cfg.offload) is not None)
+                      zero=zero, optimizer_offload=offload_optimizer(cfg.offload) is not None,
+                      params_offload=offload_params(cfg.offload))
     batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
     resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
                 + sum(t.numel() * t.element_size() for t in batch))
@@ -141,6 +143,9 @@ class AutoSP(Strategy):
         if parse_offload(cfg.offload) and cfg.compile_backend == "eager":
             raise ConfigError("--offload activations rewrites the partitioned forward/backward graphs: use "
                               "--compile-backend aot_eager or inductor")
+        if offload_params(cfg.offload) and cfg.world_size > 1 and self.zero_stage(cfg) != 3:
+            raise ConfigError(f"--offload {cfg.offload}: params keeps ZeRO-3 shards in host memory, not ZeRO "
+                              f"{self.zero_stage(cfg)} state: use --zero 3 (or one rank)")
         if cfg.compile_backend not in COMPILE_BACKENDS:
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose {', '.join(COMPILE_BACKENDS)}")
 

@@ -53,6 +53,7 @@ class HostMasters:
     def __init__(self) -> None:
         self._masters: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self.master_dtype = torch.float32  # the parameters' own dtype when captured (a model has one)
+        self.params_on_host = False  # offload=params: the compute-dtype parameters live in host memory too
 
     @classmethod
     def capture(cls, params: Iterable[nn.Parameter], compute_dtype: torch.dtype | None) -> "HostMasters":
@@ -100,14 +101,21 @@ def state_bytes_per_parameter(master_dtype: torch.dtype = torch.float32) -> int:
     return 4 * torch.empty(0, dtype=master_dtype).element_size()
 
 
-def check_host_budget(numel: int, master_dtype: torch.dtype, host_budget: int | None) -> int:
-    """The host bytes this rank's AdamW state will take (`state_bytes_per_parameter` x the elements it steps);
-    over `host_budget` a one-line out-of-memory error naming the host (a run records it as `oom`)."""
-    need = numel * state_bytes_per_parameter(master_dtype)
+def check_host_budget(numel: int, master_dtype: torch.dtype, host_budget: int | None,
+                      params_dtype: torch.dtype | None = None) -> int:
+    """The host bytes this rank's AdamW state will take (`state_bytes_per_parameter` x the elements it steps), plus
+    with `params_dtype` (offload=params, `autosp.comm.host_params`) the parameters and their gradients in that
+    dtype; over `host_budget` a one-line out-of-memory error naming the host (a run records it as `oom`)."""
+    per_parameter = state_bytes_per_parameter(master_dtype)
+    if params_dtype is not None:
+        per_parameter += 2 * torch.empty(0, dtype=params_dtype).element_size()
+    need = numel * per_parameter
     if host_budget is not None and need > host_budget:
-        raise HostMemoryError(f"host memory: offload=optimizer keeps {need} B of AdamW state (master, gradient, two "
-                              f"moments) in this rank's host memory, over its host budget of {host_budget} B; raise "
-                              "the host budget, shard the state over more ranks (zero=3) or drop offload=optimizer")
+        what = "AdamW state (master, gradient, two moments)" + (" and the parameters with their gradients"
+                                                                 if params_dtype is not None else "")
+        raise HostMemoryError(f"host memory: offload=optimizer keeps {need} B of {what} in this rank's host memory, "
+                              f"over its host budget of {host_budget} B; raise the host budget, shard the state over "
+                              "more ranks (zero=3) or drop offload=optimizer")
     return need
 
 
@@ -179,6 +187,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
+        if self.masters.params_on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # gradients streamed to host memory in backward (offload=params) have arrived
         devices = set()
         for p, master in self._pairs:
             if p.grad is None:
@@ -245,12 +255,13 @@ class HostOptimizer(torch.optim.Optimizer):
     def device_bytes_saved(self) -> int:
         """Device bytes this rank would hold without the offload, less what it holds with it: the inner state's
         tensors (AdamW's moments), and under mixed precision the master-vs-compute-dtype difference of the
-        parameter and of its gradient."""
+        parameter and of its gradient (with the parameters in host memory, offload=params: all of both)."""
         saved = 0
         for p, master in self._pairs:
             saved += sum(v.numel() * v.element_size() for v in self.inner.state.get(master, {}).values()
                          if torch.is_tensor(v) and v.dim() > 0)
-            saved += 2 * p.numel() * (master.element_size() - p.element_size())
+            kept = 0 if self.masters.params_on_host else p.element_size()
+            saved += 2 * p.numel() * (master.element_size() - kept)
         return saved
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from autosp.comm.host_params import fetch_parameter
 from autosp.comm.ops import all_gather_shard
 from autosp.errors import SequenceParallelError
 
@@ -90,17 +91,24 @@ def resolve_stage(zero: int | None, group_size: int, backend: str, device_type: 
 
 
 class ShardedParameter(nn.Module):
-    """Parametrization: a flat 1/P shard (padded to a multiple of P) in, the full parameter out."""
+    """Parametrization: a flat 1/P shard (padded to a multiple of P) in, the full parameter out. With `fetch_to`
+    (offload=params, `autosp.comm.host_params`) the shard lives in host memory and is first fetched to that device;
+    a group of one rank then gathers nothing (the fetch is the whole "gather")."""
 
     def __init__(self, shape: torch.Size, group: dist.ProcessGroup, *, dp_size: int, regather: bool,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, fetch_to: torch.device | None = None) -> None:
         super().__init__()
         self.shape, self.numel = tuple(shape), math.prod(shape)
         self.group_size, self.rank, self.group_name = dist.get_world_size(group), dist.get_rank(group), group.group_name
         self.shard_numel = -(-self.numel // self.group_size)
         self.dp_size, self.regather, self.compute_dtype = dp_size, regather, compute_dtype
+        self.fetch_to = fetch_to
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.fetch_to is not None:
+            shard = fetch_parameter(shard, self.fetch_to)
+        if self.group_size == 1:
+            return shard.to(self.compute_dtype).view(self.shape)
         flat = all_gather_shard(shard, self.group_size, self.group_name, self.dp_size, self.regather,
                                 self.compute_dtype)
         return flat[: self.numel].view(self.shape)
@@ -110,21 +118,29 @@ class ShardedParameter(nn.Module):
         return padded[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel].clone()
 
     def unshard(self, shard: torch.Tensor) -> torch.Tensor:
-        """Collective, outside autograd: the full value of `shard` (a parameter shard or its gradient), its dtype."""
+        """Collective, outside autograd: the full value of `shard` (a parameter shard or its gradient), its dtype
+        (on the fetch device where the shard lives in host memory)."""
+        shard = shard.detach() if self.fetch_to is None else shard.detach().to(self.fetch_to)
+        if self.group_size == 1:
+            return shard.reshape(self.shape)
         out = shard.new_empty(self.shard_numel * self.group_size)
-        dist.all_gather_single(out, shard.detach().contiguous(), group=dist.distributed_c10d
+        dist.all_gather_single(out, shard.contiguous(), group=dist.distributed_c10d
                                     ._resolve_process_group(self.group_name))
         return out[: self.numel].view(self.shape)
 
 
 def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, dp_size: int, regather: bool,
-                     compute_dtype: torch.dtype | None = None) -> int:
+                     compute_dtype: torch.dtype | None = None, fetch: bool = False) -> int:
     """Replace every parameter of `model` by its flat shard over `group` (stages 2 and 3); returns how many.
 
     A tied parameter (an LM head sharing the embedding) becomes one shard that every module using it gathers.
 
     `compute_dtype` (default: each parameter's own dtype): the dtype the gathered parameter is computed and
-    communicated in; the shard (master weight), its gradient and the optimizer state keep the parameter's dtype."""
+    communicated in; the shard (master weight), its gradient and the optimizer state keep the parameter's dtype.
+
+    `fetch` (offload=params): every use first fetches the shard from host memory to the parameter's current device
+    (move the shards there afterwards, `autosp.comm.host_params.place_on_host`); a group of one rank is allowed."""
+    device = next(model.parameters()).device  # where a fetched shard goes (the model's device)
     owners: dict[int, tuple[nn.Module, str]] = {}
     targets, ties = [], []  # (module, name, shape, dtype); ties: (..., the module and name that own the shard)
     for module in model.modules():
@@ -137,8 +153,8 @@ def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, dp_size: int
     for module, name, shape, dtype, *owner in targets + ties:
         if owner:  # registering reshards its parameter in place, and the owner's already is a shard: a stand-in
             module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
-        spec = ShardedParameter(shape, group, dp_size=dp_size, regather=regather,
-                                compute_dtype=compute_dtype or dtype)
+        spec = ShardedParameter(shape, group, dp_size=dp_size, regather=regather, compute_dtype=compute_dtype or dtype,
+                                fetch_to=device if fetch else None)
         parametrize.register_parametrization(module, name, spec, unsafe=True)  # unsafe: shard and full differ
         if owner:  # a tied weight: one shard, gathered at each use, the gradients of the uses summed
             owner_module, owner_name = owner

@@ -44,6 +44,9 @@ AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward"})
 #: the activation offload's copies (`autosp.compiler.offload`): inserted after partitioning, so no policy sees them
 AUTOSP_OFFLOAD_OPS = frozenset({"offload", "reload", "wait"})
+#: the parameter offload's copies (`autosp.comm.host_params`): a parameter's fetch from host memory, re-run in backward
+#: as ZeRO 3's regather is; its gradient's copy to host memory, made in backward only
+AUTOSP_HOST_PARAM_OPS = frozenset({"fetch_parameter", "gradient_to_host"})
 
 
 def _packet(node: fx.Node) -> Any:

@@ -51,6 +51,10 @@ OFFLOAD_CHOICES = ("off", "activations", "auto")
 OPTIMIZER_ITEM = "optimizer"
 """The `offload` item that keeps the optimizer state in host memory (`autosp.comm.host_optimizer`); `optimizer:torch`
 and `optimizer:deepspeed` choose the host AdamW (default: DeepSpeed's CPU Adam on GPUs, torch's on CPU)."""
+PARAMS_ITEM = "params"
+"""The `offload` item that keeps the parameters (ZeRO-3 shards; at one rank the whole parameters) in host memory,
+fetched to the device where used and their gradients streamed back in backward (`autosp.comm.host_params`); it needs
+the `optimizer` item (the host optimizer steps them)."""
 HOST_ADAM_CHOICES = ("auto", "torch", "deepspeed")
 DEVICE_WINDOW = 2
 """Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
@@ -59,23 +63,30 @@ OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 
 
-def _items(value: str | None) -> tuple[str, str | None]:
-    """`offload` as (the activations' mode, the optimizer item's host AdamW or None): a comma-separated list of at
-    most one of off | activations | auto and at most one optimizer[:torch|deepspeed]; the activations' mode is off
-    when only the optimizer is named."""
+def _items(value: str | None) -> tuple[str, str | None, bool]:
+    """`offload` as (the activations' mode, the optimizer item's host AdamW or None, whether the params item is
+    named): a comma-separated list of at most one of off | activations | auto, at most one optimizer[:torch|deepspeed]
+    and at most one params (which needs the optimizer item); the activations' mode is off when it is not named."""
     text = "off" if value is None else str(value).strip().lower()
-    modes, optimizer = [], None
+    modes, optimizer, params = [], None, False
     for item in (part.strip() for part in text.split(",")):
         name, _, adam = item.partition(":")
         if name == OPTIMIZER_ITEM and optimizer is None and (adam or "auto") in HOST_ADAM_CHOICES:
             optimizer = adam or "auto"
+        elif item == PARAMS_ITEM and not params:
+            params = True
         elif item in OFFLOAD_CHOICES and not modes:
             modes.append(item)
         else:
             raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}, "
                               f"{OPTIMIZER_ITEM}[:{'|'.join(HOST_ADAM_CHOICES[1:])}] (the AdamW state in host memory), "
-                              f"or one of each joined by a comma, e.g. activations,{OPTIMIZER_ITEM}")
-    return (modes[0] if modes else "off"), optimizer
+                              f"{PARAMS_ITEM} (the parameters in host memory, with {OPTIMIZER_ITEM}), or one of each "
+                              f"joined by commas, e.g. activations,{OPTIMIZER_ITEM} or "
+                              f"auto,{OPTIMIZER_ITEM},{PARAMS_ITEM}")
+    if params and optimizer is None:
+        raise ConfigError(f"--offload {value!r}: {PARAMS_ITEM} keeps the parameters in host memory, where only the "
+                          f"host optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM})")
+    return (modes[0] if modes else "off"), optimizer, params
 
 
 def offload_mode(value: str | None) -> str:
@@ -94,6 +105,11 @@ def offload_optimizer(value: str | None) -> str | None:
     """The host AdamW (auto | torch | deepspeed) when `value` names the `optimizer` item (the optimizer state in
     host memory, `autosp.comm.host_optimizer`), else None."""
     return _items(value)[1]
+
+
+def offload_params(value: str | None) -> bool:
+    """Whether `value` names the `params` item (the parameters in host memory, `autosp.comm.host_params`)."""
+    return _items(value)[2]
 
 
 def check_device(device: torch.device) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autosp.comm.sharding import check_stage
-from autosp.compiler.offload import offload_mode, offload_optimizer, parse_offload
+from autosp.compiler.offload import offload_mode, offload_optimizer, offload_params, parse_offload
 from autosp.compiler.sac_policy import Policy, parse_policy
 from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
@@ -65,7 +65,10 @@ class CompileOptions:
     #: (sac auto) moves them where the device budget needs it; under any other policy auto is off. An `optimizer`
     #: item (`optimizer`, `activations,optimizer`, `auto,optimizer`; `optimizer:torch|deepspeed` picks the host
     #: AdamW) keeps the fp32 master weights and the optimizer's moments in host memory, the step on the CPU
-    #: (`autosp.comm.host_optimizer`; build the optimizer with `make_optimizer`); named alone, activations are off
+    #: (`autosp.comm.host_optimizer`; build the optimizer with `make_optimizer`); named alone, activations are off.
+    #: A `params` item beside it (`auto,optimizer,params`) keeps the parameters (ZeRO-3 shards, or the whole
+    #: parameters at one rank) in host memory too, fetched to the device at each use and their gradients sent back
+    #: to host memory as backward makes them (`autosp.comm.host_params`; ZeRO 3, or one rank)
     offload: str = "auto"
     #: bytes of host memory this rank may hold for the offloads (None: no limit): the optimizer state's first, the
     #: planner's activations in the rest
@@ -80,6 +83,7 @@ class CompileOptions:
     offloads: bool = field(init=False, repr=False, compare=False)  # the offload pass runs (offload=activations)
     offload_mode: str = field(init=False, repr=False, compare=False)  # off | activations | auto
     host_adam: str | None = field(init=False, repr=False, compare=False)  # optimizer offload: auto|torch|deepspeed
+    host_params: bool = field(init=False, repr=False, compare=False)  # parameter offload (the params item)
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -97,6 +101,7 @@ class CompileOptions:
         object.__setattr__(self, "offloads", parse_offload(self.offload))
         object.__setattr__(self, "offload_mode", offload_mode(self.offload))
         object.__setattr__(self, "host_adam", offload_optimizer(self.offload))
+        object.__setattr__(self, "host_params", offload_params(self.offload))
         if self.host_budget is not None and (not isinstance(self.host_budget, int) or self.host_budget < 0):
             raise SequenceParallelError(f"host_budget={self.host_budget!r}: give bytes of host memory (an int >= 0) "
                                         "or None")

@@ -13,6 +13,9 @@ turns each layer's run of gathers into a *bucket*:
           value, as the per-parameter gather returned it (gloo flattens and unflattens on its worker thread; NCCL
           groups the gathers into one launch).
 
+With the parameters in host memory (offload=params, `autosp.comm.host_params`) each shard is first fetched to the
+device; the fetches move with their bucket's issue, so the copies of layer k+1 are also made during layer k.
+
 Layers are read off Dynamo's module stack (the gather runs in the parametrization of the module that uses the
 parameter); a run of gathers outside the layers (embedding, final norm, LM head) is one bucket.
 
@@ -67,13 +70,24 @@ def prefetch_gathers(gm: fx.GraphModule) -> list[GatherBucket]:
     prefetched = []
     for k, bucket in enumerate(buckets):
         # ahead of the previous layer, unless a shard is computed only after that layer starts
-        early = k > 0 and all(order[node.args[0]] < order[buckets[k - 1][0]] for node in bucket)
+        early = k > 0 and all(order[_source(node)] < order[buckets[k - 1][0]] for node in bucket)
         issued = _issue(graph, bucket, before=previous_wait if early else bucket[0])
         previous_wait = _wait(graph, bucket, issued)
         prefetched.append(early)
     graph.lint()
     gm.recompile()
     return [GatherBucket(layer, len(b), early) for layer, b, early in zip(layers, buckets, prefetched)]
+
+
+def _is_fetch(node: fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node.target) == "fetch_parameter"
+
+
+def _source(gather: fx.Node) -> fx.Node:
+    """What a gather's shard is made from: the host shard where it is fetched first (offload=params, the fetch moves
+    with the bucket's issue), else the shard itself."""
+    shard = gather.args[0]
+    return shard.args[0] if _is_fetch(shard) else shard
 
 
 def _bucket_key(node: fx.Node) -> tuple:
@@ -85,8 +99,11 @@ def _bucket_key(node: fx.Node) -> tuple:
 def _issue(graph: fx.Graph, bucket: list[fx.Node], before: fx.Node) -> fx.Node:
     """The bucket's shards (cast to the compute dtype) all-gathered as one coalesced collective before `before`."""
     _layer, group_size, group_name, dtype, master_dtype = _bucket_key(bucket[0])
+    shards = [node.args[0] for node in bucket]
+    for shard in shards:
+        if _is_fetch(shard):  # the host -> device copy goes with the gather it feeds
+            before.prepend(shard)
     with graph.inserting_before(before):
-        shards = [node.args[0] for node in bucket]
         if master_dtype != dtype:  # mixed precision: communicate in the compute dtype
             shards = [graph_call(graph, aten._to_copy.default, shard, dtype=dtype) for shard in shards]
         return graph_call(graph, c10d.all_gather_into_tensor_coalesced.default, shards, group_size, group_name)

@@ -58,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autosp.compiler.layers import assign_layers, forward_nodes
 from autosp.compiler.node_kinds import (_getitem_parent, _is_view, is_attention_forward, is_attention_value,
                                        is_collective_value, is_pinned_value)
+from autosp.comm.host_params import GRADIENT_TO_HOST_OP
 from autosp.compiler.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
 from autosp.compiler.sac_records import saved_values
 from autosp.compiler.sac_tags import _regather_parameters, _tag, _tag_layers
@@ -311,8 +312,10 @@ def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int)
 
 
 def _on_host(node: fx.Node) -> bool:
-    """A value in host memory: an offload's output (`autosp.compiler.offload`), or backward's input of it."""
-    return node.target is OFFLOAD_OP or (node.op == "placeholder" and any(u.target is RELOAD_OP for u in node.users))
+    """A value in host memory: an offload's output (`autosp.compiler.offload`), or backward's input of it; a
+    gradient streamed to host memory (`autosp.comm.host_params`)."""
+    return node.target in (OFFLOAD_OP, GRADIENT_TO_HOST_OP) or (
+        node.op == "placeholder" and any(u.target is RELOAD_OP for u in node.users))
 
 
 def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:

@@ -33,14 +33,19 @@ def _pin_attention_and_collectives(graph: fx.Graph, forward: set[fx.Node], *, at
 
 
 def is_regather(node: fx.Node) -> bool:
-    """A ZeRO-3 parameter gather (`autosp_sp::all_gather_shard` with regather=True)."""
-    return (node.op == "call_function" and op_name(node.target) == "all_gather_shard"
-            and bool(node.args[4] if len(node.args) > 4 else node.kwargs.get("regather")))
+    """A ZeRO-3 parameter gather (`autosp_sp::all_gather_shard` with regather=True) or a parameter's fetch from host
+    memory (`autosp_sp::fetch_parameter`, offload=params)."""
+    if node.op != "call_function":
+        return False
+    name = op_name(node.target)
+    return name == "fetch_parameter" or (name == "all_gather_shard" and bool(
+        node.args[4] if len(node.args) > 4 else node.kwargs.get("regather")))
 
 
 def _regather_parameters(graph: fx.Graph, forward: set[fx.Node]) -> None:
-    """ZeRO-3: each parameter gather and the views of its output MUST_RECOMPUTE, so backward gathers the parameter
-    again instead of keeping it alive from forward (the one collective re-run by design; all others stay pinned)."""
+    """ZeRO-3: each parameter gather (and fetch from host memory) and the views of its output MUST_RECOMPUTE, so
+    backward gathers the parameter again instead of keeping it alive from forward (the one collective re-run by
+    design; all others stay pinned)."""
     stack = [node for node in graph.nodes if node in forward and is_regather(node)]
     while stack:
         node = stack.pop()

@@ -154,6 +154,7 @@ def memory_floor(
     tiled_loss: bool = False,
     offload: bool = False,
     optimizer_offload: bool = False,
+    params_offload: bool = False,
 ) -> MemoryFloor:
     """The floor of `method` training `preset` on `world_size` ranks (batch_size sequences per replica) at ZeRO
     stage `zero` (default: the method's own) in `dtype`, pure or mixed (fp32 master state, `dtype` compute);
@@ -161,7 +162,9 @@ def memory_floor(
     `offload`: the layer inputs wait in host memory but for `DEVICE_WINDOW` of them (`host_bytes_per_token`).
     `optimizer_offload` (`--offload optimizer`, `autosp.comm.host_optimizer`): masters, a gradient buffer and the
     moments of every element this rank steps in host memory (`host_state_bytes`); the device keeps the parameters
-    and gradients in the compute dtype and no moments."""
+    and gradients in the compute dtype and no moments. `params_offload` (`--offload ...,params`,
+    `autosp.comm.host_params`): those parameters and gradients in host memory too, the device holding one unit
+    fetched (as ZeRO 3's gathered unit)."""
     sharding = sharding_of(method)
     if world_size < 1 or batch_size < 1:
         raise ConfigError(f"world_size ({world_size}) and batch_size ({batch_size}) must be >= 1")
@@ -176,7 +179,7 @@ def memory_floor(
     sharded = math.ceil(n / world_size)
     unit = max(layer_parameter_count(preset), preset.vocab_size * preset.hidden_size)
     # parameters held whole for compute beyond the stored copy (see the module docstring)
-    if stage == 3:
+    if stage == 3 or params_offload:
         gathered = unit
     elif stage == 2 or (mixed_precision and not optimizer_offload):  # offloaded: the device copy is the cast
         gathered = n
@@ -184,6 +187,7 @@ def memory_floor(
         gathered = 0
     stored = compute if optimizer_offload else master  # the device's parameters and gradients
     stepped = sharded if stage >= 1 else n
+    kept = 0 if params_offload else (sharded if stage >= 2 else n) * stored  # parameters (or gradients) on the device
     split = world_size if sharding.splits_sequence else 1
     layer_input = preset.hidden_size * compute
     on_device = min(preset.num_layers, DEVICE_WINDOW) if offload else preset.num_layers
@@ -192,8 +196,8 @@ def memory_floor(
         model=model_name or getattr(preset, "name", "?"),
         world_size=world_size,
         parameter_count=n,
-        params_bytes=(sharded if stage >= 2 else n) * stored,
-        grads_bytes=(sharded if stage >= 2 else n) * stored,
+        params_bytes=kept,
+        grads_bytes=kept,
         optimizer_bytes=0 if optimizer_offload else ADAMW_STATES_PER_PARAM * stepped * master,
         gathered_unit_bytes=gathered * compute,
         activation_bytes_per_token=on_device * layer_input + (0 if tiled_loss else preset.vocab_size * FP32_BYTES),
@@ -201,13 +205,14 @@ def memory_floor(
         zero=stage,
         precision=f"{dtype}-mixed" if mixed_precision else dtype,
         host_bytes_per_token=(preset.num_layers - on_device) * layer_input,
-        host_state_bytes=(2 + ADAMW_STATES_PER_PARAM) * stepped * master if optimizer_offload else 0,
+        host_state_bytes=((2 + ADAMW_STATES_PER_PARAM) * stepped * master if optimizer_offload else 0)
+        + (2 * stepped * stored if params_offload else 0),
     )
 
 
 def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, dtype: str = "float32",
               zero: int | None = None, mixed_precision: bool | None = None, tiled_loss: bool = False,
-              offload: bool = False, optimizer_offload: bool = False) -> MemoryFloor:
+              offload: bool = False, optimizer_offload: bool = False, params_offload: bool = False) -> MemoryFloor:
     """`memory_floor` for a model given by name (`tiny`, `llama-3.1-8b`, `hf:small`, ...). `dtype` is a run's
     `--dtype` (`bfloat16` = mixed, `bfloat16-pure`, ...: what a record or RunConfig holds) unless
     `mixed_precision` is given, which makes `dtype` the compute dtype."""
@@ -218,14 +223,14 @@ def floor_for(method: str, model: str, *, world_size: int, batch_size: int = 1, 
         dtype, mixed_precision = str(precision.compute).removeprefix("torch."), precision.mixed
     return memory_floor(method, get_preset(model), world_size=world_size, batch_size=batch_size, dtype=dtype,
                         model_name=model, zero=zero, mixed_precision=mixed_precision, tiled_loss=tiled_loss,
-                        offload=offload, optimizer_offload=optimizer_offload)
+                        offload=offload, optimizer_offload=optimizer_offload, params_offload=params_offload)
 
 
 def run_floor(cfg: RunConfig) -> MemoryFloor:
     """The floor of the run `cfg` configures: at the ZeRO stage its strategy really runs (`Strategy.zero_stage`,
     e.g. ds-autosp's 1 under mixed bf16), with autosp's tiled loss and offload as set (what a search starts
     from and judges its answer against)."""
-    from autosp.compiler.offload import offload_optimizer, parse_offload
+    from autosp.compiler.offload import offload_optimizer, offload_params, parse_offload
     from autosp.compiler.tiling import parse_tiling
     from baselines.base import get_strategy
 
@@ -233,7 +238,8 @@ def run_floor(cfg: RunConfig) -> MemoryFloor:
     return floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
                      zero=get_strategy(cfg.method).zero_stage(cfg), tiled_loss=autosp and parse_tiling(cfg.tiling).loss,
                      offload=autosp and parse_offload(cfg.offload),
-                     optimizer_offload=autosp and offload_optimizer(cfg.offload) is not None)
+                     optimizer_offload=autosp and offload_optimizer(cfg.offload) is not None,
+                     params_offload=autosp and offload_params(cfg.offload))
 
 
 # ------------------------------------------------------------------------------------------ `autosp floor`

@@ -50,6 +50,7 @@ class RunConfig:
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
     offload: str = "off"  # autosp only: off | activations | auto (layer-boundary activations in host memory; auto: the
     # --sac auto planner decides), optionally with an `optimizer` item (master weights + AdamW moments in host memory)
+    # and a `params` item (the parameters in host memory too, `autosp.comm.host_params`)
     ac: str = "off"  # ulysses, ring, zero3, fsdp: off | layer (per-layer activation checkpointing)
     host_memory_budget: int | None = None  # bytes of host memory per node; more offloaded there ends the run as `oom`
     attention_chunks: int = 1  # autosp only: each attention's all-to-alls and kernel in chunks of heads (1: none)

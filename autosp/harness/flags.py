@@ -66,7 +66,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="autosp: off | activations | auto: the layer-boundary activations wait in host memory for "
                    "backward (auto: where --sac auto, the memory planner, needs the room); an `optimizer` item "
                    "(optimizer, activations,optimizer, auto,optimizer; optimizer:torch|deepspeed picks the host AdamW) "
-                   "keeps the master weights and AdamW moments in host memory, the step on the CPU")
+                   "keeps the master weights and AdamW moments in host memory, the step on the CPU; a `params` item "
+                   "beside it (auto,optimizer,params) keeps the parameters there too, fetched at each use, gradients sent to "
+                   "host as backward makes them (ZeRO 3 or one rank)")
     g.add_argument("--ac", default=d["ac"], help="ulysses, ring, zero3, fsdp: off | layer (per-layer activation "
                    "checkpointing, as practitioners run them at long context)")
     g.add_argument("--host-memory-budget", default=None,

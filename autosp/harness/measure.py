@@ -232,8 +232,10 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     same address, are booked to a separate host pool, not to the device peak; the record gets the host pool's
     peak in the step as `host_offloaded_bytes`. So is what the optimizer offload allocates inside its host region
     (`autosp.comm.host_optimizer.HOST_REGION`: master weights, gradient buffers, AdamW moments and the step's
-    temporaries), from wherever in the run it was made (setup, the warm-up's first step)."""
+    temporaries; with offload=params also the parameters), from wherever in the run it was made (setup, the warm-up's
+    first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`)."""
     from autosp.comm.host_optimizer import HOST_REGION
+    from autosp.comm.host_params import GRADIENT_TO_HOST_NAME
     from autosp.compiler.offload import OFFLOAD_OP_NAME
 
     allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
@@ -244,7 +246,8 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         if node.tag == torch._C._profiler._EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
-                host = fields.alloc_size > 0 and (_inside(node, OFFLOAD_OP_NAME) or _inside(node, HOST_REGION))
+                host = fields.alloc_size > 0 and any(_inside(node, name) for name in (OFFLOAD_OP_NAME, HOST_REGION,
+                                                                                      GRADIENT_TO_HOST_NAME))
                 allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, host))
         elif node.name == mark:
             windows.append((node.start_time_ns, node.end_time_ns))

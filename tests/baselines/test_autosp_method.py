@@ -118,6 +118,27 @@ def test_optimizer_state_in_host_memory_matches_single_process(world_size, zero,
     _check("tiny", 2 if world_size == "bf16" else world_size, zero=zero, offload="optimizer", **options)
 
 
+@pytest.mark.parametrize("world_size, options", [
+    (1, dict(ignore_fraction=0.3)),  # one rank: each whole parameter fetched from host memory where it is used
+    (2, dict(ignore_fraction=0.3)),  # ZeRO 3: each rank's shards in host memory, fetched, then gathered
+    ("bf16", dict(dtype="bfloat16", seq_len=128)),  # bf16 shards in host memory, fp32 masters beside them
+    pytest.param(4, dict(pad_fraction=0.25), marks=pytest.mark.long),
+])
+def test_parameters_in_host_memory_match_single_process(world_size, options):
+    """offload=optimizer,params (`autosp.comm.host_params`): the parameters (shards) in host memory, fetched to the
+    device at each use in forward and again in backward, each gradient sent back to host memory as backward makes
+    it; loss, gradients and parameters after two steps as single-process training (fp32 tolerance; bf16 mixed
+    within the mixed-precision bound). That the state really leaves the device: the record test below."""
+    _check("tiny", 2 if world_size == "bf16" else world_size, zero=3, offload="optimizer,params", **options)
+
+
+def test_parameters_in_host_memory_at_a_stage_other_than_3_are_refused_before_any_rank_starts():
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=64, world_size=2, zero=2, offload="optimizer,params")
+    with pytest.raises(ConfigError, match="params keeps ZeRO-3 shards in host memory.*--zero 3") as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)
+
+
 def _mixed_precision_dtypes(method: str) -> dict:
     """One step under --dtype bfloat16: the dtypes of what autosp's compiled forward communicates and of the state."""
     cfg = RunConfig(method=method, model="tiny", seq_len=128, world_size=2, dtype="bfloat16",
@@ -250,3 +271,24 @@ def test_the_optimizer_offload_is_booked_as_host_memory_in_the_record():
     assert plain["peak_mem_bytes"] - offloaded["peak_mem_bytes"] >= 8 * n
     short = run(cfg.replace(offload="optimizer", host_memory_budget=16 * n))
     assert short["status"] == "oom" and short["error"].count("host memory") == 1, short["error"]
+
+
+def test_the_parameter_offload_leaves_the_device_neither_parameters_nor_all_gradients_at_once():
+    """One rank, fp32, a length short enough that the step's peak is where backward has made the gradients: with
+    offload=optimizer,params the meter finds no parameter resident when the step starts (4 B per parameter fewer)
+    and a peak lower by those and by most of the gradients (each sent to host memory as backward makes it, so at
+    most a layer's are on the device), both booked as host memory instead."""
+    from autosp.harness.runner import run
+    from autosp.models import build_model
+
+    n = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=16, world_size=1, zero=0, compile_backend="aot_eager",
+                    sac="sac", steps=1, timeout_s=300, offload="optimizer")
+    kept, moved = run(cfg), run(cfg.replace(offload="optimizer,params"))
+    assert kept["status"] == moved["status"] == "ok", (kept["error"], moved["error"])
+    assert moved["implementation"].endswith("-offload:optimizer,params")
+    before, after = kept["extra"]["memory"], moved["extra"]["memory"]
+    assert before["resident_at_step_start_bytes"] - after["resident_at_step_start_bytes"] == 4 * n
+    assert kept["peak_mem_bytes"] - moved["peak_mem_bytes"] >= 4 * n + 4 * n // 3  # measured: 4 n + 315 KB
+    assert after["host_offloaded_bytes"] - before["host_offloaded_bytes"] == 8 * n  # parameters and gradients
+    assert moved["extra"]["optimizer_offload"]["device_bytes_saved"] == 16 * n  # + the moments (8 n)

@@ -155,3 +155,8 @@ def test_the_optimizer_offload_leaves_the_device_its_compute_dtype_parameters_an
     sharded = floor_for("autosp", "tiny", world_size=2, zero=3, optimizer_offload=True)
     assert (sharded.params_bytes, sharded.optimizer_bytes, sharded.host_state_bytes) == (
         4 * -(-n // 2), 0, 16 * -(-n // 2))
+    hosted = floor_for("autosp", "tiny", world_size=1, zero=0, dtype="bfloat16", optimizer_offload=True,
+                       params_offload=True)  # --offload optimizer,params: one unit fetched, the rest on the host
+    assert (hosted.params_bytes, hosted.grads_bytes, hosted.host_state_bytes) == (0, 0, 16 * n + 4 * n)
+    assert 0 < hosted.gathered_unit_bytes == floor_for("autosp", "tiny", world_size=2, zero=3, dtype="bfloat16",
+                                                       optimizer_offload=True).gathered_unit_bytes  # ZeRO 3's unit

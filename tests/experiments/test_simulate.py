@@ -458,6 +458,31 @@ def test_autosps_optimizer_offload_puts_16_bytes_per_partitioned_parameter_in_ho
     assert resident["off", "cpu"] - resident["optimizer", "cpu"] == saved
 
 
+def test_autosps_parameter_offload_moves_the_parameters_and_the_gradients_to_host_memory():
+    """`--offload optimizer,params` (`autosp.comm.host_params`) on a simulated h100, one rank, bf16 mixed: the bf16
+    parameters (2 B per element) leave the device for host memory before the step, and backward's bf16 gradients
+    go to host memory as it makes them: the backward peak falls by more than the parameters, the host holds both."""
+    from autosp.experiments.simulate.programs import RankProgram
+    from autosp.models import build_model
+
+    n = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
+    cfg = RunConfig(method="autosp", model="tiny", world_size=1, seq_len=16, sac="sac", dtype="bfloat16",
+                    compile_backend="aot_eager")
+    host, resident, backward = {}, {}, {}
+    for offload in ("optimizer", "optimizer,params"):
+        with sim.fake_world(1, 0):
+            program = RankProgram(sim.simulate_config(cfg.replace(offload=offload)), get_device_model("h100-80gb",
+                                                                                                     None))
+            program.measure(sim.simulate_config(cfg.replace(offload=offload)))
+            host[offload] = program.tracker.host_bytes()
+            resident[offload] = sum(program.tracker.sizes().values())
+            backward[offload] = sum(program.tracker.moments["backward"].sizes.values())
+    assert resident["optimizer"] - resident["optimizer,params"] == 2 * n
+    assert host["optimizer,params"] - host["optimizer"] >= 2 * n  # + the gradients not yet freed by the step
+    # the parameters + at least a quarter of the gradients (measured: 2 n + 0.99 n of the 2 n + 2 n)
+    assert backward["optimizer"] - backward["optimizer,params"] > 2 * n + n // 2
+
+
 @pytest.mark.parametrize("seq_len", [512, pytest.param(1024, marks=pytest.mark.long)])
 def test_alst_is_simulated_within_10_percent_of_its_measured_peak_and_its_host_bytes_exactly(seq_len):
     """ALST (DeepSpeed's Ulysses, TiledMLP, tiled logits+loss, ZeRO-3; each layer's checkpointed input in host

@@ -13,6 +13,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from autosp.comm.host_params import GRADIENT_TO_HOST_OP
 from autosp.experiments.devices import DeviceModel
 from autosp.compiler.offload import OFFLOAD_OP
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
@@ -29,7 +30,8 @@ class LiveStorageTracker(TorchDispatchMode):
     and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
     `peak()` is the highest.
 
-    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`) and
+    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`) and of
+    `autosp_sp::gradient_to_host` (gradients streamed to host memory, `autosp.comm.host_params`) and
     the storages a program makes inside `host_allocations()` (an adapter's call sites that allocate on the host,
     e.g. DeepSpeed's optimizer offload) live in host memory, so they are kept out of the device total; `host_peak`
     is their most bytes alive at once.
@@ -162,7 +164,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 for inner in _inner_tensors(value):
                     serial = self.track(inner)
-                    if func is OFFLOAD_OP:
+                    if func is OFFLOAD_OP or func is GRADIENT_TO_HOST_OP:
                         self.host.add(serial)
         if not self.watching:
             return out
