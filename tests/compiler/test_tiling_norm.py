@@ -21,8 +21,10 @@ from tests.compiler.graphs import capture
 from tests.compiler.test_tiling import _assert_same_gradients, _batch, _eager, _tiled
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_the_kernel_equals_the_module(dtype, tolerance):
+    """The weight's gradient is summed chunk by chunk (in fp32), the rest follows autograd's own formulas."""
+    torch.manual_seed(0)
     norm = LlamaRMSNorm(48, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
