@@ -87,6 +87,7 @@ def test_fused_norms_lower_one_layers_backward_peak():
     assert fused <= plain - fp32_hidden, (plain, fused)
 
 
+#: each case with the line `model.tiling` must hold (so a case that stopped fusing would fail)
 CASES = {
     "P=2, every layer recomputed, saved values in host memory": (
         2, exact_case(builder="autosp.models.build_model", name="hf:tiny", vocab=512,
@@ -102,6 +103,10 @@ def runs() -> ExactnessRuns:
     return ExactnessRuns(CASES)
 
 
+TILED = {"P=2, every layer recomputed, saved values in host memory": "5 RMSNorms in chunks of 16 tokens",
+         "P=4, ZeRO 3": "5 RMSNorms in chunks of 16 tokens"}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_norms_are_exact_across_ranks(runs, case):
-    runs.assert_exact(case)
+    assert TILED[case] in runs.assert_exact(case)["tiling"]
