@@ -58,6 +58,9 @@ class Tiling:
     loss: bool = False
     mlp: bool = False
     norm: bool = False  # RMSNorms as `autosp_sp::rms_norm`, their fp32 values one chunk of tokens at a time
+    #: only the norms that upcast a 16-bit hidden state (`auto`): an fp32 model has no upcast copy to save, and its
+    #: peak was higher fused (docs/measurements/2026-12-02-layer-backward.md)
+    norm_upcasts_only: bool = False
     tile_tokens: int | None = None
 
     @property
@@ -69,8 +72,8 @@ KINDS = ("loss", "mlp", "norm")
 
 
 def parse_tiling(value: "str | Tiling | None") -> Tiling:
-    """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm), optionally
-    `:<tokens per tile>` (e.g. `auto:1024`)."""
+    """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm, the norms only where
+    they upcast a 16-bit hidden state), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
         return value
     text = "off" if value is None else str(value).strip().lower()
@@ -88,7 +91,8 @@ def parse_tiling(value: "str | Tiling | None") -> Tiling:
             f"unknown tiling {value!r}; choose off, auto, or some of loss, mlp, norm separated by commas "
             "(optionally :<tokens per tile>)"
         )
-    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, tile_tokens=tile_tokens)
+    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, norm_upcasts_only=kind == "auto",
+                  tile_tokens=tile_tokens)
 
 
 OUTPUTS = ("all", "loss")
@@ -285,7 +289,7 @@ def apply_tiling(gm: fx.GraphModule, tiling: Tiling, *, loss_only: bool) -> Tili
         keep_only_loss(gm)
     report = tile_loss(gm, tiling)
     if tiling.norm:
-        report.norms = fuse_rms_norms(gm, tiling.tile_tokens)
+        report.norms = fuse_rms_norms(gm, tiling.tile_tokens, upcasts_only=tiling.norm_upcasts_only)
     if tiling.mlp:
         report.mlp = tile_token_wise_blocks(gm, tiling.tile_tokens)
     if report.skipped:

@@ -128,9 +128,10 @@ def norm_chunk_tokens(num_tokens: int, tile_tokens: int | None) -> int:
     return max(1, min(num_tokens, max(MIN_TILE_TOKENS, math.ceil(num_tokens / AUTO_CHUNKS))))
 
 
-def fuse_rms_norms(gm: fx.GraphModule, tile_tokens: int | None = None) -> list[dict[str, Any]]:
-    """Rewrite every matched RMSNorm of `gm` into `autosp_sp::rms_norm` (in place); returns one row per norm:
-    its module, tokens, tokens per chunk."""
+def fuse_rms_norms(gm: fx.GraphModule, tile_tokens: int | None = None, *, upcasts_only: bool = False
+                   ) -> list[dict[str, Any]]:
+    """Rewrite every matched RMSNorm of `gm` into `autosp_sp::rms_norm` (in place; `upcasts_only`: only those whose
+    input is not fp32 already); returns one row per norm: its module, tokens, tokens per chunk."""
     graph = gm.graph
     fused = []
     for out in list(graph.nodes):
@@ -139,6 +140,8 @@ def fuse_rms_norms(gm: fx.GraphModule, tile_tokens: int | None = None) -> list[d
             continue
         x, weight, eps = found
         value = dynamo_value(x)
+        if upcasts_only and value.dtype == torch.float32:
+            continue
         tokens = math.prod(int(d) for d in value.shape[:-1])
         chunk = norm_chunk_tokens(tokens, tile_tokens)
         with graph.inserting_before(out):

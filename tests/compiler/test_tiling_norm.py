@@ -51,6 +51,16 @@ def test_llama_norms_are_fused_and_training_is_exact(name):
     _assert_same_gradients(model, reference)
 
 
+def test_auto_fuses_only_the_norms_that_upcast():
+    """`auto` leaves an fp32 model's norms (no upcast copy to save) as they are; `norm` fuses them."""
+    ids, labels = _batch()
+    for tiling, fused in (("auto:16", 0), ("loss,mlp,norm:16", 5)):
+        torch._dynamo.reset()
+        compiled, reports, _ = _tiled(build_model("tiny"), tiling)
+        compiled(input_ids=ids, labels=labels)
+        assert len(reports[0].norms) == fused, tiling
+
+
 def test_a_layer_norm_is_left_as_it_is():
     from tests.compiler.models import build_decoder
 
@@ -82,7 +92,7 @@ def test_fused_norms_lower_one_layers_backward_peak():
     """Unfused, the peak is a norm's backward with four fp32 hidden-sized values alive (the recomputed upcast, the
     gradient's upcast, two products); fused, it moves to attention's backward, at least one of them lower."""
     tokens = 8192  # rank 0's share of 16,384
-    plain, fused = _backward_peak("loss,mlp:256", 2 * tokens), _backward_peak("auto:256", 2 * tokens)
+    plain, fused = _backward_peak("loss,mlp:256", 2 * tokens), _backward_peak("auto:256", 2 * tokens)  # bf16
     fp32_hidden = tokens * get_preset("tiny").hidden_size * 4
     assert fused <= plain - fp32_hidden, (plain, fused)
 
@@ -91,7 +101,7 @@ def test_fused_norms_lower_one_layers_backward_peak():
 CASES = {
     "P=2, every layer recomputed, saved values in host memory": (
         2, exact_case(builder="autosp.models.build_model", name="hf:tiny", vocab=512,
-                      compile_options={"tiling": "auto:16", "outputs": "loss", "sac": "budget=1B"})),
+                      compile_options={"tiling": "loss,mlp,norm:16", "outputs": "loss", "sac": "budget=1B"})),
     "P=4, ZeRO 3": (
         4, exact_case(builder="autosp.models.build_model", name="tiny", vocab=512,
                       compile_options={"tiling": "norm", "zero": 3})),
