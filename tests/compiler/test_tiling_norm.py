@@ -117,6 +117,7 @@ TILED = {"P=2, every layer recomputed, saved values in host memory": "5 RMSNorms
          "P=4, ZeRO 3": "5 RMSNorms in chunks of 16 tokens"}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.long) if CASES[name][0] == 4 else name
+                                  for name in CASES])
 def test_fused_norms_are_exact_across_ranks(runs, case):
     assert TILED[case] in runs.assert_exact(case)["tiling"]
