@@ -42,6 +42,8 @@ AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
 #: in backward would redo the whole tiled computation; masked attention's backward is a backward op
 AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward"})
+#: token-wise kernels, recomputed like the aten ops they replace (`autosp.compiler.tiling_norm`)
+AUTOSP_TOKENWISE_OPS = frozenset({"rms_norm", "rms_norm_backward"})
 #: the activation offload's copies (`autosp.compiler.offload`): inserted after partitioning, so no policy sees them
 AUTOSP_OFFLOAD_OPS = frozenset({"offload", "reload", "wait"})
 #: the parameter offload's copies (`autosp.comm.host_params`): a parameter's fetch from host memory, re-run in backward

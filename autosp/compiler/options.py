@@ -50,9 +50,10 @@ class CompileOptions:
     #: `autosp.comm.precision`), activations and all-to-alls in that dtype, gradients (and their reduction) and
     #: optimizer state in the master dtype; None: the parameters' own dtype
     compute_dtype: torch.dtype | None = None
-    #: off | loss | mlp | auto, optionally :<tokens per tile>: the LM head + cross-entropy (and token-wise blocks
-    #: such as the MLP) run over tiles of the local tokens, recomputed in backward, exact (`autosp.compiler.tiling`);
-    #: default off
+    #: off | auto | some of loss,mlp,norm, optionally :<tokens per tile>: the LM head + cross-entropy (and token-wise
+    #: blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as one kernel
+    #: holding their fp32 values for a chunk of tokens at a time (`norm`); auto: all three; exact
+    #: (`autosp.compiler.tiling`); default off
     tiling: str | Tiling = "off"
     #: all | loss: `loss` returns None for every output but the loss (a model returning logits has its loss tiled
     #: only then); default all

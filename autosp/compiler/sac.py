@@ -44,16 +44,17 @@ from autosp.compiler.fx_nodes import node_nbytes
 from autosp.compiler.lowering import INDUCTOR_MEMORY_CONFIG, compile_with_partitioner
 from autosp.compiler.layers import assign_layers, layer_of_path, module_path
 from autosp.compiler.node_kinds import (AUTOSP_ATTENTION_OPS, AUTOSP_COLLECTIVE_OPS, AUTOSP_HOST_PARAM_OPS,
-                                        AUTOSP_OFFLOAD_OPS, AUTOSP_OPAQUE_OPS, is_attention_forward, is_attention_value,
-                                        is_collective, is_collective_value, is_opaque)
+                                        AUTOSP_OFFLOAD_OPS, AUTOSP_OPAQUE_OPS, AUTOSP_TOKENWISE_OPS,
+                                        is_attention_forward, is_attention_value, is_collective, is_collective_value,
+                                        is_opaque)
 from autosp.compiler.sac_policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
 from autosp.compiler.sac_records import PartitionRecord
 from autosp.compiler.sac_tags import tag_joint_graph
 
 #: the names importers read from here: the policy, what a node is, its layer, what a partition saved
 __all__ = ["AUTOSP_ATTENTION_OPS", "AUTOSP_COLLECTIVE_OPS", "AUTOSP_HOST_PARAM_OPS", "AUTOSP_OFFLOAD_OPS",
-           "AUTOSP_OPAQUE_OPS", "INDUCTOR_MEMORY_CONFIG", "POLICY_CHOICES", "PartitionRecord", "Policy",
-           "SacPartitioner", "SacPolicy", "assign_layers", "compile_with_partitioner", "is_attention_forward",
+           "AUTOSP_OPAQUE_OPS", "AUTOSP_TOKENWISE_OPS", "INDUCTOR_MEMORY_CONFIG", "POLICY_CHOICES", "PartitionRecord",
+           "Policy", "SacPartitioner", "SacPolicy", "assign_layers", "compile_with_partitioner", "is_attention_forward",
            "is_attention_value", "is_collective", "is_collective_value", "is_opaque", "layer_of_path",
            "make_partition_fn", "module_path", "node_nbytes", "parse_policy", "sac_backend",
            "tag_joint_graph"]

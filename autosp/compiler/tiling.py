@@ -38,6 +38,7 @@ from autosp.compiler import fx_nodes
 from autosp.compiler.fx_nodes import DYNAMO, dynamo_value
 from autosp.compiler import tiled_loss_op  # noqa: F401  (defines the op the pass emits)
 from autosp.compiler.tiling_mlp import MIN_TILE_TOKENS, tile_token_wise_blocks
+from autosp.compiler.tiling_norm import fuse_rms_norms
 from autosp.errors import ConfigError
 
 logger = logging.getLogger("autosp")
@@ -56,15 +57,23 @@ class Tiling:
 
     loss: bool = False
     mlp: bool = False
+    norm: bool = False  # RMSNorms as `autosp_sp::rms_norm`, their fp32 values one chunk of tokens at a time
+    #: only the norms that upcast a 16-bit hidden state (`auto`): an fp32 model has no upcast copy to save, and its
+    #: peak was higher fused (docs/measurements/2026-12-02-layer-backward.md)
+    norm_upcasts_only: bool = False
     tile_tokens: int | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.loss or self.mlp
+        return self.loss or self.mlp or self.norm
+
+
+KINDS = ("loss", "mlp", "norm")
 
 
 def parse_tiling(value: "str | Tiling | None") -> Tiling:
-    """`off | loss | mlp | loss,mlp | auto` (= loss,mlp), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
+    """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm, the norms only where
+    they upcast a 16-bit hidden state), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
         return value
     text = "off" if value is None else str(value).strip().lower()
@@ -76,12 +85,14 @@ def parse_tiling(value: "str | Tiling | None") -> Tiling:
         tile_tokens = int(size)
     if kind == "off" and not size:
         return Tiling()
-    kinds = {"loss", "mlp"} if kind == "auto" else set(kind.split(","))
-    if not kinds or not kinds <= {"loss", "mlp"}:
+    kinds = set(KINDS) if kind == "auto" else set(kind.split(","))
+    if not kinds or not kinds <= set(KINDS):
         raise ConfigError(
-            f"unknown tiling {value!r}; choose off, loss, mlp, loss,mlp or auto (optionally :<tokens per tile>)"
+            f"unknown tiling {value!r}; choose off, auto, or some of loss, mlp, norm separated by commas "
+            "(optionally :<tokens per tile>)"
         )
-    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, tile_tokens=tile_tokens)
+    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, norm_upcasts_only=kind == "auto",
+                  tile_tokens=tile_tokens)
 
 
 OUTPUTS = ("all", "loss")
@@ -110,6 +121,7 @@ class TilingReport:
     tiled: list[dict[str, int]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
+    norms: list[dict[str, Any]] = field(default_factory=list)  # fused RMSNorms: module, tokens, chunk_tokens
 
 
 def _is_method(node: fx.Node, names: set[str]) -> bool:
@@ -276,6 +288,8 @@ def apply_tiling(gm: fx.GraphModule, tiling: Tiling, *, loss_only: bool) -> Tili
     if loss_only:
         keep_only_loss(gm)
     report = tile_loss(gm, tiling)
+    if tiling.norm:
+        report.norms = fuse_rms_norms(gm, tiling.tile_tokens, upcasts_only=tiling.norm_upcasts_only)
     if tiling.mlp:
         report.mlp = tile_token_wise_blocks(gm, tiling.tile_tokens)
     if report.skipped:
@@ -293,4 +307,7 @@ def describe(reports: Sequence[TilingReport]) -> str:
     if blocks:
         parts.append(f"{len(blocks)} token-wise blocks tiled ({blocks[0]['module']}: {blocks[0]['tokens']} tokens "
                      f"in tiles of {blocks[0]['tile_tokens']})")
+    norms = [n for r in reports for n in r.norms]
+    if norms:
+        parts.append(f"{len(norms)} RMSNorms in chunks of {norms[0]['chunk_tokens']} tokens")
     return "; ".join(parts) or "nothing tiled"

@@ -1,5 +1,6 @@
 """Token-wise blocks (an MLP: linears and elementwise ops on the token dims only) split into tiles of tokens, each
-tile's block recomputed tile by tile under SAC (the `mlp` part of `--tiling`; entered from `tiling.apply_tiling`)."""
+tile's block recomputed tile by tile under SAC (the `mlp` part of `--tiling`; entered from `tiling.apply_tiling`).
+A block fed by a fused RMSNorm (`tiling_norm`) takes the norm into its tiles, and the residual add after it."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from autosp.comm.library import op_name
 from autosp.compiler import fx_nodes
 from autosp.compiler.fx_nodes import DYNAMO, dynamo_value
 
@@ -99,6 +101,30 @@ def _token_wise_block(path: str, nodes: list[fx.Node]) -> _Block | None:
     return _Block(path, nodes, source, result, weights) if biggest > value.numel() else None
 
 
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (operator.add, torch.add)) or (
+        node.op == "call_method" and node.target == "add")
+
+
+def _with_norm_and_residual(block: _Block) -> _Block:
+    """`block` widened by the RMSNorm that feeds it (`autosp_sp::rms_norm`, read only by the block) and the residual
+    add of the norm's input after it (`x + mlp(norm(x))`): each tile normalises its own tokens, so the norm's output
+    is never whole, and the tiles' outputs are the layer's. `block` unchanged otherwise."""
+    getter = block.source
+    if not (getter.op == "call_function" and getter.target is operator.getitem and getter.args[1] == 0):
+        return block
+    norm = getter.args[0]
+    if not (isinstance(norm, fx.Node) and norm.op == "call_function" and op_name(norm.target) == "rms_norm"
+            and list(norm.users) == [getter] and all(u in block.nodes for u in getter.users)):
+        return block
+    x, nodes, result = norm.args[0], [norm, getter, *block.nodes], block.result
+    (add, *others) = list(result.users) or [None]
+    if (not others and add is not None and _is_add(add) and len(add.args) == 2 and not add.kwargs
+            and set(add.args) == {x, result} and not any(u.op == "output" for u in add.users)):
+        nodes, result = [*nodes, add], add
+    return _Block(block.path, nodes, x, result, block.weights)
+
+
 def auto_mlp_tile_tokens(num_tokens: int, features: int, intermediate: int) -> int:
     """Tokens per block tile: one tile's intermediate no larger than the block's input, at least MIN_TILE_TOKENS."""
     rows = math.ceil(num_tokens * features / intermediate)
@@ -111,7 +137,8 @@ def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -
     by tile in backward; the [tokens, intermediate] values never exist whole. Returns what was tiled."""
     graph = gm.graph
     regions = _module_regions(graph)
-    blocks = [b for path, nodes in regions.items() if (b := _token_wise_block(path, nodes)) is not None]
+    blocks = [_with_norm_and_residual(b) for path, nodes in regions.items()
+              if (b := _token_wise_block(path, nodes)) is not None]
     paths = {b.path for b in blocks}
     tiled = []
     for block in blocks:
@@ -124,7 +151,8 @@ def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -
         if size >= tokens:
             continue
         _tile_block(graph, block, size)
-        tiled.append({"module": block.path, "tokens": int(tokens), "tile_tokens": int(size)})
+        tiled.append({"module": block.path, "tokens": int(tokens), "tile_tokens": int(size),
+                      "with_norm": op_name(block.nodes[0].target) == "rms_norm"})
     graph.lint()
     gm.recompile()
     return tiled

@@ -52,7 +52,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's "
                    "longest-length stage (3 for autosp, ulysses, ring, zero3, fsdp; `autosp methods` lists each)")
     g.add_argument("--tiling", default=d["tiling"],
-                   help="autosp: off | loss | auto[:<tokens per tile>]: LM head + loss over token tiles (exact)")
+                   help="autosp: off | auto | some of loss,mlp,norm [:<tokens per tile>]: LM head + loss and MLPs over "
+                   "token tiles, RMSNorms' fp32 values a chunk of tokens at a time (exact; auto: all three)")
     g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
                    help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
     g.add_argument("--attention-chunks", type=int, default=d["attention_chunks"],

@@ -60,7 +60,7 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
         params = compiled.full_parameters() if sharded else dict(model.named_parameters())
         for name, r in reference.named_parameters():
             worst["param"] = max(worst["param"], relative_error(params[name].detach(), r.detach()))
-    return {**worst, "choice": _planner_choice(compiled)}
+    return {**worst, "choice": _planner_choice(compiled), "tiling": getattr(compiled, "tiling", "")}
 
 
 def _compiled(model: torch.nn.Module, options: dict) -> Any:
@@ -124,7 +124,7 @@ class ExactnessRuns:
     def assert_exact(self, name: str) -> dict[str, Any]:
         worst = self._result(name)
         assert isinstance(worst, dict), worst
-        errors = {k: v for k, v in worst.items() if k != "choice"}
+        errors = {k: v for k, v in worst.items() if k not in ("choice", "tiling")}
         assert max(errors.values()) <= TOLERANCE, worst
         return worst
 

@@ -14,6 +14,7 @@ from autosp.compiler.sac import (
     AUTOSP_HOST_PARAM_OPS,
     AUTOSP_OFFLOAD_OPS,
     AUTOSP_OPAQUE_OPS,
+    AUTOSP_TOKENWISE_OPS,
     PartitionRecord,
     Policy,
     is_attention_forward,
@@ -414,7 +415,7 @@ def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> N
     from autosp.comm.library import registered_names
 
     assert registered_names() == (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS
-                                  | AUTOSP_OFFLOAD_OPS | AUTOSP_HOST_PARAM_OPS), "classify every new autosp_sp:: op"
+                                  | AUTOSP_OFFLOAD_OPS | AUTOSP_HOST_PARAM_OPS | AUTOSP_TOKENWISE_OPS), "classify every new autosp_sp:: op"
 
 
 def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
