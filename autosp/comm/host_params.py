@@ -26,11 +26,9 @@ import torch
 from torch import nn
 
 from autosp.comm import host_optimizer
+from autosp.comm.host_copy import synchronize_side_streams, to_host
 from autosp.comm.library import custom_op, op, qualified
 from autosp.errors import SequenceParallelError
-
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
-
 
 def _check(device: torch.device) -> None:
     if device.type not in ("cpu", "cuda"):
@@ -57,17 +55,7 @@ def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def gradient_to_host(grad: torch.Tensor) -> torch.Tensor:
     """`grad` copied to host memory (pinned, on a side stream on CUDA): the device copy dies with its last use."""
     _check(grad.device)
-    if grad.device.type == "cpu":
-        return torch.empty_like(grad, memory_format=torch.contiguous_format).copy_(grad)
-    if grad.device not in _side_streams:
-        _side_streams[grad.device] = torch.cuda.Stream(device=grad.device)
-    side = _side_streams[grad.device]
-    host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-    side.wait_stream(torch.cuda.current_stream(grad.device))  # the gradient is complete
-    with torch.cuda.stream(side):
-        host.copy_(grad, non_blocking=True)
-    grad.record_stream(side)  # its memory is not reused before the copy has read it
-    return host
+    return to_host(grad)
 
 
 @gradient_to_host.register_fake
@@ -107,8 +95,7 @@ def _copies_done_before_accumulating(p: nn.Parameter):
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if p.grad is not None:
-            for side in _side_streams.values():
-                side.synchronize()
+            synchronize_side_streams()
         return grad
 
     return hook

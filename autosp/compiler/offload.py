@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autosp.comm.host_copy import side_stream, to_host
 from autosp.comm.library import custom_op, fragment, op, qualified
 from autosp.compiler.fx_nodes import node_nbytes
 from autosp.compiler.layers import assign_layers
@@ -120,30 +121,14 @@ def check_device(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------------------ the ops
 
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 _pending_reloads: dict[int, "torch.cuda.Event"] = {}  # device data_ptr -> its reload's completion event
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device=device)
-    return _side_streams[device]
 
 
 @custom_op("offload", mutates_args=())
 def offload(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy of `tensor` (pinned, copied on the side stream on CUDA)."""
     check_device(tensor.device)
-    if tensor.device.type == "cpu":
-        host = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        return host.copy_(tensor)
-    side, compute = _side_stream(tensor.device), torch.cuda.current_stream(tensor.device)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    side.wait_stream(compute)  # the value is complete
-    with torch.cuda.stream(side):
-        host.copy_(tensor, non_blocking=True)
-    tensor.record_stream(side)  # its memory is not reused before the copy has read it
-    return host
+    return to_host(tensor)
 
 
 @offload.register_fake
@@ -161,7 +146,7 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     check_device(device)
     if device.type == "cpu":
         return host.clone()
-    side, compute = _side_stream(device), torch.cuda.current_stream(device)
+    side, compute = side_stream(device), torch.cuda.current_stream(device)
     out = torch.empty(host.shape, dtype=host.dtype, device=device)  # allocated on the compute stream
     side.wait_stream(compute)  # the block may be in use by queued compute until here
     with torch.cuda.stream(side):
