@@ -99,14 +99,14 @@ def test_a_simulated_rank_steps_adamw_the_way_its_device_does(device, multi_tens
     assert any(name.startswith("_foreach_sqrt") for name in seen) == multi_tensor
 
 
-def _deep(monkeypatch, base: str, **changes) -> str:
-    """A 6-layer variant of a CPU preset, registered for this test: deep enough to be extrapolated."""
+def _deep(monkeypatch, base: str, num_layers: int = 6, **changes) -> str:
+    """A 6-layer (or `num_layers`) variant of a CPU preset, registered for this test: deep enough to be extrapolated."""
     import dataclasses
 
     from autosp.models import presets
 
-    monkeypatch.setitem(presets._PRESETS, "deep", dataclasses.replace(presets._PRESETS[base], name="deep", num_layers=6,
-                                                                      **changes))
+    monkeypatch.setitem(presets._PRESETS, "deep", dataclasses.replace(presets._PRESETS[base], name="deep",
+                                                                      num_layers=num_layers, **changes))
     return "deep"
 
 
@@ -547,3 +547,58 @@ def test_the_memory_planner_is_simulated_at_full_depth():
     assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="budget=1GiB"))
     assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="sac")) is None
     assert _planned(RunConfig(method="ulysses", model="tiny", seq_len=256, sac="auto")) is None
+    # its last rung is a fixed policy, extrapolated like `sac` (what its searches run on: `simulated_search`)
+    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac=sim.LAST_RUNG_SAC)) is None
+
+
+def _planner_search(monkeypatch, longest: dict[str, int]) -> dict:
+    """`simulated_search` of the planner on a 6-layer preset, each probe ok up to `longest[sac]` tokens (a stand-in
+    for the simulation: the search's control flow only)."""
+    from autosp.experiments.simulate import lengths
+
+    def simulate(cfg: RunConfig, device) -> dict:
+        status = "ok" if cfg.seq_len <= longest[cfg.sac] else "oom"
+        return {"status": status, "seq_len": cfg.seq_len, "peak_mem_bytes": cfg.seq_len, "error": None,
+                "config": {"sac": cfg.sac}, "extra": {"breakdown": {"allocator_blocks_bytes": cfg.seq_len,
+                                                                      "model_state_bytes": 0}}}
+
+    monkeypatch.setattr(lengths, "simulate", simulate)
+    cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny"), seq_len=1, world_size=2, sac="auto")
+    return sim.simulated_search(cfg, get_device_model("cpu", 2048), granularity=512, max_len=8192)
+
+
+def test_the_planners_search_runs_on_its_last_rung_then_simulates_the_answer_with_the_planner(monkeypatch):
+    """Deeper than `EXACT_LAYERS` the planner is simulated whole (~10x a 2- and 3-layer pair at 8B): the search
+    runs on its last rung (extrapolated) and only the answer is simulated whole with the planner."""
+    row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 2560})
+    assert row["max_seq_len"] == 2560 and row["first_oom_seq_len"] == 3072
+    assert row["extra"]["searched_on"] == {"sac": sim.LAST_RUNG_SAC, "planner_confirmed": True}
+    assert [p["sac"] for p in row["probes"] if p["seq_len"] == 2560][-1] == "auto"  # the answer, the planner's
+    assert sum(p["sac"] == "auto" for p in row["probes"]) == 1 and row["config"]["sac"] == "auto"
+
+
+def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_with_the_planner(monkeypatch):
+    row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 1536})
+    assert row["max_seq_len"] == 1536 and row["first_oom_seq_len"] == 2048 and row["status"] == "found"
+    assert row["extra"]["searched_on"]["planner_confirmed"] is False
+    assert {p["seq_len"] for p in row["probes"] if p["sac"] == "auto"} >= {2560, 2048, 1536}
+
+
+@pytest.mark.long
+def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
+    """Measured on fake tensors: a 5-layer tiny at 14 MiB, the search on the last rung (the planner simulated whole
+    at its answer only) and the planner's own search, every probe whole, find the same length (2,560; the planner
+    there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
+    from autosp.experiments.simulate import lengths
+
+    cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny", num_layers=5), seq_len=1, world_size=2,
+                    compile_backend="aot_eager", sac="auto", offload="auto")
+    device = get_device_model("cpu", 14 * MIB)
+    on_rung = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
+    sim._PREDICTIONS.clear()
+    monkeypatch.setattr(lengths, "_last_rung", lambda cfg: None)
+    whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
+    assert on_rung["extra"]["searched_on"]["planner_confirmed"] is True
+    assert on_rung["max_seq_len"] == whole["max_seq_len"] == 2560 and whole["first_oom_seq_len"] == 3072
+    plan = on_rung["extra"]["sac_auto"][0]
+    assert plan["fits"] and plan["collective_recompute_layers"] < plan["layers"]  # not the last rung

@@ -21,15 +21,15 @@ from autosp.experiments.simulate.adapters import _optimizer_implementation_of
 from autosp.experiments.simulate.cli import VALIDATION_KEY, add_simulate_parser, validation_table
 from autosp.experiments.simulate.config import (AFTER_BACKWARD, COMPONENTS, DIRECT_INDUCTOR_BACKEND, EXACT_LAYERS,
                                                 SIMULATED_BACKEND, UNSUPPORTED, SimulationError, simulate_config)
-from autosp.experiments.simulate.extrapolate import (_PREDICTIONS, NOT_LINEAR_IN_DEPTH, SECOND_PAIR, _extrapolate,
-                                                     predict_peak)
+from autosp.experiments.simulate.extrapolate import (_PREDICTIONS, LAST_RUNG_SAC, NOT_LINEAR_IN_DEPTH, SECOND_PAIR,
+                                                     _extrapolate, predict_peak)
 from autosp.experiments.simulate.lengths import _summary, curve_hint, simulate, simulated_search
 from autosp.experiments.simulate.programs import (_SHARED, SHARED_PROGRAM_METHODS, RankProgram, _rank_peak,
                                                   shared_rank_programs, simulate_rank)
 from autosp.experiments.simulate.tracker import LINEAR_TERMS, LiveStorageTracker, PeakMoment, PhasePeak, RankPeak
 from autosp.experiments.simulate.world import fake_world
 
-__all__ = ["AFTER_BACKWARD", "COMPONENTS", "DIRECT_INDUCTOR_BACKEND", "EXACT_LAYERS", "LINEAR_TERMS",
+__all__ = ["AFTER_BACKWARD", "COMPONENTS", "DIRECT_INDUCTOR_BACKEND", "EXACT_LAYERS", "LAST_RUNG_SAC", "LINEAR_TERMS",
            "NOT_LINEAR_IN_DEPTH", "SECOND_PAIR", "SHARED_PROGRAM_METHODS", "SIMULATED_BACKEND", "UNSUPPORTED",
            "VALIDATION_KEY", "LiveStorageTracker", "PeakMoment", "PhasePeak", "RankPeak", "RankProgram",
            "SimulationError", "add_simulate_parser", "curve_hint", "extrapolate", "fake_world", "predict_peak",

@@ -82,12 +82,21 @@ SECOND_PAIR = (3, 4)
 FSDP2_SHARDED = {"fsdp": (3,), "ulysses": (3,), "ring": (3,)}
 
 
+#: `--sac` for the memory planner's last rung: a byte budget no plan fits, so every layer, at any depth, takes the
+#: ladder's last rung (recomputed whole from its input, its all-to-alls re-run, its saved values in host memory):
+#: a fixed policy, linear in the depth like `sac` or `full`. Where a full depth's saved values would not fit the
+#: host budget the real planner keeps some on the device; the line moves them all, and the record says `oom` in
+#: host memory (`lengths.simulate`), so the line never claims a length the planner could not reach
+LAST_RUNG_SAC = "budget=1B"
+
+
 def _planned(cfg: RunConfig) -> str | None:
     """Why autosp's memory planner (`--sac auto`) is not linear in depth: it plans each layer against the whole
-    device, so 2 and 3 layers keep what 32 would recompute or move."""
+    device, so 2 and 3 layers keep what 32 would recompute or move. Its last rung (`LAST_RUNG_SAC`) is."""
     from autosp.compiler.sac_policy import SacPolicy, parse_policy
 
-    if cfg.method == "autosp" and parse_policy(cfg.sac).kind == SacPolicy.AUTO:
+    policy = parse_policy(cfg.sac)
+    if cfg.method == "autosp" and policy.kind == SacPolicy.AUTO and policy != parse_policy(LAST_RUNG_SAC):
         return "the memory planner's choices depend on the depth"
     return None
 

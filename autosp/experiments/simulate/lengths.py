@@ -11,8 +11,9 @@ from autosp.comm.host_optimizer import HostMemoryError
 from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
-from autosp.experiments.simulate.config import COMPONENTS, DIRECT_INDUCTOR_BACKEND, SIMULATED_BACKEND, SimulationError
-from autosp.experiments.simulate.extrapolate import predict_peak
+from autosp.experiments.simulate.config import (COMPONENTS, DIRECT_INDUCTOR_BACKEND, EXACT_LAYERS, SIMULATED_BACKEND,
+                                                SimulationError)
+from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, _planned, predict_peak
 from autosp.experiments.simulate.programs import shared_rank_programs
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
@@ -96,7 +97,16 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     The search starts where `curve` (the peaks simulated so far for this configuration, extended by this
     search's probes) says the device's budget is reached, else at the analytic floor's limit: with peaks
     close to linear in the length, a search for a second device type needs about two probes (the answer and
-    one granularity step above), and every probe already simulated at a length is reused (`predict_peak`)."""
+    one granularity step above), and every probe already simulated at a length is reused (`predict_peak`).
+
+    The memory planner (`--sac auto`) deeper than `EXACT_LAYERS` is simulated whole, ~10x a 2- and 3-layer pair
+    at 8B: its search runs on the planner's last rung instead (`LAST_RUNG_SAC`, extrapolated), whose longest
+    length is the planner's — a length its last rung cannot train, no rung can (each earlier rung keeps more on
+    the device), and at the last rung's longest length the planner needs nothing less — and the answer is then
+    simulated whole with the planner itself. Where that disagrees (the planner's estimate chose a rung that does
+    not fit), the search goes on below with the planner's own probes. Where the host budget binds (the last rung
+    moves every saved value to host memory, the planner can keep some on the device), the answer is a lower
+    bound on the planner's length, never above it."""
     from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
 
     granularity = granularity or default_granularity(cfg.world_size)
@@ -104,37 +114,66 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     probes: list[dict[str, Any]] = []
     started = time.monotonic()
     limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
+    last_rung = _last_rung(cfg)
 
-    def probe(seq_len: int) -> tuple[str, int | None, int | None]:
-        record = simulate(cfg.replace(seq_len=seq_len), device)
-        probes.append(record)
-        if record["status"] not in ("ok", "oom"):
-            return record["status"], None, None
-        breakdown = record["extra"]["breakdown"]
-        curve[seq_len] = breakdown["allocator_blocks_bytes"]
-        # model state at the peak is what was resident at the step's start: the line's value at length 0
-        return record["status"], record["peak_mem_bytes"], breakdown["model_state_bytes"] + device.fixed_bytes
+    def probe_of(run_cfg: RunConfig, on_curve: bool):
+        def probe(seq_len: int) -> tuple[str, int | None, int | None]:
+            record = simulate(run_cfg.replace(seq_len=seq_len), device)
+            probes.append(record)
+            if record["status"] not in ("ok", "oom"):
+                return record["status"], None, None
+            breakdown = record["extra"]["breakdown"]
+            if on_curve:
+                curve[seq_len] = breakdown["allocator_blocks_bytes"]
+            # model state at the peak is what was resident at the step's start: the line's value at length 0
+            return record["status"], record["peak_mem_bytes"], breakdown["model_state_bytes"] + device.fixed_bytes
+        return probe
 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
+    search = dict(granularity=granularity, min_len=min_len or granularity, budget=device.usable_bytes)
     with shared_rank_programs():
-        outcome = search_max_length(probe, granularity=granularity, min_len=min_len or granularity,
-                                    max_len=max_len, budget=device.usable_bytes, start_len=start)
-    best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
+        outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start, **search)
+        confirmed = None
+        if last_rung is not None and outcome.max_seq_len:
+            answer = outcome.max_seq_len
+            planner = probe_of(cfg, False)
+            result = planner(answer)
+            confirmed = result[0] == "ok"
+            if not confirmed:  # the planner itself, below the last rung's answer, from its probe there
+                rung_probes = outcome.probes
+                outcome = search_max_length(planner, max_len=answer, measured=[(answer, result)], **search)
+                outcome.probes = rung_probes + outcome.probes
+            else:
+                outcome.probes.append((answer, result[0]))
+    best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len
+                 and (last_rung is None or r["config"]["sac"] == cfg.sac)), None)
+    best = best or next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
     row = dict(best if best is not None else probes[-1])
     row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
                max_seq_len=outcome.max_seq_len, first_oom_seq_len=outcome.first_oom_seq_len,
                granularity=granularity, num_probes=len(outcome.probes),
-               probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"]}
-                       for r in probes],
+               probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"],
+                        **({"sac": r["config"]["sac"]} if last_rung is not None else {})} for r in probes],
                wall_s=round(time.monotonic() - started, 3))
     row.update(floor_limit_seq_len=limit, floor=floor,
                achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
+    if last_rung is not None:
+        row["extra"] = {**row["extra"], "searched_on": {"sac": last_rung.sac, "planner_confirmed": confirmed}}
     if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
         row["error"] = None
     else:
         row["error"] = probes[-1]["error"]
     row["run_id"] = row["search_id"] = uuid.uuid4().hex
     return row
+
+
+def _last_rung(cfg: RunConfig) -> RunConfig | None:
+    """The planner's last rung, where a search runs on it (see `simulated_search`); None where it does not."""
+    from autosp.models import get_preset
+
+    if _planned(cfg) and get_preset(cfg.model).num_layers > EXACT_LAYERS:
+        return cfg.replace(sac=LAST_RUNG_SAC)
+    return None
 
 
 def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | None, dict | None]:
