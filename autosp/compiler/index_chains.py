@@ -90,7 +90,7 @@ def _narrowed_inputs(node: fx.Node, dim: int):
     the shard length that rewrites hard-coded sizes, or None), or None when `node` is not token-wise along `dim`."""
     out = _value(node)
     if _is_pointwise(node):
-        return _broadcast(node, out, dim)
+        return _pointwise(node, out, dim)
     if node.op == "call_method" and node.target in _CASTS:  # only the tensor cast; a `to(other)` reads its dtype
         return {node.args[0]: dim}, None
     if node.target in _MATMULS:
@@ -128,13 +128,20 @@ def _is_pointwise(node: fx.Node) -> bool:
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
 
 
-def _broadcast(node: fx.Node, out: torch.Tensor, dim: int):
+def _pointwise(node: fx.Node, out: torch.Tensor, dim: int):
+    """The tensor operands, broadcast; the output must be their broadcast shape (not a reduction that shares a
+    pointwise op's name: `max(x)`)."""
+    operands = [a for a in (*node.args, *node.kwargs.values()) if _value(a) is not None]
+    if torch.broadcast_shapes(*(_value(a).shape for a in operands)) != out.shape:
+        return None
+    return _broadcast(operands, out, dim)
+
+
+def _broadcast(operands: list[fx.Node], out: torch.Tensor, dim: int):
     """Operands broadcast right-aligned: those holding the whole dim are narrowed, those of size 1 there stay."""
     plan: dict[fx.Node, int] = {}
-    for operand in (*node.args, *node.kwargs.values()):
+    for operand in operands:
         value = _value(operand)
-        if value is None:
-            continue
         inp_dim = dim - (out.dim() - value.dim())
         if inp_dim >= 0 and value.shape[inp_dim] == out.shape[dim]:
             plan[operand] = inp_dim
@@ -236,4 +243,4 @@ def _matmul(node: fx.Node, out: torch.Tensor, dim: int):
         return {b: vb.dim() - 1}, None
     if dim == out.dim() - 2:
         return {a: va.dim() - 2}, None
-    return _broadcast(node, out, dim)
+    return _broadcast([a, b], out, dim)

@@ -42,6 +42,52 @@ def _partitioned(name: str, **data) -> tuple[list, int]:
     return graphs, sum(storages.values())
 
 
+class _Op(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, y)
+
+
+#: (op on x [2, 6, 4] (the sequence in dim 1) and y [4], output dim narrowed, {operand: its narrowed dim} or None
+#: when the op is not token-wise along it)
+RULES = [
+    (lambda x, y: x * y, 1, {"x": 1}),  # y broadcasts
+    (lambda x, y: torch.maximum(x, y), 1, {"x": 1}),
+    (lambda x, y: x.float(), 1, {"x": 1}),
+    (lambda x, y: x.transpose(0, 1), 0, {"x": 1}),
+    (lambda x, y: x.permute(2, 0, 1), 2, {"x": 1}),
+    (lambda x, y: x[:, None], 2, {"x": 1}),
+    (lambda x, y: x[..., :2], 1, {"x": 1}),
+    (lambda x, y: x[0], 0, {"x": 1}),
+    (lambda x, y: torch.cat((x, x), -1), 1, {"x": 1}),
+    (lambda x, y: torch.stack((x, x), 0), 2, {"x": 1}),
+    (lambda x, y: x @ y[:, None], 1, {"x": 1}),  # rows of the product
+    (lambda x, y: y[None, None] @ x.transpose(1, 2), 2, {"transpose": 2}),  # its columns
+    (lambda x, y: x[:, :1].expand(2, 6, 4), 1, {}),  # broadcast: only the size changes
+    (lambda x, y: x[:, 1:], 1, None),  # a slice of the narrowed dim
+    (lambda x, y: torch.cat((x, x), 1), 1, None),
+    (lambda x, y: x.cumsum(1), 1, None),  # a scan
+    (lambda x, y: x.view(2, 24), 1, None),
+    (lambda x, y: torch.rand_like(x), 1, None),
+    (lambda x, y: x.add_(1), 1, None),
+]
+
+
+@pytest.mark.parametrize("fn, dim, expected", RULES)
+def test_token_wise_ops_map_the_narrowed_dim_to_their_inputs(fn, dim, expected):
+    gm, _ = capture(_Op(fn), x=torch.randn(2, 6, 4), y=torch.randn(4))
+    (node,) = [n for n in gm.graph.nodes if n.op == "output"][0].all_input_nodes
+    plan = index_chains._narrowed_inputs(node, dim)
+    if expected is None:
+        assert plan is None
+    else:
+        inputs, _ = plan
+        assert {n.name.removeprefix("l_").removesuffix("_"): d for n, d in inputs.items()} == expected
+
+
 @pytest.mark.parametrize("name, data", [("tiny", {}), ("hf:tiny", {"packed_documents": 3})])
 def test_rotary_tables_have_the_local_rows_and_leave_the_saved_values(name, data, monkeypatch):
     # the project Llama (`inv_freq @ positions`, plain causal) and HF Llama (`positions * inv_freq`; packed
