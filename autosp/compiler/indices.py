@@ -1,11 +1,12 @@
 """Step 5, index recomputation: positions, rotary tables and masks with this shard's global offsets.
 
 Index tensors (token ids, labels, positions, rotary cos/sin, causal/padding/document masks) are computed from
-user inputs, buffers and `arange`/`cumsum`/comparisons without touching a trainable parameter. The pass leaves
+user inputs, buffers and `arange`/`cumsum`/comparisons without touching a trainable parameter. The walk leaves
 that computation on the *full* sequence — it is O(S) work, and attention needs full-length masks anyway — and
 a rank takes its slice only where an index tensor meets the model's trainable computation. The slice starts at
 the shard's global offset, so every position, rotary angle and mask row is the one single-device training uses.
-This module decides where that meeting point (the frontier) is.
+This module decides where that meeting point (the frontier) is; after the walk, `index_chains` moves a slice up
+the chain that computed its value where nothing else needs that value full (the rotary tables).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Rank r holds global positions [r*L, (r+1)*L); positions >= S exist only inside the shards, never in the user's
 tensors, and are made inert so training stays the single-device computation on S tokens:
-* full index tensors are padded before a rank takes its slice: token ids and positions with 0, loss targets
-  with the loss's `ignore_index` (a padded position never counts as a label);
+* a rank's slice of a full index tensor is its real positions, padded: token ids and positions with 0, loss
+  targets with the loss's `ignore_index` (a padded position never counts as a label);
 * attention sees S' = L*P positions: no real query may see a padded key (causal attention already hides keys
   after the last real token; an explicit mask gets its padded key columns masked, and a mask is added for
   unmasked non-causal attention), and padded queries see every key so their softmax stays finite;

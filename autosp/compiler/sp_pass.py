@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, hybrid, indices, loss, masks,
-                             padding, resize, routing, shard)
+from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, hybrid, index_chains, indices, loss,
+                             masks, padding, resize, routing, shard)
 from autosp.compiler.analysis import analyze
 from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
@@ -53,6 +53,7 @@ def sequence_parallel_pass(
                     attention_chunks=attention_chunks)
     for node in list(gm.graph.nodes):
         _rewrite(ctx, node)
+    index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
     gm.recompile()

@@ -149,24 +149,23 @@ class SPContext:
         ndim = self.current[node].dim()
         return self.emit(before, F.pad, (node, [0, 0] * (ndim - 1 - dim % ndim) + [0, amount]), {"value": fill})
 
-    def pad_full(self, full: fx.Node, dim: int, spec: ShardSpec, fill: float, before: fx.Node) -> fx.Node:
-        """`full` (sequence of spec.global_len along `dim`) extended so this rank's [start, start + length) exists."""
-        return self.pad(full, dim, spec.padding, fill, before) if spec.padding else full
-
     def localize(self, full: fx.Node, dim: int, spec: ShardSpec, before: fx.Node, fill: float = 0) -> fx.Node:
         """This rank's shard of a full value along `dim` (cached: one narrow per value and shard); positions past
         the end of the sequence (a padded shard) hold `fill`."""
         key = (full, spec.at(dim), fill)
         if key not in self._localized:
-            node = full
+            # the real positions, then the padding: a narrow of `full` itself, which `index_chains` can move up
+            start = min(spec.start, spec.global_len)
+            real = max(0, min(spec.length, spec.global_len - spec.start))
             if spec.merged:  # [.., outer*S*inner, ..] -> [.., outer, S, inner, ..], narrow S, merge back
-                node = self.emit(before, "unflatten", (node, dim, (spec.outer, spec.global_len, spec.inner)))
-                node = self.pad_full(node, dim + 1, spec, fill, before)
-                node = self.emit(before, "narrow", (node, dim + 1, spec.start, spec.length))
-                node = self.emit(before, "flatten", (node, dim, dim + 2), spec=spec.at(dim))
+                node = self.emit(before, "unflatten", (full, dim, (spec.outer, spec.global_len, spec.inner)))
+                node = self.emit(before, "narrow", (node, dim + 1, start, real))
+                node = self.pad(node, dim + 1, spec.length - real, fill, before)
+                node = self.emit(before, "flatten", (node, dim, dim + 2))
             else:
-                node = self.pad_full(node, dim, spec, fill, before)
-                node = self.emit(before, "narrow", (node, dim, spec.start, spec.length), spec=spec.at(dim))
+                node = self.emit(before, "narrow", (full, dim, start, real))
+                node = self.pad(node, dim, spec.length - real, fill, before)
+            self.specs[node] = spec.at(dim)
             self.full_of[node] = full
             self._localized[key] = node
         return self._localized[key]

@@ -42,6 +42,14 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=64,
                     attention_chunk_size=8, no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
                     head_dim=16), {}),
+    # rope scaling: Llama 3.1's frequency bands, YaRN's (attention factor 1.14: cos/sin scaled in the graph)
+    "llama3-rope": ("LlamaForCausalLM", "LlamaConfig",
+                    dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                          "rope_theta": 500000.0}), {}),
+    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig",
+                   dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                         "rope_theta": 10000.0}), {}),
     # LongRoPE: the long factors past 16 positions (the rope reads max(position_ids) + 1 in the graph)
     "phi3-longrope": ("Phi3ForCausalLM", "Phi3Config",
                       dict(original_max_position_embeddings=16, max_position_embeddings=64,

@@ -106,7 +106,8 @@ def test_sequence_not_divisible_is_padded_on_the_last_shards():
     pads = [n for n in gm.graph.nodes if n.target is F.pad and n.args[1][-1] == 2]
     assert {n.kwargs["value"] for n in pads} == {0, -100}  # token ids / positions with 0, loss targets ignored
     narrows = [n for n in gm.graph.nodes if n.target == "narrow" and n.args[2] == 39]
-    assert narrows and all(n.args[3] == 13 for n in narrows)
+    assert narrows and all(n.args[3] == 11 for n in narrows)  # the real positions, then the pad: never a full copy
+    assert all(50 not in p.args[0].meta["example_value"].shape for p in pads)
 
 
 class _NoAttention(torch.nn.Module):
