@@ -20,16 +20,23 @@ def _loss(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def _batch(vocab: int, batch_size: int, seq_len: int, step: int, ignore_fraction: float) -> dict[str, torch.Tensor]:
+def _batch(vocab: int, batch_size: int, seq_len: int, step: int, ignore_fraction: float,
+           documents: int = 1) -> dict[str, torch.Tensor]:
+    """Token ids and labels; with `documents` > 1, position ids that restart at each of that many packed documents
+    (equal lengths, the last one shorter)."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     labels = ids.clone()
     labels[torch.rand(batch_size, seq_len, generator=g) < ignore_fraction] = -100
-    return {"input_ids": ids, "labels": labels}
+    if documents == 1:
+        return {"input_ids": ids, "labels": labels}
+    length = -(-seq_len // documents)
+    positions = (torch.arange(seq_len) % length).expand(batch_size, seq_len)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int, steps: int, ignore_fraction: float,
-          compile_options: dict, adamw_eps: float) -> dict[str, float]:
+          compile_options: dict, adamw_eps: float, documents: int = 1) -> dict[str, float]:
     module, name = builder.rsplit(".", 1)
     model = getattr(importlib.import_module(module), name)(**options)
     reference = copy.deepcopy(model)
@@ -43,7 +50,7 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=adamw_eps)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
-        batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction)
+        batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction, documents)
         torch.manual_seed(step)  # the same random stream for both sides (dropout)
         loss = _loss(compiled(**batch))
         loss.backward()
@@ -92,10 +99,10 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
         case = dict(case)
         builder, vocab, compile_options = case.pop("builder"), case.pop("vocab"), case.pop("compile_options")
         adamw_eps = case.pop("adamw_eps")
-        run = {k: case.pop(k) for k in ("batch_size", "seq_len", "steps", "ignore_fraction")}
+        run = {k: case.pop(k) for k in ("batch_size", "seq_len", "steps", "ignore_fraction", "documents")}
         try:
             results[name] = _rank(builder, case, vocab, run["batch_size"], run["seq_len"], run["steps"],
-                                  run["ignore_fraction"], compile_options, adamw_eps)
+                                  run["ignore_fraction"], compile_options, adamw_eps, run["documents"])
         except Exception as e:  # noqa: BLE001 - reported as this case's failure
             results[name] = f"{type(e).__name__}: {e}"
     return results
@@ -103,15 +110,16 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
 
 def exact_case(*, builder: str = "tests.compiler.models.build_decoder", vocab: int = 64, batch_size: int = 1,
                seq_len: int = 64, steps: int = 2, ignore_fraction: float = 0.2, compile_options: dict | None = None,
-               adamw_eps: float = 1e-8, **options) -> dict:
+               adamw_eps: float = 1e-8, documents: int = 1, **options) -> dict:
     """One case for `ExactnessRuns`: `builder(**options)` compiled by AutoSP, trained as one process would.
+    documents: packed documents per row (position ids restart at each, `_batch`).
 
     adamw_eps: AdamW's first step moves each parameter by lr * g / (|g| + eps), so a gradient entry near eps is
     resolved by its fp32 rounding, which any other summation order changes (a model whose gradient has such an
     entry needs a larger eps for its parameters to be a check of the method rather than of that rounding)."""
     return dict(builder=builder, vocab=vocab, batch_size=batch_size, seq_len=seq_len, steps=steps,
                 ignore_fraction=ignore_fraction, compile_options=compile_options or {}, adamw_eps=adamw_eps,
-                **options)
+                documents=documents, **options)
 
 
 class ExactnessRuns:

@@ -1,0 +1,50 @@
+"""FlexAttention under AutoSP (`autosp/compiler/flex.py`, issue 27): unmodified HF models with
+attn_implementation="flex_attention" (block mask built in the graph from positions: causal, Mistral's sliding
+window, packed documents) and a decoder whose score_mod and mask_mod read the head index, against single-process
+training (loss, every gradient, parameters after AdamW steps)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.compiler.exactness import ExactnessRuns, exact_case
+
+
+def _hf(family: str, seq_len: int, **case) -> dict:
+    return exact_case(builder="tests.compiler.hf_models.build_hf_flex", family=family, seq_len=seq_len, **case)
+
+
+def _decoder(seq_len: int, **case) -> dict:
+    return exact_case(attention="flex", seq_len=seq_len, **case)
+
+
+CASES = {
+    "llama-2": (2, _hf("llama-flex", 32)),
+    # a window of 8 tokens, 3 packed documents (HF's mask_mod reads them off position_ids), 31 tokens: padded
+    "mistral-packed-2": (2, _hf("mistral-flex", 31, documents=3)),
+    # alibi slopes and windows per head: rank 1 must read heads 2, 3 in its mods, not 0, 1
+    "head-mods-2": (2, _decoder(31)),
+    "chunks-2": (2, _decoder(32, compile_options={"attention_chunks": 2}, steps=1)),
+    "llama-4": (4, _hf("llama-flex", 64)),  # 2 KV heads over 4 ranks: replicated
+    "mistral-packed-4": (4, _hf("mistral-flex", 62, documents=3)),
+    "head-mods-4": (4, _decoder(62)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> ExactnessRuns:
+    return ExactnessRuns(CASES)
+
+
+@pytest.mark.parametrize("case", ["llama-2", "mistral-packed-2", "head-mods-2"])
+def test_flex_attention_is_exact(runs, case):
+    runs.assert_exact(case)
+
+
+def test_flex_attention_in_chunks_of_heads_is_refused_in_one_line(runs):
+    runs.assert_refused("chunks-2", "blocks.0.attn", "flex_attention", "attention_chunks=1")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("case", ["llama-4", "mistral-packed-4", "head-mods-4"])
+def test_flex_attention_is_exact_on_four_ranks(runs, case):
+    runs.assert_exact(case)
