@@ -4,7 +4,8 @@ The model builds its BlockMask in the graph from index tensors (HF: `mask_mod` e
 reduced to blocks), which the pass keeps full on every rank (`indices`): the mask covers the global sequence.
 Attention is then wrapped as SDPA is (`communicate`): all-to-alls turn q, k, v from [B, H, S/P, D] into
 [B, H/P, S, D] (KV heads replicated to split evenly), the HOP runs unchanged on this rank's heads over all
-positions with the global block mask, and its output goes back. After the exchange a rank's head h is the model's
+positions with the global block mask, and its outputs go back (the output, and the logsumexp where the model
+reads it: attention sinks). After the exchange a rank's head h is the model's
 head h + offset, so `score_mod`/`mask_mod` that read the head index (alibi, per-head biases or masks) get
 `h + offset` in their subgraph, and a block mask with a head dimension is cut to this rank's heads. A padded
 sequence (S not divisible by P) is cut back to S positions for the HOP, and its output padded with zeros, so the
@@ -33,7 +34,8 @@ def is_flex_attention(node: fx.Node) -> bool:
 
 
 def is_output(node: fx.Node) -> bool:
-    """`flex_attention(...)[0]`: the attention output the all-to-all takes back to the shard."""
+    """`flex_attention(...)[i]`: the output [B, H/P, S, D], logsumexp or max [B, H/P, S] the all-to-all takes back
+    to the shard."""
     return node.op == "call_function" and node.target is operator.getitem and \
         isinstance(node.args[0], fx.Node) and is_flex_attention(node.args[0])
 
@@ -43,15 +45,11 @@ def query_key(node: fx.Node) -> tuple[fx.Node, fx.Node]:
 
 
 def rewrite(ctx: SPContext, node: fx.Node) -> None:
-    """All-to-alls on q, k, v; the HOP over this rank's heads and the global block mask (its output: `scatter`)."""
+    """All-to-alls on q, k, v; the HOP over this rank's heads and the global block mask (its outputs: `scatter`)."""
     import autosp.comm  # noqa: F401  (registers the custom ops)
 
     label = node_label(node)
     q, k, v, score_mod, block_mask, *rest = node.args
-    for user in node.users:
-        if not is_output(user) or user.args[1] != 0:
-            raise SequenceParallelError(
-                f"attention {label}: flex_attention's logsumexp/max outputs are used; AutoSP shards its output only")
     if not all(ctx.is_local(t) for t in (q, k, v)):
         raise SequenceParallelError(f"attention {label}: query, key and value must all come from the sharded sequence")
     ndim = ctx.current[q].dim()
@@ -89,15 +87,17 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
 
 
 def scatter(ctx: SPContext, out: fx.Node) -> None:
-    """The HOP's output [B, H/P, S, D] back to all heads of this rank's (padded) positions."""
-    ndim = ctx.current[out.args[0].args[0]].dim()
-    seq_dim, head_dim = ndim - 2, ndim - 3
+    """One of the HOP's outputs back to all heads of this rank's (padded) positions: each has the query's head and
+    sequence dims ([B, H/P, S, D] output, [B, H/P, S] logsumexp and max)."""
+    head_dim = ctx.current[out.args[0].args[0]].dim() - 3
+    seq_dim = head_dim + 1
     out.meta["example_value"] = ctx.current[out] = ctx.run(out)
     amount = padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len
-    if amount:  # padded positions' output: zeros (nothing reads them but the padded positions themselves)
-        users = list(out.users)
+    if amount:  # padded positions' values: zeros (nothing reads them but the padded positions themselves)
+        users, after = list(out.users), ctx.current[out].dim() - 1 - seq_dim
         with ctx.graph.inserting_after(out):
-            padded = ctx.graph.create_node("call_function", F.pad, (out, [0, 0, 0, amount]), {"value": 0.0})
+            padded = ctx.graph.create_node("call_function", F.pad, (out, [0, 0] * after + [0, amount]),
+                                           {"value": 0.0})
         padded.meta["example_value"] = ctx.current[padded] = ctx.run(padded)
         padded.meta["nn_module_stack"] = out.meta.get("nn_module_stack", {})
         for user in users:

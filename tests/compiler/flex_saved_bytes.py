@@ -21,10 +21,12 @@ def saved_bytes(family: str, seq_len: int) -> int:
 
 
 if __name__ == "__main__":
+    from tests.compiler.flex_saved_bytes import saved_bytes as rank_fn  # by module, not __main__: ranks import it
+
     seq_len = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
     torch.manual_seed(0)
     for world_size in (1, 2, 4):
         for family in ("llama", "llama-flex"):
-            outcome = launch(saved_bytes, (family, seq_len), world_size=world_size, timeout_s=900)
-            assert outcome.status == "ok", outcome.error
+            outcome = launch(rank_fn, (family, seq_len), world_size=world_size, timeout_s=900)
+            assert outcome.status == "ok", f"{outcome.error}\n{outcome.output_tail}"
             print(f"P={world_size} {family}: saved activation bytes per rank {outcome.results}")

@@ -24,6 +24,7 @@ class DecoderConfig:
     layers: int = 2
     attention: str = "sdpa"  # sdpa | eager (matmul -> scale -> [soft-cap] -> mask -> softmax -> dropout -> matmul)
     # | flex (flex_attention: alibi slopes and a causal window of 8 * (h + 1) keys, both per head `h`)
+    flex_sinks: bool = False  # flex: per-head sink logits applied through its logsumexp (HF's gpt-oss on GPUs)
     softcap: float | None = None
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
@@ -47,6 +48,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.flex_sinks:
+            self.sinks = nn.Parameter(torch.randn(cfg.heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -63,7 +66,7 @@ class Attention(nn.Module):
 
     def _flex(self, q, k, v):
         """Head-dependent score_mod and mask_mod, the block mask built per head in forward (as HF builds its own)."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score - (kv_idx - q_idx).abs() * torch.exp2(-(h + 1.0))
@@ -73,7 +76,11 @@ class Attention(nn.Module):
 
         s = q.shape[-2]
         mask = create_block_mask(window, B=None, H=self.cfg.heads, Q_LEN=s, KV_LEN=s, device=q.device)
-        return flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True)
+        if not self.cfg.flex_sinks:
+            return flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True)
+        out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True,
+                                  return_aux=AuxRequest(lse=True))
+        return out * torch.sigmoid(aux.lse - self.sinks[:, None])[..., None]  # a sink logit joins the softmax
 
     def _eager(self, q, k, v):
         groups = self.cfg.heads // self.cfg.kv_heads
