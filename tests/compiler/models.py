@@ -23,7 +23,8 @@ class DecoderConfig:
     kv_heads: int = 2
     layers: int = 2
     attention: str = "sdpa"  # sdpa | eager (matmul -> scale -> [soft-cap] -> mask -> softmax -> dropout -> matmul)
-    # | flex (flex_attention: alibi slopes and a causal window of 8 * (h + 1) keys, both per head `h`)
+    # | flex (flex_attention: learned alibi slopes read in score_mod and a causal window of 8 * (h + 1) keys,
+    # both per head `h`)
     flex_sinks: bool = False  # flex: per-head sink logits applied through its logsumexp (HF's gpt-oss on GPUs)
     softcap: float | None = None
     attention_dropout: float = 0.0
@@ -48,6 +49,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.attention == "flex":
+            self.slopes = nn.Parameter(torch.exp2(-1.0 - torch.arange(cfg.heads)))
         if cfg.flex_sinks:
             self.sinks = nn.Parameter(torch.randn(cfg.heads))
 
@@ -69,7 +72,7 @@ class Attention(nn.Module):
         from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
         def alibi(score, b, h, q_idx, kv_idx):
-            return score - (kv_idx - q_idx).abs() * torch.exp2(-(h + 1.0))
+            return score - (kv_idx - q_idx).abs() * self.slopes[h]
 
         def window(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx - kv_idx < 8 * (h + 1))
