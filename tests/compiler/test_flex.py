@@ -23,6 +23,7 @@ CASES = {
     # through flex's logsumexp (gpt-oss's sinks as HF runs them on GPUs: it comes back too), 31 tokens: padded
     "sinks-2": (2, _decoder(31, flex_sinks=True)),
     "chunks-2": (2, _decoder(32, compile_options={"attention_chunks": 2}, steps=1)),
+    "one-head-2": (2, _decoder(32, heads=1, kv_heads=1, steps=1)),  # no ring form for flex: heads must split
 }
 #: the long profile's, in launches of their own (a module's cases of one world size share one launch)
 LONG_CASES = {
@@ -53,6 +54,10 @@ def test_flex_attention_is_exact(runs, case):
 
 def test_flex_attention_in_chunks_of_heads_is_refused_in_one_line(runs):
     runs.assert_refused("chunks-2", "blocks.0.attn", "flex_attention", "attention_chunks=1")
+
+
+def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_line(runs):
+    runs.assert_refused("one-head-2", "blocks.0.attn", "flex_attention with 1 query heads", "no ring form")
 
 
 @pytest.mark.long
