@@ -1,7 +1,7 @@
 """Step 1, analysis: find attention and read the model's batch/sequence/head layout off the graph.
 
-No user tags: the sequence length is the query length every `scaled_dot_product_attention` sees, and the
-sequence-carrying inputs are the user inputs with a dimension of that size.
+No user tags: the sequence length is the query length every `scaled_dot_product_attention` (or flex_attention)
+sees, and the sequence-carrying inputs are the user inputs with a dimension of that size.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autosp.compiler import eager_attention, indices
+from autosp.compiler import eager_attention, flex, indices
 from autosp.compiler.sdpa import attention_args, is_attention
 from autosp.compiler.spec import node_label
 from autosp.errors import SequenceParallelError
@@ -39,13 +39,11 @@ class SequenceAnalysis:
 
 
 def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
-    _refuse_flex_attention(gm)
     sites = []
     for node in gm.graph.nodes:
-        if not is_attention(node):
+        if not (is_attention(node) or flex.is_flex_attention(node)):
             continue
-        args = attention_args(node)
-        q, k = args["query"].meta["example_value"], args["key"].meta["example_value"]
+        q, k = (n.meta["example_value"] for n in _query_key(node))
         if q.dim() < 3:
             raise SequenceParallelError(f"attention {node_label(node)} has a {q.dim()}-D query; expected [B, H, S, D]")
         if q.shape[-2] != k.shape[-2]:
@@ -79,16 +77,11 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
     return SequenceAnalysis(seq_len, tuple(sites), sequence_inputs)
 
 
-def _refuse_flex_attention(gm: fx.GraphModule) -> None:
-    """flex_attention is not sharded: left in the graph, it would attend within each rank's shard only. Its block
-    mask is built in the graph from the whole sequence (HF: a dense [S, S] mask through `mask_mod`, reduced to
-    blocks), which the pass does not yet rewrite."""
-    flex = torch.ops.higher_order.flex_attention
-    node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is flex), None)
-    if node is not None:
-        raise SequenceParallelError(
-            f"{node_label(node)} runs flex_attention (HF attn_implementation=\"flex_attention\"), which AutoSP does "
-            "not shard: load the model with attn_implementation=\"sdpa\" (the same attention, exact under AutoSP)")
+def _query_key(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    if flex.is_flex_attention(node):
+        return flex.query_key(node)
+    args = attention_args(node)
+    return args["query"], args["key"]
 
 
 def _is_user_tensor(node: fx.Node) -> bool:

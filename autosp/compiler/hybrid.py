@@ -40,13 +40,13 @@ def node_size(sp_size: int) -> int:
 def choose_ulysses_size(sites, sp_size: int, requested: int | None, eager: bool) -> int:
     """The Ulysses group size: `requested` if it is valid, else the largest valid one inside a node."""
     valid = [u for u in range(1, sp_size + 1) if sp_size % u == 0 and all(_fits(s, u) for s in sites)]
-    if eager:  # hand-written attention has no ring form: all heads must split over all ranks
+    if eager:  # hand-written and flex attention have no ring form: all heads must split over all ranks
         valid = [u for u in valid if u == sp_size]
         if not valid:
             site = sites[0]
             raise SequenceParallelError(
-                f"attention {site.layer} is written by hand with {site.heads} query heads, not divisible by the SP "
-                f"degree {sp_size}: hand-written attention runs as Ulysses only (no ring form); use SDPA for a "
+                f"attention {site.layer} is written by hand or flex_attention with {site.heads} query heads, not "
+                f"divisible by the SP degree {sp_size}: it runs as Ulysses only (no ring form); use SDPA for a "
                 "hybrid Ulysses x Ring, or an SP degree dividing the heads")
     if requested is not None:
         if requested not in valid:

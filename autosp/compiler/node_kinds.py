@@ -26,7 +26,8 @@ _ATTENTION_OP_NAMES = (
 ATTENTION_FORWARD_OPS: frozenset[Any] = frozenset(
     getattr(aten, name) for name in _ATTENTION_OP_NAMES if hasattr(aten, name)
 )
-"""OpOverloadPackets of every attention-forward kernel an SDPA call can lower to (varies by device/dtype)."""
+"""OpOverloadPackets of every attention-forward kernel an SDPA call can lower to (varies by device/dtype); the
+flex_attention HOP is attention too (`is_attention_forward`)."""
 
 #: torch's namespaces whose every op communicates
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
@@ -70,7 +71,8 @@ def autosp_op_name(node: fx.Node) -> str | None:
 
 def is_attention_forward(node: fx.Node) -> bool:
     return node.op == "call_function" and (_packet(node) in ATTENTION_FORWARD_OPS
-                                           or autosp_op_name(node) in AUTOSP_ATTENTION_OPS)
+                                           or autosp_op_name(node) in AUTOSP_ATTENTION_OPS
+                                           or node.target is torch.ops.higher_order.flex_attention)
 
 
 def is_collective(node: fx.Node) -> bool:

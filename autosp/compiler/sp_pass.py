@@ -3,9 +3,9 @@
 Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
-attention gets all-to-alls (`communicate`), sequence reductions become global (`loss`), slices of the sequence
-keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on the
-shard, its output spec read off the fake-tensor shapes before and after.
+attention gets all-to-alls (`communicate`, `flex`), sequence reductions become global (`loss`), slices of the
+sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on
+the shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, hybrid, index_chains, indices, loss,
-                             masks, padding, resize, routing, shard)
+from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, flex, hybrid, index_chains, indices,
+                             loss, masks, padding, resize, routing, shard)
 from autosp.compiler.analysis import analyze
 from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
@@ -69,6 +69,12 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     if is_attention(node):
         communicate.rewrite_attention(ctx, node)
+        return
+    if flex.is_flex_attention(node):
+        flex.rewrite(ctx, node)
+        return
+    if flex.is_output(node):
+        flex.scatter(ctx, node)
         return
     region = eager_attention.region_of(node)
     if region is not None:  # hand-written attention is rewritten as one, at its last node

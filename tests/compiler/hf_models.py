@@ -35,8 +35,13 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                      dict(num_local_experts=4, head_dim=16, sliding_window=8,
                           layer_types=["sliding_attention", "full_attention"], **_MOE),
                      dict(attn_implementation="flex_attention")),
-    # plain Llama through HF's flex attention (build_hf_flex: its backward allowed on CPU)
+    # plain Llama (HF's default attention: SDPA), and through HF's flex attention (build_hf_flex: its backward
+    # allowed on CPU)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {}, {}),
     "llama-flex": ("LlamaForCausalLM", "LlamaConfig", {}, dict(attn_implementation="flex_attention")),
+    # Mistral's sliding window (8 tokens) as HF's flex mask_mod
+    "mistral-flex": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8),
+                     dict(attn_implementation="flex_attention")),
     # chunked local attention, a NoPE layer, every token through every expert (the router's `repeat`) + shared
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig",
                dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=64,
@@ -70,14 +75,14 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
 
 def build_hf_flex(family: str, seed: int = 0) -> nn.Module:
     """`build_hf`, with torch's up-front refusal of flex attention's backward on CPU lifted (its dense math backward
-    exists), so the graph reaches AutoSP's pass as it would on a GPU."""
+    exists), so the graph reaches AutoSP's pass as it would on a GPU. Outside a compiled graph (the single-process
+    reference) HF runs flex attention through `torch.compile(flex_attention)`, which Inductor fails to build on CPU
+    (IndexError, torch 2.13): the reference calls it uncompiled instead, torch's exact unfused math."""
     import torch.nn.attention.flex_attention as flex
+    from transformers.integrations import flex_attention as hf_flex
 
-    refuse = flex._validate_device
+    from tests.compiler.models import allow_flex_backward_on_cpu
 
-    def validate_off_cpu(query, key, value):
-        if query.device.type != "cpu":
-            refuse(query, key, value)
-
-    flex._validate_device = validate_off_cpu
+    allow_flex_backward_on_cpu()
+    hf_flex.WrappedFlexAttention.__call__ = lambda self: flex.flex_attention
     return build_hf(family, seed)

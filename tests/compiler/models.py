@@ -1,5 +1,6 @@
 """Small hand-written decoders for SP-pass tests: one model, parameterised by the pattern under test
-(SDPA or hand-written attention with logit soft-capping, a logging call in forward, residual dropout)."""
+(SDPA, hand-written attention with logit soft-capping, flex attention with head-dependent mods, a logging call in
+forward, residual dropout)."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +23,9 @@ class DecoderConfig:
     kv_heads: int = 2
     layers: int = 2
     attention: str = "sdpa"  # sdpa | eager (matmul -> scale -> [soft-cap] -> mask -> softmax -> dropout -> matmul)
+    # | flex (flex_attention: learned alibi slopes read in score_mod and a causal window of 8 * (h + 1) keys,
+    # both per head `h`)
+    flex_sinks: bool = False  # flex: per-head sink logits applied through its logsumexp (HF's gpt-oss on GPUs)
     softcap: float | None = None
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
@@ -45,6 +49,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.attention == "flex":
+            self.slopes = nn.Parameter(torch.exp2(-1.0 - torch.arange(cfg.heads)))
+        if cfg.flex_sinks:
+            self.sinks = nn.Parameter(torch.randn(cfg.heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -53,9 +61,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.cfg.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.cfg.attention == "flex":
+            out = self._flex(q, k, v)
         else:
             out = self._eager(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _flex(self, q, k, v):
+        """Head-dependent score_mod and mask_mod, the block mask built per head in forward (as HF builds its own)."""
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - (kv_idx - q_idx).abs() * self.slopes[h]
+
+        def window(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < 8 * (h + 1))
+
+        s = q.shape[-2]
+        mask = create_block_mask(window, B=None, H=self.cfg.heads, Q_LEN=s, KV_LEN=s, device=q.device)
+        if not self.cfg.flex_sinks:
+            return flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True)
+        out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True,
+                                  return_aux=AuxRequest(lse=True))
+        return out * torch.sigmoid(aux.lse - self.sinks[:, None])[..., None]  # a sink logit joins the softmax
 
     def _eager(self, q, k, v):
         groups = self.cfg.heads // self.cfg.kv_heads
@@ -131,7 +159,24 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+def allow_flex_backward_on_cpu() -> None:
+    """Lift torch's up-front refusal of flex attention's backward on CPU (its dense math backward exists), so a
+    flex model trains here as it would on a GPU."""
+    import torch.nn.attention.flex_attention as flex
+
+    refuse = getattr(flex._validate_device, "refuse", flex._validate_device)
+
+    def validate_off_cpu(query, key, value):
+        if query.device.type != "cpu":
+            refuse(query, key, value)
+
+    validate_off_cpu.refuse = refuse
+    flex._validate_device = validate_off_cpu
+
+
 def build_decoder(seed: int = 0, **options) -> Decoder:
+    if options.get("attention") == "flex":
+        allow_flex_backward_on_cpu()
     torch.manual_seed(seed)
     return Decoder(DecoderConfig(**options)).train()
 

@@ -1,6 +1,7 @@
 """Unmodified HF models whose attention or rope is not the plain causal SDPA (issue 27), against single-process
 training: gpt-oss's attention sinks in eager attention with alternating sliding windows, Llama 4's chunked local
-attention with a NoPE layer and its dense-routed experts, Phi-3's LongRoPE past its original context."""
+attention with a NoPE layer and its dense-routed experts, Phi-3's LongRoPE past its original context
+(HF flex attention: tests/compiler/test_flex.py)."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +24,6 @@ def _hf(family: str, seq_len: int, steps: int = 2, **compile_options) -> dict:
 CASES = {
     "gpt-oss-2": (2, _hf("gpt-oss", 31, steps=1)),  # 31 tokens: the sink column sits after padded keys
     "gpt-oss-flex-2": (2, _hf("gpt-oss-flex", 32, steps=1)),  # refused: HF raises for sinks through flex on CPU
-    # refused by the pass: flex_attention is not sharded (torch's CPU guard on its backward lifted, as on a GPU)
-    "llama-flex-2": (2, exact_case(builder="tests.compiler.hf_models.build_hf_flex", family="llama-flex", seq_len=32,
-                                   steps=1)),
     "llama4-2": (2, _hf("llama4", 32)),
     "phi3-longrope-2": (2, _hf("phi3-longrope", 32)),  # rank 0's positions alone (0..15) would pick short factors
     "gpt-oss-4": (4, _hf("gpt-oss", 64, steps=1)),
@@ -49,12 +47,6 @@ def test_gpt_oss_through_hf_flex_attention_is_refused_in_one_line(runs):
     naming the layer, rather than a graph break."""
     runs.assert_refused("gpt-oss-flex-2", "the model's forward in `model.layers.0.self_attn` (GptOssAttention) raised "
                         "exception ValueError('Attention sinks cannot be run on CPU with flex attention")
-
-
-def test_flex_attention_is_refused_naming_the_layer_not_run_within_each_shard(runs):
-    """Left in the graph, flex_attention would attend within each rank's shard only (a wrong gradient)."""
-    runs.assert_refused("llama-flex-2", "model.layers.0.self_attn", "runs flex_attention",
-                        'attn_implementation="sdpa"')
 
 
 @pytest.mark.long
