@@ -54,6 +54,8 @@ RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "train
           ("zero3", {"nvidia": "trainability_vs_zero3"}),
           ("fsdp", {"nvidia": "trainability_vs_zero3"}),
           ("alst", {}), ("ulysses[ac=layer]", {}))  # the practical anchors: no paper claim beside them
+#: the baseline each autosp method spec's column (`autosp[sac=auto,...]`) is put against: the strongest peer
+SPEC_RATIO = "alst"
 #: methods simulated on HF's LlamaForCausalLM (`hf:<preset>`): DeepSpeed's AutoSP pass shards only that form
 #: (on the project Llama its compile fails, as it does when measured; README "DeepSpeed's AutoSP"); ALST patches
 #: HF's attention and MLP classes
@@ -61,43 +63,40 @@ HF_MODEL_METHODS = ("ds-autosp", "alst")
 
 
 def parse_method(spec: str) -> tuple[str, int | None]:
-    """`autosp:3` -> ("autosp", 3); `ring` -> ("ring", None); `ulysses[ac=layer]:3` -> ("ulysses[ac=layer]", 3)."""
-    method, _, stage = spec.partition(":")
+    """`autosp:3` -> ("autosp", 3); `ring` -> ("ring", None); `ulysses[ac=layer]:3` -> ("ulysses[ac=layer]", 3);
+    `autosp[tiling=auto:16384]:3` -> ("autosp[tiling=auto:16384]", 3): the stage follows the brackets."""
+    options_end = spec.rfind("]") + 1
+    method, _, stage = spec[options_end:].partition(":")
     if stage and not stage.isdigit():
         raise ConfigError(f"--methods entry {spec!r}: write method or method:<ZeRO stage>, e.g. autosp:3")
-    return method, int(stage) if stage else None
+    return spec[:options_end] + method, int(stage) if stage else None
 
 
-def split_variant(label: str) -> tuple[str, str]:
-    """`ulysses[ac=layer]` -> ("ulysses", "layer"); `ring` -> ("ring", "off")."""
-    method, _, rest = label.partition("[")
-    if not rest:
-        return method, "off"
-    option, _, value = rest.removesuffix("]").partition("=")
-    if option != "ac" or not value:
-        raise ConfigError(f"--methods entry {label!r}: the one variant is [ac=layer], e.g. ulysses[ac=layer]:3")
-    return method, value
-
-
-def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtype: str) -> list[RunConfig]:
-    """One validated configuration per (model, method, stage); bad input fails here, before any simulation."""
+def cell_configs(models: list[str], methods: list[str], *, world_size: int, dtype: str) -> list[tuple[str, RunConfig]]:
+    """(label, validated configuration) per (model, method spec, stage): a spec (`autosp.harness.method_spec`,
+    e.g. `ulysses[ac=layer]:3`, `autosp[sac=auto,offload=auto+optimizer]:3`) sets the method's own options and
+    labels its column as written; bad input fails here, before any simulation."""
+    from autosp.harness.method_spec import parse_method_spec
     from autosp.harness.runner import validate
 
     configs = []
     for model in models:
-        for spec in methods:
-            method, ac = split_variant(parse_method(spec)[0])
-            zero = parse_method(spec)[1]
-            variant = f"hf:{model}" if method in HF_MODEL_METHODS and not model.startswith("hf:") else model
-            cfg = RunConfig(method=method, model=variant, seq_len=2 * world_size, world_size=world_size, dtype=dtype,
-                            zero=zero, device="cpu", ac=ac)
+        for entry in methods:
+            label, zero = parse_method(entry)
+            spec = parse_method_spec(label)
+            variant = f"hf:{model}" if spec.method in HF_MODEL_METHODS and not model.startswith("hf:") else model
+            cfg = spec.config(RunConfig(method=spec.method, model=variant, seq_len=2 * world_size,
+                                        world_size=world_size, dtype=dtype, zero=zero, device="cpu"))
             validate(cfg)
-            configs.append(cfg.replace(seq_len=1))
+            configs.append((label, cfg.replace(seq_len=1)))
     return configs
 
 
-def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None, max_len: int) -> list[dict]:
-    """One configuration's search rows, one per device type, sharing one peak-vs-length curve."""
+def search_cell(label: str, cfg: RunConfig, device_names: list[str], granularity: int | None,
+                max_len: int) -> list[dict]:
+    """One configuration's search rows, one per device type, sharing one peak-vs-length curve; a spec with options
+    of its own labels its rows (`method_spec`, as `autosp bench` does), so that they stand as a column of their
+    own."""
     from autosp.experiments.devices import get_device_model
     from autosp.experiments.simulate import shared_rank_programs, simulated_search
 
@@ -109,7 +108,16 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
     for row in rows:
         row["extra"]["cell_cpu_s"] = round(time.process_time() - started, 1)  # the whole cell, every device
         row["extra"]["cell_simulated_lengths"] = len(curve)
+        if label != _plain_label(cfg):
+            row["method_spec"] = label
     return rows
+
+
+def _plain_label(cfg: RunConfig) -> str:
+    """The column a configuration takes without a spec's label: its method, or its checkpointed variant."""
+    from autosp.experiments.tables import method_variant
+
+    return method_variant(cfg.method, cfg.ac)
 
 
 #: how costly a cell's probes are, by method: DeepSpeed's AutoSP compiles every length through DeepSpeed's pass and
@@ -120,15 +128,15 @@ def search_cell(cfg: RunConfig, device_names: list[str], granularity: int | None
 COST_RANK = {"alst": 4, "ds-autosp": 3, "zero3": 2, "autosp": 1, "ulysses-compile": 1}
 
 
-def cell_order(configs: list[RunConfig]) -> list[RunConfig]:
+def cell_order(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConfig]]:
     """Costliest first: the method's rank (`COST_RANK`), then the model's depth."""
     from autosp.models import get_preset
 
-    return sorted(configs, key=lambda cfg: (COST_RANK.get(cfg.method, 0), get_preset(cfg.model).num_layers),
+    return sorted(configs, key=lambda cell: (COST_RANK.get(cell[1].method, 0), get_preset(cell[1].model).num_layers),
                   reverse=True)
 
 
-def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: int, out: str,
+def simulate_table(configs: list[tuple[str, RunConfig]], device_names: list[str], *, jobs: int, out: str,
                    granularity: int | None = None, max_len: int = 1 << 22) -> list[dict]:
     """Every cell's search rows, appended to `out` as each cell finishes (a stopped run keeps what it did)."""
     from autosp.experiments.simulate import _summary
@@ -146,11 +154,11 @@ def simulate_table(configs: list[RunConfig], device_names: list[str], *, jobs: i
     # method may follow DeepSpeed's AutoSP in a worker (the project's ops have a namespace of their own)
     order = cell_order(configs)
     if jobs <= 1:
-        for cfg in order:
-            keep(search_cell(cfg, device_names, granularity, max_len))
+        for label, cfg in order:
+            keep(search_cell(label, cfg, device_names, granularity, max_len))
         return rows
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(search_cell, cfg, device_names, granularity, max_len) for cfg in order]
+        futures = [pool.submit(search_cell, label, cfg, device_names, granularity, max_len) for label, cfg in order]
         for future in as_completed(futures):
             keep(future.result())
     return rows
@@ -176,7 +184,7 @@ def _ratio(ours: float, theirs: float) -> str:
 
 def markdown_table(table: "pd.DataFrame") -> str:
     """Max length per cell (columns method zZeRO-stage) and AutoSP's best over its stages vs each baseline's best,
-    beside the paper's claimed ratio for the device's vendor."""
+    beside the paper's claimed ratio for the device's vendor; each autosp method spec's best vs alst's."""
     from autosp.experiments.devices import get_device_model
     from autosp.experiments.tables import paper_claims
 
@@ -187,7 +195,9 @@ def markdown_table(table: "pd.DataFrame") -> str:
     order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
     rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
     labels = sorted(dict.fromkeys(table["label"]), key=rank)
-    head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS)]
+    specs = sorted({m for m in table["method"] if m.startswith("autosp[")})  # autosp with its own options
+    head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS),
+            *(f"{spec}/{SPEC_RATIO}" for spec in specs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, device), cell in table.groupby(["model", "device"], sort=False):
         by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
@@ -200,6 +210,8 @@ def markdown_table(table: "pd.DataFrame") -> str:
             applies = claim_id in claims.index and str(claims.loc[claim_id, "model"]).lower() in ("up to", model)
             claimed = f" ({claims.loc[claim_id, 'factor']:g}x)" if applies else ""  # 5.6x is an 8B claim
             ratios.append(_ratio(best.get("autosp", 0.0), best.get(ref, 0.0)) + claimed if ref in best else "-")
+        ratios += [_ratio(best.get(spec, 0.0), best[SPEC_RATIO]) if spec in best and SPEC_RATIO in best else "-"
+                   for spec in specs]
         lines.append("| " + " | ".join([model, device, *(by_label.get(l, "") for l in labels), *ratios]) + " |")
     return "\n".join(lines)
 
@@ -221,7 +233,8 @@ def rendered_rows(paths: list[str]) -> list[dict]:
         else:
             found = [r for r in read_records(path) if r.get("kind") == "search"]
         for row in found:
-            variant = method_variant(row["method"], row.get("ac") or (row.get("config") or {}).get("ac"))
+            variant = row.get("method_spec") or method_variant(row["method"],
+                                                               row.get("ac") or (row.get("config") or {}).get("ac"))
             cells[(row["model"], row["device"], variant, row.get("zero"))] = row
     return list(cells.values())
 
@@ -240,13 +253,14 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     from autosp.experiments.devices import get_device_model
     from autosp.experiments.plots import check_figure_path, trainability_figure
     from autosp.experiments.tables import trainability_table
+    from autosp.harness.method_spec import split_methods
     from autosp.harness.records import check_writable
 
     devices = args.devices.split(",")
     for name in devices:
         if not get_device_model(name).memory_bytes:
             raise ConfigError(f"--devices {name}: the table is for GPU types with their own memory")
-    configs = cell_configs(args.models.split(","), args.methods.split(","), world_size=args.world_size,
+    configs = cell_configs(args.models.split(","), split_methods(args.methods), world_size=args.world_size,
                            dtype=args.dtype)
     for path in args.figure:
         check_figure_path(path)
@@ -284,7 +298,8 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
     p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
     p.add_argument("--methods", default=",".join(PAPER_METHODS + DEFAULT_PRACTICAL),
-                   help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. autosp:0,autosp:3,ring,fsdp")
+                   help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. autosp:0,autosp:3,ring,fsdp; a "
+                        "method spec sets its own options, e.g. 'autosp[sac=auto,offload=auto+optimizer]:3'")
     p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")

@@ -128,6 +128,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     ac = next((c for c in ("ac", "config.ac") if c in rows), None)  # a record keeps it in its config
     if ac is not None:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
         rows = rows.assign(method=[method_variant(m, a) for m, a in zip(rows["method"], rows[ac])])
+    if "method_spec" in rows:  # a method run with its own options (`autosp[sac=auto]`) is a row of its own
+        rows = rows.assign(method=rows["method_spec"].fillna(rows["method"]))
     group = [c for c in TRAINABILITY_GROUP if c in rows]
     stage = ["zero"] if "zero" in rows else []  # the ZeRO stage each method ran: a different stage, a different row
     table = _latest(rows, group + ["method"] + stage)
@@ -179,7 +181,7 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
     for line in lines[2:]:
         cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
         for column, value in cells.items():
-            label = re.fullmatch(r"(?P<method>[\w.-]+(?:\[ac=\w+\])?)(?: \(hf\))? z(?P<zero>\d+)", column)
+            label = re.fullmatch(r"(?P<method>[\w.-]+(?:\[[^\[\]]+\])?)(?: \(hf\))? z(?P<zero>\d+)", column)
             if label is None or not value:
                 continue
             length = re.fullmatch(r"(?P<more>>=)?(?P<k>[\d.]+)K", value)

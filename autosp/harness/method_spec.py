@@ -4,7 +4,8 @@
 
 A spec may set only the options its method honours (`baselines.base.Strategy.honoured_options`); the shared flags
 still apply to every spec that honours them, and a spec's own value wins. Its label is the text as written, which
-names its rows in the bench's table and what `--ratio-to` may refer to.
+names its rows in the bench's table and what `--ratio-to` may refer to. A value that is itself a comma-separated
+list is written with `+` inside the brackets: ``autosp[offload=auto+optimizer]`` is ``--offload auto,optimizer``.
 """
 from __future__ import annotations
 
@@ -62,6 +63,6 @@ def parse_method_spec(text: str) -> MethodSpec:
             except ValueError:
                 raise ConfigError(f"--methods {text}: {flag_name(name)} takes an integer, got {value!r}") from None
         else:
-            options[name] = value
+            options[name] = value.replace("+", ",")  # a list value (`offload=auto+optimizer`): commas end an option
     return MethodSpec(label=text.strip(), method=match["method"].strip(), options=options)
 

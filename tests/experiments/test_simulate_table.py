@@ -123,7 +123,54 @@ def test_the_costliest_cells_start_first():
 
     configs = cell_configs(["llama-3.2-1b", "llama-2-13b"], ["ulysses:0", "autosp:3", "zero3", "ds-autosp"],
                            world_size=8, dtype="bfloat16")
-    order = [(cfg.method, cfg.model) for cfg in cell_order(configs)]
+    order = [(cfg.method, cfg.model) for _, cfg in cell_order(configs)]
     assert order[:4] == [("ds-autosp", "hf:llama-2-13b"), ("ds-autosp", "hf:llama-3.2-1b"), ("zero3", "llama-2-13b"),
                          ("zero3", "llama-3.2-1b")]
     assert [method for method, _ in order[4:]] == ["autosp", "autosp", "ulysses", "ulysses"]
+
+
+def test_a_method_spec_sets_its_own_options_and_is_a_column_of_its_own_against_alst(tmp_path):
+    """`autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]:3`: the planner's levers as one column beside
+    plain autosp (never in its place), its stage after the brackets, `+` for a list value, its ratio to alst; the
+    column reads back from the Markdown table and a later file's cell replaces it, not plain autosp's."""
+    from autosp.experiments.simulate_table import cell_configs, parse_method, search_cell
+    from autosp.experiments.tables import trainability_table
+
+    spec = "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]"
+    assert parse_method(f"{spec}:3") == (spec, 3) and parse_method(spec) == (spec, None)
+    (label, cfg), (plain, _) = cell_configs(["llama-3.1-8b"], [f"{spec}:3", "autosp:3"], world_size=8,
+                                            dtype="bfloat16")
+    assert (label, plain) == (spec, "autosp")
+    assert (cfg.method, cfg.zero, cfg.sac, cfg.tiling, cfg.offload) == ("autosp", 3, "auto", "auto:16384",
+                                                                       "auto,optimizer")
+    records = [dict(kind="search", model=model, device="a100-80gb", device_name="a100-80gb", world_size=8,
+                    memory_budget=None, mode="simulated", method=method, zero=3, status="found", max_seq_len=k * 1024,
+                    first_oom_seq_len=None, floor_limit_seq_len=None, achieved_over_limit=None, num_probes=2,
+                    timestamp="2026-12-03", **extra)
+               for model, method, k, extra in (("llama-3.1-8b", "autosp", 200, {}),
+                                               ("llama-3.1-8b", "autosp", 4000, {"method_spec": spec}),
+                                               ("hf:llama-3.1-8b", "alst", 3200, {}))]
+    lines = markdown_table(trainability_table(pd.DataFrame(records))).splitlines()
+    head, row = lines[0].split(" | "), lines[2].split(" | ")
+    assert head[2:5] == ["autosp z3", "alst (hf) z3", f"{spec} z3"] and row[2:5] == ["200K", "3200K", "4000K"]
+    assert head[-1] == f"{spec}/alst |" and row[-1] == "1.25x |"
+    assert row[head.index("autosp/alst")] == "0.06x"  # plain autosp keeps its own ratio
+    (tmp_path / "t.md").write_text("\n".join(lines) + "\n\nworld size 8, bfloat16\n")
+    later = dict(records[1], max_seq_len=4400 * 1024, config={"ac": "off"})
+    (tmp_path / "new.jsonl").write_text(json.dumps(later) + "\n")
+    out = tmp_path / "out.md"
+    assert main(["simulate-table", "--render", str(tmp_path / "t.md"), str(tmp_path / "new.jsonl"),
+                 "--table-out", str(out)]) == 0
+    head, row = (line.split(" | ") for line in out.read_text().splitlines()[:3:2])
+    assert row[head.index(f"{spec} z3")] == "4400K" and row[head.index("autosp z3")] == "200K"
+
+
+def test_a_searched_cells_rows_carry_the_specs_label_only_where_it_has_options_of_its_own(monkeypatch):
+    from autosp.experiments import simulate_table
+
+    monkeypatch.setattr(sim, "simulated_search", lambda cfg, device, **kw: {"extra": {}, "device": device.name})
+    (spec, cfg), (variant, checkpointed) = simulate_table.cell_configs(
+        ["tiny"], ["autosp[sac=auto]:3", "ulysses[ac=layer]:3"], world_size=2, dtype="float32")
+    assert [r.get("method_spec") for r in simulate_table.search_cell(spec, cfg, ["a100-80gb"], None, 1024)] == [spec]
+    assert [r.get("method_spec") for r in simulate_table.search_cell(variant, checkpointed, ["a100-80gb"], None,
+                                                                     1024)] == [None]
