@@ -24,9 +24,10 @@ this glue, restated here; a defect of DeepSpeed's components shows as it is in `
 """
 from __future__ import annotations
 
+import functools
 import math
 from types import MethodType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from autosp.models.build import parameter_count
 from autosp.models.llama import IGNORE_INDEX
 from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
+from baselines.recompute_flops import RecomputeCounter
 from baselines.zero3 import zero3_config
 
 if TYPE_CHECKING:
@@ -57,16 +59,17 @@ def alst_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
     return config
 
 
-def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, recompute: RecomputeCounter | None = None) -> torch.Tensor:
     """ArcticTraining's `tiled_mlp_forward_common`: the SwiGLU MLP over ceil(S / hidden) sequence shards, the count
-    agreed by every rank (ZeRO-3 gathers must match)."""
+    agreed by every rank (ZeRO-3 gathers must match); `recompute` counts the shards' re-run in backward."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     def mlp_forward(module: nn.Module, x_shard: torch.Tensor) -> torch.Tensor:
         return module.down_proj(module.act_fn(module.gate_proj(x_shard)) * module.up_proj(x_shard))
 
     params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
-    return TiledMLP.apply(mlp_forward, mlp, x, agreed_mlp_shards(x), params)
+    fn = recompute.wrap(mlp_forward) if recompute is not None else mlp_forward
+    return TiledMLP.apply(fn, mlp, x, agreed_mlp_shards(x), params)
 
 
 def agreed_mlp_shards(x: torch.Tensor) -> int:
@@ -106,6 +109,13 @@ def enable_checkpoint_offload(model: nn.Module, device: torch.device) -> None:
         return
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=host_booked_checkpoint)
+
+
+def counted_checkpoint(checkpoint: Callable, recompute: RecomputeCounter) -> Callable:
+    """`checkpoint` whose function, re-run in backward, is counted by `recompute`."""
+    def counted(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(recompute.wrap(function), *args, **kwargs)
+    return counted
 
 
 def shard_like_the_adapter(batch: "Batch", sp_rank: int, sp_size: int) -> dict[str, torch.Tensor]:
@@ -150,10 +160,14 @@ class AlstStep(DeepSpeedZeroStep):
             micro_batch_size=cfg.batch_size, seq_length=cfg.seq_len, seq_length_is_variable=True)
         if ctx.sp_size > 1:  # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA, gathered sequence)
             transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
+        # what backward re-runs (every layer's forward, and TiledMLP's shards once more), counted per step
+        self.recompute = RecomputeCounter()
         for module in model.modules():
             if type(module).__name__.endswith("MLP") and hasattr(module, "gate_proj"):
-                module.forward = MethodType(tiled_mlp_forward, module)
+                module.forward = MethodType(functools.partial(tiled_mlp_forward, recompute=self.recompute), module)
         enable_checkpoint_offload(model, ctx.device)
+        for layer in model.model.layers:  # HF checkpoints each layer through its `_gradient_checkpointing_func`
+            layer._gradient_checkpointing_func = counted_checkpoint(layer._gradient_checkpointing_func, self.recompute)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         if cfg.device != "cpu":
@@ -167,6 +181,7 @@ class AlstStep(DeepSpeedZeroStep):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         ctx = self.ctx
+        self.recompute.reset()
         rows = batch.input_ids.shape[0] // ctx.dp_size
         mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
         inputs = shard_like_the_adapter(mine, ctx.sp_rank, ctx.sp_size)
@@ -198,6 +213,14 @@ class AlstStep(DeepSpeedZeroStep):
             dist.all_reduce(logged, group=ctx.dp_group)
             logged /= ctx.dp_size
         return logged
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.recompute.flops
+
+    def metrics(self) -> dict[str, Any]:
+        """The last step's recomputed FLOPs on this rank (`baselines.recompute_flops`)."""
+        return {"recompute_flops": self.recompute.flops}
 
 
 

@@ -34,6 +34,9 @@ class TrainStep(ABC):
 
     #: which implementation actually ran (e.g. "ring-flash-attn" or "torch-ring"); goes into the record
     implementation: str = ""
+    #: FLOPs of the forward ops the last step re-ran in backward, on this rank, where the method counts them
+    #: (`baselines.recompute_flops`; autosp's planner records its own per graph); None where it does not
+    recompute_flops: int | None = None
 
     @abstractmethod
     def forward_backward(self, batch: "Batch") -> torch.Tensor:

@@ -259,6 +259,14 @@ def test_alsts_peak_at_depth_is_the_line_through_2_and_3_layers(monkeypatch):
              "host_offloaded_bytes")
     assert {t: getattr(line, t) for t in terms} == {t: getattr(whole, t) for t in terms}
     assert 0 <= whole.peak_bytes - line.peak_bytes <= a100.small_block_bytes
+    # what backward re-runs, counted (`baselines.recompute_flops`) and on the same line: every layer's forward, and
+    # TiledMLP's MLP once more, on this rank's tokens and, after the all-to-all, its heads over the whole sequence
+    p = presets._PRESETS["tiny6"]
+    tokens, head_dim = cfg.seq_len // 2, p.hidden_size // p.num_attention_heads
+    projections = 2 * tokens * p.hidden_size * (2 * p.hidden_size + 2 * p.num_key_value_heads * head_dim)
+    mlp = 3 * 2 * tokens * p.hidden_size * p.intermediate_size
+    attention = 4 * (p.num_attention_heads // 2) * cfg.seq_len ** 2 * head_dim
+    assert whole.recompute_flops == line.recompute_flops == 6 * (projections + 2 * mlp + attention)
 
 
 def test_gpu_devices_charge_allocator_blocks_context_and_workspace():

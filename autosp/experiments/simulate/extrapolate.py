@@ -144,4 +144,6 @@ def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | 
                     ops=high.ops + more * (high.ops - low.ops),
                     host_offloaded_bytes=high.host_offloaded_bytes + more * (high.host_offloaded_bytes
                                                                              - low.host_offloaded_bytes),
-                    assumed_healthy_reads=high.assumed_healthy_reads, phases=phases), None
+                    assumed_healthy_reads=high.assumed_healthy_reads, phases=phases,
+                    recompute_flops=None if None in (low.recompute_flops, high.recompute_flops)
+                    else high.recompute_flops + more * (high.recompute_flops - low.recompute_flops)), None

@@ -55,6 +55,8 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
                    "peak_op": peak.peak_op, "peak_phase": peak.peak_phase,
                    "host_offloaded_bytes": peak.host_offloaded_bytes},
         node_host_bytes=node_host, host_budget_bytes=host_budget and host_budget[0], **how)
+    if peak.recompute_flops is not None:  # per rank and step: the planner's, or the method's own count
+        record["extra"]["recompute_flops"] = peak.recompute_flops
     if peak.plans and not how.get("extrapolated"):  # the planner's choice at this depth and length, as measured runs
         record["extra"]["sac_auto"] = peak.plans
     return record

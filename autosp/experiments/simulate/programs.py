@@ -181,9 +181,12 @@ class RankProgram:
         plans = [r.plan for r in (records or [])[compiled_before:] if r.plan is not None]
         peak = tracker.peak()
         peak_phase = next(phase for phase, moment in tracker.moments.items() if moment is peak)
+        # what backward re-runs: the planner's count per graph, or the method's own (`TrainStep.recompute_flops`)
+        recompute = sum(p["recompute_flops"] for p in plans) if plans else getattr(step, "recompute_flops", None)
         return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
                         ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
-                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans)
+                        assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans,
+                        recompute_flops=recompute)
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the

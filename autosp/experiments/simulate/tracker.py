@@ -241,6 +241,7 @@ class RankPeak(PhasePeak):
     assumed_healthy_reads: int = 0  # boolean reads of fake data answered "no" (`assume_healthy_step`)
     phases: dict[str, PhasePeak] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
     plans: list[dict] = field(default_factory=list)  # the memory planner's choice per graph compiled for this length
+    recompute_flops: int | None = None  # FLOPs of forward ops re-run in backward, where counted (`TrainStep`)
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -1,0 +1,68 @@
+"""FLOPs of the forward ops an eager method re-runs in backward (per-layer activation checkpointing, DeepSpeed's
+TiledMLP), counted as the memory planner counts its own recompute (`autosp.compiler.sac_auto.recompute_flops`):
+torch's flop formulas per op, attention as 4·B·H·S_q·S_k·D (not halved for a causal mask), so that a record of
+`alst` and one of `autosp --sac auto` compare by the same rule. Element-wise ops count nothing here (the planner
+counts one per element where torch has no formula), which leaves this count the lower of the two for the same ops.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+
+def _cpu_flash_attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                               **kwargs: Any) -> int:
+    """The flop counter's SDPA formula for the CPU flash kernel, which torch's registry lacks."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+_FORMULAS = {**flop_registry,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops}
+
+
+class _FlopCount(TorchDispatchMode):
+    """Adds each op's FLOPs (where a formula exists) to `flops`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FORMULAS.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+class RecomputeCounter:
+    """Counts the FLOPs of wrapped forward functions when they run inside autograd's backward (a checkpointed
+    layer's re-run, TiledMLP's per-shard re-run); a call in forward, or nested in a counted call, adds nothing.
+    `flops` is the sum since the last `reset()` (one step's, read after it)."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+        self._counting = False
+
+    def reset(self) -> None:
+        self.flops = 0
+
+    def wrap(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._counting or torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
+                return fn(*args, **kwargs)
+            self._counting, count = True, _FlopCount()
+            try:
+                with count:
+                    return fn(*args, **kwargs)
+            finally:  # also when non-reentrant checkpointing stops the re-run early: what ran is counted
+                self.flops += count.flops
+                self._counting = False
+
+        return counted
