@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, flex, hybrid, index_chains, indices,
-                             loss, masks, padding, resize, routing, shard)
+from autosp.compiler import (communicate, dropout, eager_attention, expert_counts, flex, flex_masks, hybrid,
+                             index_chains, indices, loss, masks, padding, resize, routing, shard)
 from autosp.compiler.analysis import analyze
 from autosp.compiler.sdpa import is_attention
 from autosp.compiler.spec import ShardSpec, SPContext, node_label
@@ -38,6 +38,7 @@ def sequence_parallel_pass(
     attention_chunks: each SDPA attention runs in this many chunks of its heads (`communicate.HeadChunks`)."""
     analysis = analyze(gm)
     masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
+    flex_masks.build_block_masks_by_rows(gm)  # flex's block mask without HF's dense [S, S] mask
     eager = any(not is_attention(site.node) for site in analysis.sites)
     ulysses = hybrid.choose_ulysses_size(analysis.sites, sp_size, ulysses_size, eager)
     groups = ("", "")
