@@ -32,6 +32,8 @@ _FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 _PADS = (F.pad, torch._C._nn.pad)
 _VMAP_OUTPUT = predispatch._remove_batch_dim  # the vmap ops as Dynamo puts them in its graph
 _NESTING = (predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting)
+_VMAP_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched", "FuncTorchVmapMode"))
 _MASK_MODS: dict[str, fx.GraphModule] = {}  # by the hash of their code: the op's string argument names one
 
 
@@ -40,19 +42,29 @@ def flex_block_sums(buffers: list[Tensor], mask_mod: str, batch: int, heads: int
                     q_block: int, kv_block: int, device: torch.device) -> Tensor:
     """[batch, heads, q_len / q_block, kv_len / kv_block] (rounded up): how many (q, kv) of each block `mask_mod`
     keeps, evaluated one block of query rows at a time (what HF's dense mask summed per block holds)."""
-    from torch.nn.attention.flex_attention import create_mask
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.nn.attention.flex_attention import _vmap_for_bhqkv
 
     module = _MASK_MODS[mask_mod]
+    evaluate = _vmap_for_bhqkv(lambda b, h, q, kv: module(b, h, q, kv, *buffers), prefix=())  # as create_mask
     q_blocks, kv_blocks = -(-q_len // q_block), -(-kv_len // kv_block)
     sums = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.int64, device=device)
+    b, h, kv = (torch.arange(n, device=device) for n in (batch, heads, kv_len))
     for i in range(q_blocks):
-        start = i * q_block
-        rows = min(q_block, q_len - start)
-        mask = create_mask(lambda b, h, q, kv: module(b, h, q + start, kv, *buffers), batch, heads, rows, kv_len,
-                           device)
+        q = torch.arange(i * q_block, min((i + 1) * q_block, q_len), device=device)
+        with _vmap_enabled(), TransformGetItemToIndex():
+            mask = evaluate(b, h, q, kv)
         mask = F.pad(mask, (0, kv_blocks * kv_block - kv_len))
-        sums[:, :, i] = mask.view(batch, heads, rows, kv_blocks, kv_block).sum(dim=(2, 4))
+        sums[:, :, i] = mask.view(batch, heads, len(q), kv_blocks, kv_block).sum(dim=(2, 4))
     return sums
+
+
+def _vmap_enabled() -> torch._C._ForceDispatchKeyGuard:
+    """The dispatch keys vmap runs on, which a custom op's body is called with excluded."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _VMAP_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 @flex_block_sums.register_fake
