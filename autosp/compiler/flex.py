@@ -1,7 +1,8 @@
 """FlexAttention (`torch.ops.higher_order.flex_attention`, HF attn_implementation="flex_attention") under Ulysses.
 
 The model builds its BlockMask in the graph from index tensors (HF: `mask_mod` evaluated over [S, S] positions,
-reduced to blocks), which the pass keeps full on every rank (`indices`): the mask covers the global sequence.
+reduced to blocks; `flex_masks` computes the same blocks by rows), which the pass keeps full on every rank
+(`indices`): the mask covers the global sequence.
 Attention is then wrapped as SDPA is (`communicate`): all-to-alls turn q, k, v from [B, H, S/P, D] into
 [B, H/P, S, D] (KV heads replicated to split evenly), the HOP runs unchanged on this rank's heads over all
 positions with the global block mask, and its outputs go back (the output, and the logsumexp where the model
