@@ -15,6 +15,7 @@ constants and the HOP's mask buffers. A mask it cannot rebuild stays dense, with
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import warnings
 
@@ -90,7 +91,7 @@ def build_block_masks_by_rows(gm: fx.GraphModule) -> int:
             done.add(block_sum)
             continue
         key = hashlib.sha256(module.code.encode()).hexdigest()
-        _MASK_MODS.setdefault(key, module)
+        _MASK_MODS.setdefault(key, copy.deepcopy(module))  # as it is now: `flex` rewrites it (h + offset) later
         batch, heads, q_len, kv_len = mask.meta["example_value"].shape
         with gm.graph.inserting_before(block_sum):
             sums = gm.graph.call_function(op("flex_block_sums").default,

@@ -17,7 +17,7 @@ from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
 from tests.compiler.graphs import capture
 from tests.compiler.hf_models import build_hf_flex
-from tests.compiler.models import Decoder, DecoderConfig
+from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
 
 CASES = {  # (HF family or None: the decoder, sequence length, packed documents)
     "llama-causal": ("llama-flex", 300, 1),  # three blocks of 128 positions, the last one partial
@@ -41,6 +41,7 @@ def _graph(case: str) -> tuple[fx.GraphModule, list, int, int]:
     family, seq_len, documents = CASES[case]
     kwargs = _inputs(seq_len, documents)
     if family is None:
+        allow_flex_backward_on_cpu()
         torch.manual_seed(0)
         model = Decoder(DecoderConfig(attention="flex"))
         kwargs["labels"] = kwargs["input_ids"]
@@ -115,3 +116,19 @@ def test_compiled_forward_and_backward_hold_no_sequence_by_sequence_tensor(case)
     assert len(graphs) == 2
     for graph in graphs:
         assert not _square(graph, seq_len, "val")
+
+
+def test_block_sums_keep_the_model_heads_when_the_pass_gives_a_rank_its_own():
+    """Rank 1's mask_mod reads h + 2 after the pass; the block sums, over all heads, are still the model's."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    gm, _, seq_len, _ = _graph("head-mods")
+    gm = sequence_parallel_pass(gm, sp_rank=1, sp_size=2, group_name="unused")
+    sums = [n for n in gm.graph.nodes if n.target is torch.ops.autosp_sp.flex_block_sums.default]
+    assert sums
+    dense = create_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < 8 * (h + 1)), 1, 4, seq_len, seq_len)
+    padded = -(-seq_len // 128) * 128
+    dense = torch.nn.functional.pad(dense, (0, padded - seq_len, 0, padded - seq_len))
+    expected = dense.view(1, 4, padded // 128, 128, padded // 128, 128).sum(dim=(3, 5))
+    for node in sums:
+        assert torch.equal(node.target(*node.args), expected)
