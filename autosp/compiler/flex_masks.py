@@ -27,6 +27,7 @@ from torch._functorch import predispatch
 from torch._functorch.vmap import lazy_load_decompositions
 
 from autosp.comm.library import custom_op, op
+from autosp.compiler.masks import RANDOM
 from autosp.compiler.spec import node_label
 
 _FLEX_ATTENTION = torch.ops.higher_order.flex_attention
@@ -157,10 +158,15 @@ def _rebuildable(mask: fx.Node, buffers: tuple, module: torch.nn.Module) -> bool
         if node in seen or node in buffers:
             continue
         seen.add(node)
-        if node.op != "call_function" and node.op != "call_method":
-            return False  # an input or attribute the HOP's mask_mod does not read
+        if node.op not in ("call_function", "call_method") or not _is_pure(node):
+            return False  # an input, attribute, random or in-place value the HOP's mask_mod does not read
         pending.extend(node.all_input_nodes)
     return True
+
+
+def _is_pure(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    return not any(word in name for word in RANDOM) and not (name.endswith("_") and not name.endswith("__"))
 
 
 def _warn_dense(attention: fx.Node, mask: fx.Node) -> None:
@@ -176,7 +182,8 @@ def _erase_dead(gm: fx.GraphModule, start: fx.Node) -> None:
     pending = [start]
     while pending:
         node = pending.pop()
-        if node.users or node.op not in ("call_function", "call_method") or node.target in _NESTING:
+        if node.users or node.op not in ("call_function", "call_method") or node.target in _NESTING or \
+                not _is_pure(node):
             continue
         inputs = node.all_input_nodes
         gm.graph.erase_node(node)

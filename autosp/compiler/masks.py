@@ -52,7 +52,7 @@ _NEGATIONS = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_no
 _VALUE_PRESERVING = {"expand", "expand_as", "to", "contiguous", "clone"}  # `to` only when the dtype is unchanged
 _ONES = {torch.ones, torch.ones_like, "new_ones"}
 _TRIANGLES = {torch.tril: torch.le, "tril": torch.le, torch.triu: torch.ge, "triu": torch.ge}  # kv - q OP diagonal
-_RANDOM = ("rand", "normal", "bernoulli", "dropout", "uniform", "multinomial", "poisson", "exponential", "empty")
+RANDOM = ("rand", "normal", "bernoulli", "dropout", "uniform", "multinomial", "poisson", "exponential", "empty")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _constant_value(gm: fx.GraphModule, node: fx.Node, budget: int) -> torch.Ten
         seen.add(n)
         name = getattr(n.target, "__name__", str(n.target))
         value = _value(n)
-        if n.op not in ("call_function", "call_method") or any(word in name for word in _RANDOM):
+        if n.op not in ("call_function", "call_method") or any(word in name for word in RANDOM):
             return False
         if isinstance(value, torch.Tensor) and value.numel() > budget:
             return False
