@@ -19,27 +19,31 @@ from tests.compiler.graphs import capture
 from tests.compiler.hf_models import build_hf_flex
 from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
 
-CASES = {  # (HF family or None: the decoder, sequence length, packed documents)
-    "llama-causal": ("llama-flex", 300, 1),  # three blocks of 128 positions, the last one partial
-    "mistral-window-documents": ("mistral-flex", 300, 3),
-    "mistral-window-documents-short": ("mistral-flex", 31, 3),  # the exactness tests' length: one partial block
-    "head-mods": (None, 300, 1),  # per-head windows: a [B, H, S, S] mask, built in each layer
+CASES = {  # (HF family or None: the decoder, sequence length, packed documents per row, batch rows)
+    "llama-causal": ("llama-flex", 300, 1, 1),  # three blocks of 128 positions, the last one partial
+    "mistral-window-documents": ("mistral-flex", 300, 3, 1),
+    "mistral-window-documents-short": ("mistral-flex", 31, 3, 1),  # the exactness tests' length: one partial block
+    "mistral-documents-two-rows": ("mistral-flex", 300, 4, 2),  # each row its own documents: a [2, 1, S, S] mask
+    "head-mods": (None, 300, 1, 1),  # per-head windows: a [B, H, S, S] mask, built in each layer
 }
 
 
-def _inputs(seq_len: int, documents: int) -> dict:
-    ids = torch.randint(0, 64, (1, seq_len), generator=torch.Generator().manual_seed(0))
+def _inputs(seq_len: int, documents: int, rows: int) -> dict:
+    ids = torch.randint(0, 64, (rows, seq_len), generator=torch.Generator().manual_seed(0))
     kwargs = {"input_ids": ids}
     if documents > 1:
-        bounds = [0, seq_len // 3, 2 * seq_len // 3 + 2, seq_len]
-        kwargs["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+        positions = []
+        for row in range(rows):  # documents of even lengths, their ends 70 positions later in each next row
+            bounds = [0, *(k * seq_len // documents + 70 * row for k in range(1, documents)), seq_len]
+            positions.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+        kwargs["position_ids"] = torch.stack(positions)
     return kwargs
 
 
 def _graph(case: str) -> tuple[fx.GraphModule, list, int, int]:
     """(the graph, its inputs, the sequence length, how many block masks it builds)."""
-    family, seq_len, documents = CASES[case]
-    kwargs = _inputs(seq_len, documents)
+    family, seq_len, documents, rows = CASES[case]
+    kwargs = _inputs(seq_len, documents, rows)
     if family is None:
         allow_flex_backward_on_cpu()
         torch.manual_seed(0)
