@@ -54,8 +54,6 @@ RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "train
           ("zero3", {"nvidia": "trainability_vs_zero3"}),
           ("fsdp", {"nvidia": "trainability_vs_zero3"}),
           ("alst", {}), ("ulysses[ac=layer]", {}))  # the practical anchors: no paper claim beside them
-#: the baseline each autosp method spec's column (`autosp[sac=auto,...]`) is put against: the strongest peer
-SPEC_RATIO = "alst"
 #: methods simulated on HF's LlamaForCausalLM (`hf:<preset>`): DeepSpeed's AutoSP pass shards only that form
 #: (on the project Llama its compile fails, as it does when measured; README "DeepSpeed's AutoSP"); ALST patches
 #: HF's attention and MLP classes
@@ -186,7 +184,7 @@ def markdown_table(table: "pd.DataFrame") -> str:
     """Max length per cell (columns method zZeRO-stage) and AutoSP's best over its stages vs each baseline's best,
     beside the paper's claimed ratio for the device's vendor; each autosp method spec's best vs alst's."""
     from autosp.experiments.devices import get_device_model
-    from autosp.experiments.tables import paper_claims
+    from autosp.experiments.tables import SPEC_RATIO, autosp_specs, paper_claims
 
     claims = paper_claims().set_index("claim_id")
     hf = table["model"].str.startswith("hf:")  # a method run on the HF variant of the row's model is labelled so
@@ -195,7 +193,7 @@ def markdown_table(table: "pd.DataFrame") -> str:
     order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
     rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
     labels = sorted(dict.fromkeys(table["label"]), key=rank)
-    specs = sorted({m for m in table["method"] if m.startswith("autosp[")})  # autosp with its own options
+    specs = autosp_specs(table["method"])
     head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS),
             *(f"{spec}/{SPEC_RATIO}" for spec in specs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

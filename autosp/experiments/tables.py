@@ -10,6 +10,7 @@ import argparse
 import io
 import re
 import sys
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
@@ -207,6 +208,13 @@ def model_order(model: str) -> tuple:
 
 #: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
 HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst", "ulysses[ac=layer]")
+#: the baseline an autosp method spec's column (`autosp[sac=auto,...]`: the planner's levers) is put against
+SPEC_RATIO = "alst"
+
+
+def autosp_specs(methods: Iterable[str]) -> list[str]:
+    """The autosp columns run with options of their own (`autosp[...]`, `simulate_table.cell_configs`)."""
+    return sorted({m for m in methods if m.startswith("autosp[")})
 
 
 def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
@@ -233,6 +241,9 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
             if ref in methods:
                 ok = best.get("autosp", 0) > 0 and best.get(ref, 0) > 0
                 row[f"autosp / {ref}"] = f"{best['autosp'] / best[ref]:.2f}x" if ok else ""
+        for spec in autosp_specs(methods):
+            ok = best.get(spec, 0) > 0 and best.get(SPEC_RATIO, 0) > 0
+            row[f"{spec} / {SPEC_RATIO}"] = f"{best[spec] / best[SPEC_RATIO]:.2f}x" if ok else ""
         rows.append(row)
     if not rows:
         raise ConfigError("no trainability results for the headline table (check --devices)")

@@ -163,6 +163,10 @@ def test_a_method_spec_sets_its_own_options_and_is_a_column_of_its_own_against_a
                  "--table-out", str(out)]) == 0
     head, row = (line.split(" | ") for line in out.read_text().splitlines()[:3:2])
     assert row[head.index(f"{spec} z3")] == "4400K" and row[head.index("autosp z3")] == "200K"
+    from autosp.experiments.tables import headline_table, simulated_table_rows
+
+    headline = headline_table(trainability_table(simulated_table_rows(tmp_path / "t.md")))  # the README's table
+    assert list(headline[[spec, f"{spec} / alst", "autosp / alst"]].iloc[0]) == ["4000K", "1.25x", "0.06x"]
 
 
 def test_a_searched_cells_rows_carry_the_specs_label_only_where_it_has_options_of_its_own(monkeypatch):
