@@ -41,8 +41,9 @@ AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_s
 #: attention kernels, treated as SDPA's (the op SAC exists to keep)
 AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
-#: in backward would redo the whole tiled computation; masked attention's backward is a backward op
-AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward"})
+#: in backward would redo the whole tiled computation; masked attention's backward is a backward op; flex's block sums
+#: (`flex_masks`) evaluate the mask S/128 times for a [B, H, S/128, S/128] result: kept, never re-run
+AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward", "flex_block_sums"})
 #: token-wise kernels, recomputed like the aten ops they replace (`autosp.compiler.tiling_norm`)
 AUTOSP_TOKENWISE_OPS = frozenset({"rms_norm", "rms_norm_backward"})
 #: the activation offload's copies (`autosp.compiler.offload`): inserted after partitioning, so no policy sees them

@@ -411,7 +411,7 @@ def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_induct
 
 
 def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> None:
-    import autosp.comm.host_params, autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.masked_attention, autosp.compiler.offload, autosp.compiler.tiling  # noqa: F401,E401,E501
+    import autosp.comm.host_params, autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.flex_masks, autosp.compiler.masked_attention, autosp.compiler.offload, autosp.compiler.tiling  # noqa: F401,E401,E501
     from autosp.comm.library import registered_names
 
     assert registered_names() == (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS
