@@ -7,13 +7,11 @@ the mask construction holds, with and without `flex_masks` (no ranks are launche
 import sys
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
 
 from autosp.compiler import flex_masks
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
-from tests.compiler.graphs import capture
+from tests.compiler.graphs import capture, partitioned
 from tests.compiler.hf_models import build_hf_flex
 
 
@@ -23,13 +21,7 @@ def graph_bytes(seq_len: int) -> tuple[int, int]:
     with tracing_config():
         gm, inputs = capture(build_hf_flex("llama-flex"), input_ids=ids, labels=ids)
     gm = sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
-    graphs = []
-
-    def partition(joint, joint_inputs, **kwargs):
-        graphs.extend(default_partition(joint, joint_inputs, **kwargs))
-        return graphs
-
-    aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
+    graphs = partitioned(gm, inputs)
     lengths = {seq_len, -(-seq_len // 128) * 128}
     values = [n.meta["val"] for g in graphs for n in g.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     size = [v.numel() * v.element_size() for v in values]

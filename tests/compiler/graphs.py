@@ -20,3 +20,18 @@ def capture(model: torch.nn.Module, **kwargs) -> tuple[fx.GraphModule, list]:
 
 def count(gm: fx.GraphModule, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+def partitioned(gm: fx.GraphModule, inputs: list) -> list[fx.GraphModule]:
+    """The forward and backward graphs aot_autograd's default partition makes of `gm` (after the SP pass)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+
+    graphs: list[fx.GraphModule] = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        graphs.extend(default_partition(joint, joint_inputs, **kwargs))
+        return graphs
+
+    aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
+    return graphs

@@ -8,14 +8,12 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
 
 from autosp.compiler.flex import FLEX_ATTENTION
 from autosp.compiler.flex_masks import build_block_masks_by_rows
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
-from tests.compiler.graphs import capture
+from tests.compiler.graphs import capture, partitioned
 from tests.compiler.hf_models import build_hf_flex
 from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
 
@@ -110,13 +108,7 @@ def test_mask_reading_what_its_mask_mod_is_not_given_stays_dense_with_its_cost_n
 def test_compiled_forward_and_backward_hold_no_sequence_by_sequence_tensor(case):
     gm, inputs, seq_len, _ = _graph(case)
     gm = sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
-    graphs = []
-
-    def partition(joint, joint_inputs, **kwargs):
-        graphs.extend(default_partition(joint, joint_inputs, **kwargs))
-        return graphs
-
-    aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
+    graphs = partitioned(gm, inputs)
     assert len(graphs) == 2
     for graph in graphs:
         assert not _square(graph, seq_len, "val")

@@ -10,8 +10,6 @@ from torch import nn
 
 import json
 
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
 
 from autosp.compiler import masked_attention
 from autosp.compiler.sdpa import attention_args, is_attention
@@ -20,7 +18,7 @@ from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
-from tests.compiler.graphs import capture
+from tests.compiler.graphs import capture, partitioned
 
 S = 24
 
@@ -145,13 +143,7 @@ def test_compiled_forward_and_backward_hold_no_sequence_by_sequence_tensor(name,
     seq_len = 96  # no other dim of the tiny preset (64, 16, 32, 176, 512) equals it
     gm, inputs = _hf_graph(seq_len, name, **data)
     gm = sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
-    graphs = []
-
-    def partition(joint, joint_inputs, **kwargs):
-        graphs.extend(default_partition(joint, joint_inputs, **kwargs))
-        return graphs
-
-    aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
+    graphs = partitioned(gm, inputs)
     assert len(graphs) == 2
     for graph in graphs:
         square = [n.name for n in graph.graph.nodes
