@@ -174,10 +174,10 @@ def _length(row: "pd.Series") -> str:
     return f">={text}" if row["status"] == "no_oom_up_to_max_len" else text
 
 
-def _ratio(ours: float, theirs: float) -> str:
+def _ratio(ours: float, theirs: float, lower_bound: bool = False) -> str:
     if not ours:
         return "-"
-    return f"{ours / theirs:.2f}x" if theirs else "only autosp trains"
+    return (">=" if lower_bound else "") + f"{ours / theirs:.2f}x" if theirs else "only autosp trains"
 
 
 def markdown_table(table: "pd.DataFrame") -> str:
@@ -201,15 +201,18 @@ def markdown_table(table: "pd.DataFrame") -> str:
         by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
         ran = cell[cell["status"] != "error"]  # a cell that could not be simulated has no length to compare
         best = ran.assign(n=ran["max_seq_len"].fillna(0).astype(float)).groupby("method")["n"].max()
+        # a method whose longest length is a lower bound (`>=N`) has a ratio that is one too
+        bounded = set(ran.loc[ran["status"] == "no_oom_up_to_max_len", "method"])
         vendor = get_device_model(device).vendor
         ratios = []
         for ref, claim_ids in RATIOS:
             claim_id = claim_ids.get(vendor, "")
             applies = claim_id in claims.index and str(claims.loc[claim_id, "model"]).lower() in ("up to", model)
             claimed = f" ({claims.loc[claim_id, 'factor']:g}x)" if applies else ""  # 5.6x is an 8B claim
-            ratios.append(_ratio(best.get("autosp", 0.0), best.get(ref, 0.0)) + claimed if ref in best else "-")
-        ratios += [_ratio(best.get(spec, 0.0), best[SPEC_RATIO]) if spec in best and SPEC_RATIO in best else "-"
-                   for spec in specs]
+            ratios.append(_ratio(best.get("autosp", 0.0), best.get(ref, 0.0), "autosp" in bounded) + claimed
+                          if ref in best else "-")
+        ratios += [_ratio(best.get(spec, 0.0), best[SPEC_RATIO], spec in bounded)
+                   if spec in best and SPEC_RATIO in best else "-" for spec in specs]
         lines.append("| " + " | ".join([model, device, *(by_label.get(l, "") for l in labels), *ratios]) + " |")
     return "\n".join(lines)
 
@@ -217,11 +220,14 @@ def markdown_table(table: "pd.DataFrame") -> str:
 def rendered_rows(paths: list[str]) -> list[dict]:
     """The search rows of earlier runs: JSONL records, or a rendered Markdown table (`results/simulated_table.md`,
     whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
-    ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table."""
-    from autosp.experiments.tables import method_variant, simulated_table_rows
+    ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table. A
+    JSONL's single simulated lengths that fit (`autosp simulate --seq-len N`) fill cells no search answered, as
+    lower bounds (`lower_bound_row`): one costly probe at a baseline's length shows a cell's order."""
+    from autosp.experiments.tables import simulated_table_rows
     from autosp.harness.records import read_records
 
     cells: dict[tuple, dict] = {}
+    bounds: list[dict] = []
     for path in paths:
         if str(path).endswith(".md"):
             table = simulated_table_rows(path)
@@ -229,12 +235,45 @@ def rendered_rows(paths: list[str]) -> list[dict]:
                               for m, method in zip(table["model"], table["method"])]
             found = table.to_dict("records")
         else:
-            found = [r for r in read_records(path) if r.get("kind") == "search"]
+            records = read_records(path)
+            found = [r for r in records if r.get("kind") == "search"]
+            bounds.extend(lower_bound_row(r) for r in records if _fits_alone(r))
         for row in found:
-            variant = row.get("method_spec") or method_variant(row["method"],
-                                                               row.get("ac") or (row.get("config") or {}).get("ac"))
-            cells[(row["model"], row["device"], variant, row.get("zero"))] = row
+            cells[_cell(row)] = row
+    for row in bounds:  # a search's answer stands, unless it is itself a lower bound below this one
+        held = cells.get(_cell(row))
+        if held is None or (held["status"] == "no_oom_up_to_max_len" and held["max_seq_len"] < row["max_seq_len"]):
+            cells[_cell(row)] = row
     return list(cells.values())
+
+
+def _cell(row: dict) -> tuple:
+    """(model, device, column, ZeRO stage): the column is the row's spec, or its method's (checkpointed) variant."""
+    from autosp.experiments.tables import method_variant
+
+    variant = row.get("method_spec") or method_variant(row["method"],
+                                                       row.get("ac") or (row.get("config") or {}).get("ac"))
+    return row["model"], row["device"], variant, row.get("zero")
+
+
+def _fits_alone(record: dict) -> bool:
+    """A simulated run of one length (`autosp simulate --seq-len N`, not a search or its probe) that fits."""
+    return record.get("mode") == "simulated" and record.get("kind") is None and record.get("status") == "ok"
+
+
+def lower_bound_row(record: dict) -> dict:
+    """A single simulated length that fits, as its cell's row: a lower bound on the longest length (`>=N`, as a
+    search that reached its --max-len), in the column of the spec it ran as (`method_spec.spec_label`)."""
+    from autosp.experiments.tables import method_variant
+    from autosp.harness.method_spec import spec_label
+
+    config = record.get("config") or {}
+    label = spec_label(config) if config else record["method"]
+    row = dict(record, kind="search", status="no_oom_up_to_max_len", max_seq_len=record["seq_len"],
+               first_oom_seq_len=None, num_probes=1, floor_limit_seq_len=None, achieved_over_limit=None)
+    if label != method_variant(record["method"], config.get("ac")):
+        row["method_spec"] = label
+    return row
 
 
 def _setting(rows: list[dict]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from autosp.harness.config import ConfigError, RunConfig, flag_name
+from autosp.harness.config import METHOD_OPTIONS, ConfigError, RunConfig, flag_name
 
 #: options whose values are integers (the others are strings, parsed by the method's own validation)
 _INTEGER_OPTIONS = ("zero", "ulysses_size", "attention_chunks")
@@ -65,4 +65,14 @@ def parse_method_spec(text: str) -> MethodSpec:
         else:
             options[name] = value.replace("+", ",")  # a list value (`offload=auto+optimizer`): commas end an option
     return MethodSpec(label=text.strip(), method=match["method"].strip(), options=options)
+
+
+def spec_label(config: dict[str, object]) -> str:
+    """The spec a recorded configuration (a record's `config`) was run as: its method, with the method options
+    that differ from their defaults in brackets (`autosp[sac=auto,offload=auto+optimizer]`; the ZeRO stage stays
+    outside, as in `method:stage`), so that a single run's record takes its spec's column."""
+    defaults = RunConfig(method="-", model="-", seq_len=1)
+    options = [f"{name}={str(config[name]).replace(',', '+')}" for name in METHOD_OPTIONS
+               if name != "zero" and name in config and config[name] != getattr(defaults, name)]
+    return f"{config['method']}[{','.join(options)}]" if options else str(config["method"])
 

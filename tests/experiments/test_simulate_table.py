@@ -8,6 +8,7 @@ import pandas as pd
 from autosp.cli import main
 from autosp.experiments import simulate as sim
 from autosp.experiments.simulate_table import PAPER_METHODS, markdown_table
+from autosp.harness.config import RunConfig
 
 
 def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the_papers_claim():
@@ -178,3 +179,36 @@ def test_a_searched_cells_rows_carry_the_specs_label_only_where_it_has_options_o
     assert [r.get("method_spec") for r in simulate_table.search_cell(spec, cfg, ["a100-80gb"], None, 1024)] == [spec]
     assert [r.get("method_spec") for r in simulate_table.search_cell(variant, checkpointed, ["a100-80gb"], None,
                                                                      1024)] == [None]
+
+
+def test_a_single_simulated_length_that_fits_renders_as_a_lower_bound_in_its_specs_column(tmp_path):
+    """`autosp simulate --seq-len N` records that fit fill their spec's cell as `>=N`, with `>=` ratios; an oom
+    one fills nothing; the longest fitting length wins; a search's answer is never replaced by a shorter bound."""
+    from autosp.harness.method_spec import parse_method_spec
+
+    spec = "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]"
+    cfg = parse_method_spec(spec).config(RunConfig(method="-", model="llama-3.1-8b", seq_len=1, world_size=8,
+                                                   dtype="bfloat16", zero=3))
+
+    def probe(device, k, status):
+        return dict(model="llama-3.1-8b", device=device, device_name=device, memory_budget=8e10, world_size=8,
+                    dtype="bfloat16", mode="simulated", method="autosp", zero=3, status=status, seq_len=k * 1024,
+                    config=cfg.to_dict(), timestamp="2026-12-03")
+
+    alst = dict(kind="search", model="hf:llama-3.1-8b", memory_budget=8e10, world_size=8, dtype="bfloat16",
+                mode="simulated", method="alst", zero=3, status="found", config={"ac": "off"}, timestamp="2026-12-03")
+    records = [probe("a100-80gb", 3216, "ok"), probe("a100-80gb", 3000, "ok"), probe("a100-80gb", 4000, "oom"),
+               dict(alst, device="a100-80gb", device_name="a100-80gb", max_seq_len=3216 * 1024), probe("mi250-gcd", 1000, "ok"),
+               dict(alst, device="mi250-gcd", device_name="mi250-gcd", max_seq_len=1448 * 1024), probe("gh200-96gb", 2000, "ok"),
+               dict(probe("gh200-96gb", 0, "found"), kind="search", method_spec=spec, max_seq_len=2500 * 1024)]
+    (tmp_path / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out.md"
+    assert main(["simulate-table", "--render", str(tmp_path / "probes.jsonl"), "--table-out", str(out),
+                 "--allow-errors"]) == 0
+    lines = out.read_text().split("\n\n")[0].splitlines()
+    head = lines[0].split(" | ")
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in lines[2:]}
+    column, ratio = head.index(f"{spec} z3"), head.index(f"{spec}/alst |")
+    assert rows["a100-80gb"][column] == ">=3216K" and rows["a100-80gb"][ratio] == ">=1.00x |"
+    assert rows["mi250-gcd"][column] == ">=1000K" and rows["mi250-gcd"][ratio] == ">=0.69x |"
+    assert rows["gh200-96gb"][column] == "2500K"  # the search's answer, not the probe's shorter length
