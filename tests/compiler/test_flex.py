@@ -1,8 +1,8 @@
 """FlexAttention under AutoSP (`autosp/compiler/flex.py`, issue 27): unmodified HF models with
 attn_implementation="flex_attention" (block mask built in the graph from positions: causal, Mistral's sliding
-window, packed documents) and a decoder whose score_mod and mask_mod read the head index (and whose sinks read
-flex's logsumexp), against single-process training (loss, every gradient, parameters after AdamW steps); also in
-chunks of heads (`attention_chunks`)."""
+window, packed documents, a padding attention_mask) and a decoder whose score_mod and mask_mod read the head
+index (and whose sinks read flex's logsumexp), against single-process training (loss, every gradient, parameters
+after AdamW steps); also in chunks of heads (`attention_chunks`)."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +32,8 @@ CASES = {
     # in 2 chunks of 1 head per rank: each chunk's mods read its own heads, the shared KV head sliced per chunk
     "llama-chunks-2": (2, _hf("llama-flex", 32, compile_options={"attention_chunks": 2})),
     "sinks-chunks-2": (2, _decoder(31, flex_sinks=True, compile_options={"attention_chunks": 2})),
+    # a padding attention_mask (5 positions at the right; HF's mask_mod reads it) on a padded sequence (31 tokens)
+    "llama-padded-2": (2, _hf("llama-flex", 31, padding=5)),
     "one-head-2": (2, _decoder(32, heads=1, kv_heads=1, steps=1)),  # no ring form for flex: heads must split
 }
 #: the long profile's, in launches of their own (a module's cases of one world size share one launch)
@@ -58,7 +60,7 @@ def long_runs() -> ExactnessRuns:
     return ExactnessRuns(LONG_CASES)
 
 
-@pytest.mark.parametrize("case", ["llama-2", "sinks-2", "llama-chunks-2", "sinks-chunks-2"])
+@pytest.mark.parametrize("case", ["llama-2", "sinks-2", "llama-chunks-2", "sinks-chunks-2", "llama-padded-2"])
 def test_flex_attention_is_exact(runs, case):
     runs.assert_exact(case)
 
