@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx as fx
 
+from autosp.compiler.communicate import ALL_TO_ALL
 from autosp.compiler.flex import FLEX_ATTENTION
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
 from tests.compiler.exactness import ExactnessRuns, exact_case
-from tests.compiler.graphs import capture
+from tests.compiler.graphs import capture, partitioned
 from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
 
 
@@ -65,16 +67,22 @@ def test_flex_attention_is_exact(runs, case):
     runs.assert_exact(case)
 
 
-def test_flex_attention_in_chunks_runs_one_hop_per_chunk_on_its_own_heads():
-    """Rank 1 of 2, 2 chunks: per layer two HOPs of one query head, whose mask_mods read the model's heads 2 and 3
-    (a window of 8 * (h + 1) keys: 28 positions back is inside it for head 3 only)."""
+def _chunked(sp_rank: int, **config) -> tuple[fx.GraphModule, list, Decoder]:
+    """The flex decoder's graph (with sinks) after the pass on rank `sp_rank` of 2 in 2 chunks of heads."""
     allow_flex_backward_on_cpu()
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (1, 32))
-    model = Decoder(DecoderConfig(attention="flex", flex_sinks=True))
+    model = Decoder(DecoderConfig(attention="flex", flex_sinks=True, **config))
     with tracing_config():
-        gm, _ = capture(model, input_ids=ids, labels=ids)
-    gm = sequence_parallel_pass(gm, sp_rank=1, sp_size=2, group_name="unused", attention_chunks=2)
+        gm, inputs = capture(model, input_ids=ids, labels=ids)
+    gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=2, group_name="unused", attention_chunks=2)
+    return gm, inputs, model
+
+
+def test_flex_attention_in_chunks_runs_one_hop_per_chunk_on_its_own_heads():
+    """Rank 1 of 2, 2 chunks: per layer two HOPs of one query head, whose mask_mods read the model's heads 2 and 3
+    (a window of 8 * (h + 1) keys: 28 positions back is inside it for head 3 only)."""
+    gm, _, model = _chunked(1)
     hops = [n for n in gm.graph.nodes if n.target is FLEX_ATTENTION]
     assert len(hops) == 2 * model.cfg.layers
     assert all(hop.args[0].meta["example_value"].shape[1] == 1 for hop in hops)  # the query's heads
@@ -82,6 +90,17 @@ def test_flex_attention_in_chunks_runs_one_hop_per_chunk_on_its_own_heads():
     q, kv = torch.tensor(28), torch.tensor(0)
     inside = [bool(gm.get_submodule(hop.args[4][-1].target)(0, torch.tensor(0), q, kv)) for hop in hops]
     assert inside == [False, True] * model.cfg.layers
+
+
+def test_flex_attention_in_chunks_runs_each_chunk_before_the_next_in_forward_and_backward():
+    """One chunk's full-length tensors at a time: per chunk (KV heads split into the chunks), forward exchanges q, k,
+    v, attends and sends output and logsumexp back; backward the reverse, each chunk done before the next."""
+    gm, inputs, model = _chunked(0, kv_heads=4)
+    forward, backward = ([("attention" if n.target is not ALL_TO_ALL else "a2a") for n in g.graph.nodes
+                          if n.target is ALL_TO_ALL or "flex_attention" in str(n.target)]
+                         for g in partitioned(gm, inputs))
+    assert forward == (["a2a"] * 3 + ["attention"] + ["a2a"] * 2) * 2 * model.cfg.layers, forward
+    assert backward == (["a2a"] * 2 + ["attention"] + ["a2a"] * 3) * 2 * model.cfg.layers, backward
 
 
 def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_line(runs):
