@@ -13,6 +13,7 @@ from autosp.compiler.communicate import ALL_TO_ALL
 from autosp.compiler.flex import FLEX_ATTENTION
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
+from autosp.errors import SequenceParallelError
 from tests.compiler.exactness import ExactnessRuns, exact_case
 from tests.compiler.graphs import capture, partitioned
 from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
@@ -67,15 +68,15 @@ def test_flex_attention_is_exact(runs, case):
     runs.assert_exact(case)
 
 
-def _chunked(sp_rank: int, **config) -> tuple[fx.GraphModule, list, Decoder]:
-    """The flex decoder's graph (with sinks) after the pass on rank `sp_rank` of 2 in 2 chunks of heads."""
+def _chunked(sp_rank: int, chunks: int = 2, **config) -> tuple[fx.GraphModule, list, Decoder]:
+    """The flex decoder's graph (with sinks) after the pass on rank `sp_rank` of 2 in `chunks` chunks of heads."""
     allow_flex_backward_on_cpu()
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (1, 32))
     model = Decoder(DecoderConfig(attention="flex", flex_sinks=True, **config))
     with tracing_config():
         gm, inputs = capture(model, input_ids=ids, labels=ids)
-    gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=2, group_name="unused", attention_chunks=2)
+    gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=2, group_name="unused", attention_chunks=chunks)
     return gm, inputs, model
 
 
@@ -101,6 +102,11 @@ def test_flex_attention_in_chunks_runs_each_chunk_before_the_next_in_forward_and
                          for g in partitioned(gm, inputs))
     assert forward == (["a2a"] * 3 + ["attention"] + ["a2a"] * 2) * 2 * model.cfg.layers, forward
     assert backward == (["a2a"] * 2 + ["attention"] + ["a2a"] * 3) * 2 * model.cfg.layers, backward
+
+
+def test_flex_attention_in_chunks_not_dividing_a_ranks_heads_is_refused_in_one_line():
+    with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*attention_chunks=3 must divide the 2 query heads"):
+        _chunked(0, chunks=3)
 
 
 def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_line(runs):
