@@ -139,8 +139,8 @@ def _rank_heads(ctx: SPContext, block: object, heads: int, first: int, count: in
 
 
 def _at_offset(ctx: SPContext, mod: fx.Node, kind: str, offset: int, before: fx.Node) -> fx.Node:
-    """The mod as the HOP over heads offset.. reads it: where it reads h at all, a copy reading the model's head
-    index h + offset (one per mod and offset, shared by the HOPs that use it); the model's own is left as it is."""
+    """The mod for a HOP whose head h is the model's head h + offset: where it reads h at all, a copy reading
+    h + offset (one per mod and offset, shared by the HOPs that use it); the model's own is left as it is."""
     module = _module(ctx, mod)
     if not isinstance(module, fx.GraphModule):
         raise SequenceParallelError(f"attention {node_label(before)}: its {kind}_mod is not a graph AutoSP can read")
