@@ -6,7 +6,7 @@ itself then runs unchanged on full-length sequences, so causal flags and full ma
 a head dimension is cut to this rank's heads). KV heads fewer than (or not divisible by) the SP degree are
 replicated just enough to split evenly, which keeps each query head paired with its own KV head under GQA.
 With `attention_chunks` the region (all-to-alls, attention, all-to-all back) runs once per chunk of heads
-(`HeadChunks`), so one chunk's full-length tensors are alive at a time.
+(`HeadChunks`, for flex attention too: `flex`), so one chunk's full-length tensors are alive at a time.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
         if head_mask:
             new_args["attn_mask"] = ctx.emit(node, "narrow", (mask, len(ctx.current[mask].shape) - 3,
                                                               *chunks.rank_heads(ctx.a2a_rank, j)))
-        attention = node if chunks.count == 1 else _copy_before(ctx, node)
+        attention = node if chunks.count == 1 else copy_before(ctx, node)
         if ctx.ring_size > 1:
             hybrid.replace_with_ring(ctx, attention, new_args)
         else:
@@ -106,7 +106,7 @@ def rewrite_attention(ctx: SPContext, node: fx.Node) -> None:
         ctx.graph.erase_node(node)
 
 
-def _copy_before(ctx: SPContext, node: fx.Node) -> fx.Node:
+def copy_before(ctx: SPContext, node: fx.Node) -> fx.Node:
     """A new attention node before `node`, with its target and metadata (arguments are set by the caller)."""
     with ctx.graph.inserting_before(node):
         copy = ctx.graph.create_node(node.op, node.target, node.args, dict(node.kwargs))
@@ -176,8 +176,9 @@ class HeadChunks:
         return rank * self.heads // self.ranks + j * h, h
 
     def join(self, ctx: SPContext, backs: list[fx.Node], before: fx.Node, spec: ShardSpec) -> fx.Node:
-        """The chunks' outputs [.., P*h, S/P, D] back in head order [.., H, S/P, D] (inverse of `take`)."""
-        dim = ctx.current[backs[0]].dim() - 3
+        """The chunks' outputs [.., P*h, S/P(, D)] back in head order [.., H, S/P(, D)] (inverse of `take`); the
+        heads are the dim before the sequence's (`spec`): attention's output, flex's logsumexp."""
+        dim = spec.dim - 1
         h = self.heads // (self.ranks * self.count)
         parts = [ctx.emit(before, "unflatten", (b, dim, (self.ranks, h)), spec=spec.at(spec.dim + 1)) for b in backs]
         stacked = ctx.emit(before, torch.stack, (parts, dim + 1), spec=spec.at(spec.dim + 2))

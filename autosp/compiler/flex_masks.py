@@ -92,7 +92,7 @@ def build_block_masks_by_rows(gm: fx.GraphModule) -> int:
             done.add(block_sum)
             continue
         key = hashlib.sha256(module.code.encode()).hexdigest()
-        _MASK_MODS.setdefault(key, copy.deepcopy(module))  # as it is now: `flex` rewrites it (h + offset) later
+        _MASK_MODS.setdefault(key, copy.deepcopy(module))  # as it is now, reading the model's heads
         batch, heads, q_len, kv_len = mask.meta["example_value"].shape
         with gm.graph.inserting_before(block_sum):
             sums = gm.graph.call_function(op("flex_block_sums").default,

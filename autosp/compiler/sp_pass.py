@@ -35,7 +35,7 @@ def sequence_parallel_pass(
 
     ulysses_size: all-to-alls inside groups of this many ranks, ring attention across them (default: chosen from
     the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups.
-    attention_chunks: each SDPA attention runs in this many chunks of its heads (`communicate.HeadChunks`)."""
+    attention_chunks: each SDPA and flex attention runs in this many chunks of its heads (`communicate.HeadChunks`)."""
     analysis = analyze(gm)
     masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
     flex_masks.build_block_masks_by_rows(gm)  # flex's block mask without HF's dense [S, S] mask

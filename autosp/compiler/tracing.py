@@ -6,7 +6,9 @@ The SP pass needs the whole forward as one graph. A model that logs (`logger.war
 inside the compiled region.
 
 HF models install their output-capturing hooks (router logits, hidden states) on first use, under a
-`threading.Lock` Dynamo cannot enter; `install_output_hooks` installs them before tracing instead.
+`threading.Lock` Dynamo cannot enter; `install_output_hooks` installs them before tracing instead. HF's flex mask
+reads a padding `attention_mask`'s values to decide whether to apply it (a graph break); traced for AutoSP, it
+applies it unread, as HF's SDPA and eager masks do when traced.
 """
 from __future__ import annotations
 
@@ -35,8 +37,30 @@ def logging_calls() -> set[Callable]:
 def tracing_config() -> Iterator[None]:
     """Dynamo settings for tracing a model for AutoSP (see the module docstring)."""
     ignored = set(torch._dynamo.config.ignore_logger_methods) | logging_calls()
-    with torch._dynamo.config.patch(ignore_logger_methods=ignored):
+    with torch._dynamo.config.patch(ignore_logger_methods=ignored), _hf_padding_mask_traced():
         yield
+
+
+def _fast_all_traced(tensor: torch.Tensor) -> bool | torch.Tensor:
+    """HF's `fast_all`, False while Dynamo traces: the padding mask is then applied, not tested first."""
+    return False if torch.compiler.is_compiling() else _fast_all_traced.original(tensor)
+
+
+@contextlib.contextmanager
+def _hf_padding_mask_traced() -> Iterator[None]:
+    """HF's flex mask applies a padding `attention_mask` only if some entry is 0 (`fast_all`, a branch on tensor
+    values: a graph break), where its SDPA and eager masks apply it unread while traced. Traced, AutoSP always
+    applies it: the same mask (all ones: AND with true)."""
+    utils = sys.modules.get("transformers.masking_utils")
+    if utils is None or getattr(utils, "fast_all", _fast_all_traced) is _fast_all_traced:
+        yield
+        return
+    _fast_all_traced.original = utils.fast_all
+    utils.fast_all = _fast_all_traced
+    try:
+        yield
+    finally:
+        utils.fast_all = _fast_all_traced.original
 
 
 def install_output_hooks(model: torch.nn.Module) -> None:

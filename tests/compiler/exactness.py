@@ -21,8 +21,9 @@ def _loss(output: Any) -> torch.Tensor:
 
 
 def _batch(vocab: int, batch_size: int, seq_len: int, step: int, ignore_fraction: float,
-           documents: int = 1) -> dict[str, torch.Tensor]:
-    """Random tokens and labels; with documents > 1, `position_ids` restart at random boundaries (packed)."""
+           documents: int = 1, padding: int = 0) -> dict[str, torch.Tensor]:
+    """Random tokens and labels; with documents > 1, `position_ids` restart at random boundaries (packed); with
+    padding > 0, each row's last `padding` positions are padding (`attention_mask` 0, labels ignored)."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     labels = ids.clone()
@@ -34,11 +35,15 @@ def _batch(vocab: int, batch_size: int, seq_len: int, step: int, ignore_fraction
         starts[cuts] = cuts
         positions = torch.arange(seq_len) - starts.cummax(0).values
         batch["position_ids"] = positions.expand(batch_size, -1).clone()
+    if padding:
+        batch["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+        batch["attention_mask"][:, seq_len - padding:] = 0
+        labels[:, seq_len - padding:] = -100
     return batch
 
 
 def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int, steps: int, ignore_fraction: float,
-          compile_options: dict, adamw_eps: float, documents: int) -> dict[str, float]:
+          compile_options: dict, adamw_eps: float, documents: int, padding: int) -> dict[str, float]:
     module, name = builder.rsplit(".", 1)
     model = getattr(importlib.import_module(module), name)(**options)
     reference = copy.deepcopy(model)
@@ -52,7 +57,7 @@ def _rank(builder: str, options: dict, vocab: int, batch_size: int, seq_len: int
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=adamw_eps)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
-        batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction, documents)
+        batch = _batch(vocab, batch_size, seq_len, step, ignore_fraction, documents, padding)
         torch.manual_seed(step)  # the same random stream for both sides (dropout)
         loss = _loss(compiled(**batch))
         loss.backward()
@@ -101,10 +106,11 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
         case = dict(case)
         builder, vocab, compile_options = case.pop("builder"), case.pop("vocab"), case.pop("compile_options")
         adamw_eps = case.pop("adamw_eps")
-        run = {k: case.pop(k) for k in ("batch_size", "seq_len", "steps", "ignore_fraction", "documents")}
+        run = {k: case.pop(k) for k in ("batch_size", "seq_len", "steps", "ignore_fraction", "documents", "padding")}
         try:
             results[name] = _rank(builder, case, vocab, run["batch_size"], run["seq_len"], run["steps"],
-                                  run["ignore_fraction"], compile_options, adamw_eps, run["documents"])
+                                  run["ignore_fraction"], compile_options, adamw_eps, run["documents"],
+                                  run["padding"])
         except Exception as e:  # noqa: BLE001 - reported as this case's failure
             results[name] = f"{type(e).__name__}: {e}"
     return results
@@ -112,17 +118,18 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
 
 def exact_case(*, builder: str = "tests.compiler.models.build_decoder", vocab: int = 64, batch_size: int = 1,
                seq_len: int = 64, steps: int = 2, ignore_fraction: float = 0.2, documents: int = 1,
-               compile_options: dict | None = None, adamw_eps: float = 1e-8, **options) -> dict:
+               padding: int = 0, compile_options: dict | None = None, adamw_eps: float = 1e-8, **options) -> dict:
     """One case for `ExactnessRuns`: `builder(**options)` compiled by AutoSP, trained as one process would.
 
     documents: packed documents per row (`position_ids` restarting at each), for models that take them.
+    padding: padded positions at the end of each row (`attention_mask`), for models that take it.
 
     adamw_eps: AdamW's first step moves each parameter by lr * g / (|g| + eps), so a gradient entry near eps is
     resolved by its fp32 rounding, which any other summation order changes (a model whose gradient has such an
     entry needs a larger eps for its parameters to be a check of the method rather than of that rounding)."""
     return dict(builder=builder, vocab=vocab, batch_size=batch_size, seq_len=seq_len, steps=steps,
-                ignore_fraction=ignore_fraction, documents=documents, compile_options=compile_options or {},
-                adamw_eps=adamw_eps, **options)
+                ignore_fraction=ignore_fraction, documents=documents, padding=padding,
+                compile_options=compile_options or {}, adamw_eps=adamw_eps, **options)
 
 
 class ExactnessRuns:

@@ -1,12 +1,22 @@
 """FlexAttention under AutoSP (`autosp/compiler/flex.py`, issue 27): unmodified HF models with
 attn_implementation="flex_attention" (block mask built in the graph from positions: causal, Mistral's sliding
-window, packed documents) and a decoder whose score_mod and mask_mod read the head index (and whose sinks read
-flex's logsumexp), against single-process training (loss, every gradient, parameters after AdamW steps)."""
+window, packed documents, a padding attention_mask) and a decoder whose score_mod and mask_mod read the head
+index (and whose sinks read flex's logsumexp), against single-process training (loss, every gradient, parameters
+after AdamW steps); also in chunks of heads (`attention_chunks`)."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.fx as fx
 
+from autosp.compiler.communicate import ALL_TO_ALL
+from autosp.compiler.flex import FLEX_ATTENTION
+from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.tracing import tracing_config
+from autosp.errors import SequenceParallelError
 from tests.compiler.exactness import ExactnessRuns, exact_case
+from tests.compiler.graphs import capture, partitioned
+from tests.compiler.models import Decoder, DecoderConfig, allow_flex_backward_on_cpu
 
 
 def _hf(family: str, seq_len: int, **case) -> dict:
@@ -22,7 +32,11 @@ CASES = {
     # alibi slopes and windows per head (rank 1 must read heads 2, 3 in its mods, not 0, 1), per-head sink logits
     # through flex's logsumexp (gpt-oss's sinks as HF runs them on GPUs: it comes back too), 31 tokens: padded
     "sinks-2": (2, _decoder(31, flex_sinks=True)),
-    "chunks-2": (2, _decoder(32, compile_options={"attention_chunks": 2}, steps=1)),
+    # in 2 chunks of 1 head per rank: each chunk's mods read its own heads, the shared KV head sliced per chunk
+    "llama-chunks-2": (2, _hf("llama-flex", 32, compile_options={"attention_chunks": 2})),
+    "sinks-chunks-2": (2, _decoder(31, flex_sinks=True, compile_options={"attention_chunks": 2})),
+    # a padding attention_mask (5 positions at the right; HF's mask_mod reads it) on a padded sequence (31 tokens)
+    "llama-padded-2": (2, _hf("llama-flex", 31, padding=5)),
     "one-head-2": (2, _decoder(32, heads=1, kv_heads=1, steps=1)),  # no ring form for flex: heads must split
 }
 #: the long profile's, in launches of their own (a module's cases of one world size share one launch)
@@ -34,6 +48,8 @@ LONG_CASES = {
     "mistral-packed-4": (4, _hf("mistral-flex", 62, documents=3)),
     "head-mods-4": (4, _decoder(62)),
     "sinks-4": (4, _decoder(64, flex_sinks=True)),
+    "mha-chunks-2": (2, _decoder(32, kv_heads=4, compile_options={"attention_chunks": 2}, steps=1)),  # KV split
+    "sinks-chunks-4": (4, _decoder(64, heads=8, flex_sinks=True, compile_options={"attention_chunks": 2})),
 }
 
 
@@ -47,13 +63,50 @@ def long_runs() -> ExactnessRuns:
     return ExactnessRuns(LONG_CASES)
 
 
-@pytest.mark.parametrize("case", ["llama-2", "sinks-2"])
+@pytest.mark.parametrize("case", ["llama-2", "sinks-2", "llama-chunks-2", "sinks-chunks-2", "llama-padded-2"])
 def test_flex_attention_is_exact(runs, case):
     runs.assert_exact(case)
 
 
-def test_flex_attention_in_chunks_of_heads_is_refused_in_one_line(runs):
-    runs.assert_refused("chunks-2", "blocks.0.attn", "flex_attention", "attention_chunks=1")
+def _chunked(sp_rank: int, chunks: int = 2, **config) -> tuple[fx.GraphModule, list, Decoder]:
+    """The flex decoder's graph (with sinks) after the pass on rank `sp_rank` of 2 in `chunks` chunks of heads."""
+    allow_flex_backward_on_cpu()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (1, 32))
+    model = Decoder(DecoderConfig(attention="flex", flex_sinks=True, **config))
+    with tracing_config():
+        gm, inputs = capture(model, input_ids=ids, labels=ids)
+    gm = sequence_parallel_pass(gm, sp_rank=sp_rank, sp_size=2, group_name="unused", attention_chunks=chunks)
+    return gm, inputs, model
+
+
+def test_flex_attention_in_chunks_runs_one_hop_per_chunk_on_its_own_heads():
+    """Rank 1 of 2, 2 chunks: per layer two HOPs of one query head, whose mask_mods read the model's heads 2 and 3
+    (a window of 8 * (h + 1) keys: 28 positions back is inside it for head 3 only)."""
+    gm, _, model = _chunked(1)
+    hops = [n for n in gm.graph.nodes if n.target is FLEX_ATTENTION]
+    assert len(hops) == 2 * model.cfg.layers
+    assert all(hop.args[0].meta["example_value"].shape[1] == 1 for hop in hops)  # the query's heads
+    assert all(hop.args[4][2].meta["example_value"].shape[1] == 1 for hop in hops)  # the block mask's
+    q, kv = torch.tensor(28), torch.tensor(0)
+    inside = [bool(gm.get_submodule(hop.args[4][-1].target)(0, torch.tensor(0), q, kv)) for hop in hops]
+    assert inside == [False, True] * model.cfg.layers
+
+
+def test_flex_attention_in_chunks_runs_each_chunk_before_the_next_in_forward_and_backward():
+    """One chunk's full-length tensors at a time: per chunk (KV heads split into the chunks), forward exchanges q, k,
+    v, attends and sends output and logsumexp back; backward the reverse, each chunk done before the next."""
+    gm, inputs, model = _chunked(0, kv_heads=4)
+    forward, backward = ([("attention" if n.target is not ALL_TO_ALL else "a2a") for n in g.graph.nodes
+                          if n.target is ALL_TO_ALL or "flex_attention" in str(n.target)]
+                         for g in partitioned(gm, inputs))
+    assert forward == (["a2a"] * 3 + ["attention"] + ["a2a"] * 2) * 2 * model.cfg.layers, forward
+    assert backward == (["a2a"] * 2 + ["attention"] + ["a2a"] * 3) * 2 * model.cfg.layers, backward
+
+
+def test_flex_attention_in_chunks_not_dividing_a_ranks_heads_is_refused_in_one_line():
+    with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*attention_chunks=3 must divide the 2 query heads"):
+        _chunked(0, chunks=3)
 
 
 def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_line(runs):
@@ -62,5 +115,5 @@ def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_
 
 @pytest.mark.long
 @pytest.mark.parametrize("case", LONG_CASES)
-def test_flex_attention_is_exact_with_windows_packing_and_on_four_ranks(long_runs, case):
+def test_flex_attention_is_exact_with_windows_packing_chunks_and_on_four_ranks(long_runs, case):
     long_runs.assert_exact(case)

@@ -1,8 +1,11 @@
-"""autosp.compiler.tracing: the layer a graph break is reported in."""
+"""autosp.compiler.tracing: the layer a graph break is reported in; HF's flex mask with a padding mask traced."""
 import pytest
 import torch
 
-from autosp.compiler.tracing import breaking_module
+from autosp.compiler.flex import FLEX_ATTENTION
+from autosp.compiler.tracing import breaking_module, tracing_config
+from tests.compiler.graphs import capture, count
+from tests.compiler.hf_models import build_hf_flex
 
 
 def _breaks(x):
@@ -30,3 +33,19 @@ def test_a_graph_break_is_reported_in_the_innermost_layer_whose_forward_it_passe
         torch.compile(model, fullgraph=True, backend="eager")(torch.randn(3))
     assert breaking_module(model, raised.value) == " in `layers.0` (Attention)"
     assert breaking_module(torch.nn.Linear(2, 2), raised.value) == ""  # a model the stack does not pass through
+
+
+def test_hf_flex_attention_with_a_padding_attention_mask_traces_as_one_graph():
+    """HF's flex mask tests the padding mask's values before applying it (a graph break); traced for AutoSP it
+    applies it unread, and HF's own test is back afterwards."""
+    import transformers.masking_utils as utils
+
+    original = utils.fast_all
+    model = build_hf_flex("llama-flex")
+    ids = torch.randint(0, 64, (1, 32))
+    mask = torch.ones(1, 32, dtype=torch.long)
+    mask[:, 27:] = 0
+    with tracing_config():
+        gm, _ = capture(model, input_ids=ids, attention_mask=mask)
+    assert count(gm, FLEX_ATTENTION) == model.config.num_hidden_layers
+    assert utils.fast_all is original
