@@ -27,13 +27,13 @@ from torch._functorch import predispatch
 from torch._functorch.vmap import lazy_load_decompositions
 
 from autosp.comm.library import custom_op, op
+from autosp.compiler.fx_nodes import VMAP_LEVELS
 from autosp.compiler.masks import RANDOM
 from autosp.compiler.spec import node_label
 
 _FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 _PADS = (F.pad, torch._C._nn.pad)
 _VMAP_OUTPUT = predispatch._remove_batch_dim  # the vmap ops as Dynamo puts them in its graph
-_NESTING = (predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting)
 _VMAP_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in (
     "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched", "FuncTorchVmapMode"))
 _MASK_MODS: dict[str, fx.GraphModule] = {}  # by the hash of their code: the op's string argument names one
@@ -182,7 +182,7 @@ def _erase_dead(gm: fx.GraphModule, start: fx.Node) -> None:
     pending = [start]
     while pending:
         node = pending.pop()
-        if node.users or node.op not in ("call_function", "call_method") or node.target in _NESTING or \
+        if node.users or node.op not in ("call_function", "call_method") or node.target in VMAP_LEVELS or \
                 not _is_pure(node):
             continue
         inputs = node.all_input_nodes
@@ -195,9 +195,9 @@ def _erase_empty_vmap_levels(gm: fx.GraphModule) -> None:
     changed = True
     while changed:
         changed = False
-        levels = [n for n in gm.graph.nodes if n.target in _NESTING]
+        levels = [n for n in gm.graph.nodes if n.target in VMAP_LEVELS]
         for enter, leave in zip(levels, levels[1:]):
-            if enter.target is _NESTING[0] and leave.target is _NESTING[1] and \
+            if enter.target is VMAP_LEVELS[0] and leave.target is VMAP_LEVELS[1] and \
                     all(n.target is lazy_load_decompositions
                         for n in _between(enter, leave)) and not enter.users and not leave.users:
                 gm.graph.erase_node(leave)

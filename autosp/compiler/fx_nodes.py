@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._functorch import predispatch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autosp.comm.transients import nbytes
 
 DYNAMO, ATEN = "example_value", "val"
+#: entering and leaving a vmap level, as Dynamo puts them in its graph (results unused; see `has_side_effect`)
+VMAP_LEVELS = (predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting)
 
 
 def fake_value(node: Any, key: str = ATEN) -> Any:
@@ -65,15 +68,17 @@ def node_nbytes(node: fx.Node) -> int:
     return nbytes(val) if isinstance(val, torch.Tensor) else 0
 
 
-def writes_in_place(node: fx.Node) -> bool:
+def has_side_effect(node: fx.Node) -> bool:
     """Whether dead-code elimination must keep `node`: FX's own test, plus what it misses in Dynamo's Torch-IR: an
     in-place method call (`buf[..., :d].copy_(x)`, `x.add_(y)`) and `operator.setitem`, whose result nobody reads but
-    whose write into a tensor is read later (MLA's key buffer, filled by two `copy_`s into views of a `new_empty`)."""
+    whose write into a tensor is read later (MLA's key buffer, filled by two `copy_`s into views of a `new_empty`);
+    and entering or leaving a vmap level (`VMAP_LEVELS`), which the `_add_batch_dim` calls inside it need
+    (`create_block_mask`'s vmaps, traced into a flex model's graph)."""
     if node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__"):
         return True
-    return (node.op == "call_function" and node.target is operator.setitem) or node.is_impure()
+    return (node.op == "call_function" and node.target in (operator.setitem, *VMAP_LEVELS)) or node.is_impure()
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """`graph.eliminate_dead_code()` that keeps in-place writes (`writes_in_place`)."""
-    graph.eliminate_dead_code(is_impure_node=writes_in_place)
+    """`graph.eliminate_dead_code()` that keeps in-place writes and vmap levels (`has_side_effect`)."""
+    graph.eliminate_dead_code(is_impure_node=has_side_effect)

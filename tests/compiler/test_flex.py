@@ -2,7 +2,7 @@
 attn_implementation="flex_attention" (block mask built in the graph from positions: causal, Mistral's sliding
 window, packed documents, a padding attention_mask) and a decoder whose score_mod and mask_mod read the head
 index (and whose sinks read flex's logsumexp), against single-process training (loss, every gradient, parameters
-after AdamW steps); also in chunks of heads (`attention_chunks`)."""
+after AdamW steps); also in chunks of heads (`attention_chunks`) and with tiling."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ import torch.fx as fx
 from autosp.compiler.communicate import ALL_TO_ALL
 from autosp.compiler.flex import FLEX_ATTENTION
 from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.tiling import apply_tiling, parse_tiling
 from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
 from tests.compiler.exactness import ExactnessRuns, exact_case
@@ -36,6 +37,7 @@ CASES = {
     "llama-chunks-2": (2, _hf("llama-flex", 32, compile_options={"attention_chunks": 2})),
     "one-head-2": (2, _decoder(32, heads=1, kv_heads=1, steps=1)),  # no ring form for flex: heads must split
 }
+_TILED = {"tiling": "auto:8", "outputs": "loss"}
 #: the long profile's, in launches of their own (a module's cases of one world size share one launch)
 LONG_CASES = {
     # a window of 8 tokens, 3 packed documents (HF's mask_mod reads them off position_ids), 31 tokens: padded
@@ -50,6 +52,9 @@ LONG_CASES = {
     "sinks-chunks-2": (2, _decoder(31, flex_sinks=True, compile_options={"attention_chunks": 2})),
     "llama-padded-2": (2, _hf("llama-flex", 31, padding=5)),
     "mha-chunks-2": (2, _decoder(32, kv_heads=4, compile_options={"attention_chunks": 2}, steps=1)),  # KV split
+    # with tiling (the loss, and the decoder's MLP, in tiles of 8 tokens): the block mask's vmaps kept through it
+    "llama-tiled-2": (2, _hf("llama-flex", 32, compile_options=_TILED)),
+    "head-mods-tiled-2": (2, _decoder(32, compile_options=_TILED)),
     "sinks-chunks-4": (4, _decoder(64, heads=8, flex_sinks=True, compile_options={"attention_chunks": 2})),
 }
 
@@ -105,6 +110,15 @@ def test_flex_attention_in_chunks_runs_each_chunk_before_the_next_in_forward_and
     assert backward == (["a2a"] * 2 + ["attention"] + ["a2a"] * 3) * 2 * model.cfg.layers, backward
 
 
+def test_flex_attention_graph_keeps_its_vmap_levels_through_tiling():
+    """The block mask's construction enters vmap levels (results unused) that its `_add_batch_dim`s need: tiling's
+    dead-code elimination must keep them, or aot_autograd fails ("tensor may have escaped ... being vmapped")."""
+    gm, inputs, _ = _chunked(0, chunks=1)
+    apply_tiling(gm, parse_tiling("auto:8"), loss_only=True)
+    forward, backward = partitioned(gm, inputs)
+    assert any(n.target is FLEX_ATTENTION for n in gm.graph.nodes) and forward and backward
+
+
 def test_flex_attention_in_chunks_not_dividing_a_ranks_heads_is_refused_in_one_line():
     with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*attention_chunks=3 must divide the 2 query heads"):
         _chunked(0, chunks=3)
@@ -116,5 +130,6 @@ def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_
 
 @pytest.mark.long
 @pytest.mark.parametrize("case", LONG_CASES)
-def test_flex_attention_is_exact_with_windows_packing_padding_chunks_and_on_four_ranks(long_runs, case):
-    long_runs.assert_exact(case)
+def test_flex_attention_is_exact_with_windows_packing_padding_chunks_tiling_and_on_four_ranks(long_runs, case):
+    worst = long_runs.assert_exact(case)
+    assert "tiled" not in case or worst["tiling"].startswith("loss tiled over 16 tokens"), worst
