@@ -11,7 +11,8 @@ SDPA's does (`communicate.HeadChunks`). A HOP's head h is the model's head h + o
 chunk's first head), so `score_mod`/`mask_mod` that read the head index (alibi, per-head biases or masks) get a
 copy reading `h + offset`, and a block mask with a head dimension is cut to the HOP's heads. A padded
 sequence (S not divisible by P) is cut back to S positions for the HOP, and its output padded with zeros, so the
-block mask keeps its length and padded positions stay inert.
+block mask keeps its length and padded positions stay inert. Training on CPU under Inductor is refused
+(`check_lowering`): torch's CPU flex kernel there is inference-only.
 """
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def is_output(node: fx.Node) -> bool:
     to the shard."""
     return node.op == "call_function" and node.target is operator.getitem and \
         isinstance(node.args[0], fx.Node) and is_flex_attention(node.args[0])
+
+
+def check_lowering(gm: fx.GraphModule, backend: str) -> None:
+    """Refuse Inductor for a flex graph that trains on CPU: torch's CPU flex_attention kernel is inference-only (it
+    neither returns the logsumexp backward needs nor has a backward), and fails deep in Inductor otherwise."""
+    for node in gm.graph.nodes if backend == "inductor" else ():
+        q, k, v = (t.meta["example_value"] for t in node.args[:3]) if is_flex_attention(node) else (None,) * 3
+        if q is not None and q.device.type == "cpu" and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise SequenceParallelError(f"attention {node_label(node)}: Inductor compiles flex_attention on CPU for "
+                                        "inference only; train it on CPU with backend='aot_eager'")
 
 
 def query_key(node: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.compiler import grad_buckets, offload, prefetch
+from autosp.compiler import flex, grad_buckets, offload, prefetch
 from autosp.compiler.grad_buckets import Bucket, GradientReduction, bucket_gradient_reduction
 from autosp.compiler.offload import OffloadReport, offload_boundaries
 from autosp.compiler.options import CompileOptions
@@ -212,7 +212,9 @@ class Partitioner(CustomPartitionerFn):
 
 def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     """One static Dynamo graph through the pipeline: `GRAPH_PASSES`, then (unless the backend is eager) lowered
-    with `Partitioner` as aot_autograd's partition function."""
+    with `Partitioner` as aot_autograd's partition function (refused first where the backend cannot lower it:
+    `flex.check_lowering`)."""
+    flex.check_lowering(gm, c.options.backend)
     dump = _Dump()
     for step in GRAPH_PASSES:
         dump(step.name, "before", [("", gm)])

@@ -36,6 +36,7 @@ CASES = {
     # in 2 chunks of 1 head per rank: each chunk's mods read its own heads, the shared KV head sliced per chunk
     "llama-chunks-2": (2, _hf("llama-flex", 32, compile_options={"attention_chunks": 2})),
     "one-head-2": (2, _decoder(32, heads=1, kv_heads=1, steps=1)),  # no ring form for flex: heads must split
+    "inductor-2": (2, _hf("llama-flex", 32, compile_options={"backend": "inductor"}, steps=1)),  # CPU: no backward
 }
 _TILED = {"tiling": "auto:8", "outputs": "loss"}
 #: the long profile's, in launches of their own (a module's cases of one world size share one launch)
@@ -126,6 +127,11 @@ def test_flex_attention_in_chunks_not_dividing_a_ranks_heads_is_refused_in_one_l
 
 def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_line(runs):
     runs.assert_refused("one-head-2", "blocks.0.attn", "flex_attention with 1 query heads", "no ring form")
+
+
+def test_flex_attention_training_on_cpu_under_inductor_is_refused_in_one_line(runs):
+    """torch's CPU flex kernel in Inductor is inference-only: it failed deep inside Inductor (IndexError)."""
+    runs.assert_refused("inductor-2", "layers.0.self_attn", "on CPU for inference only", "backend='aot_eager'")
 
 
 @pytest.mark.long
