@@ -47,8 +47,9 @@ def check_lowering(gm: fx.GraphModule, backend: str) -> None:
     """Refuse Inductor for a flex graph that trains on CPU: torch's CPU flex_attention kernel is inference-only (it
     neither returns the logsumexp backward needs nor has a backward), and fails deep in Inductor otherwise."""
     for node in gm.graph.nodes if backend == "inductor" else ():
-        q, k, v = (t.meta["example_value"] for t in node.args[:3]) if is_flex_attention(node) else (None,) * 3
-        if q is not None and q.device.type == "cpu" and (q.requires_grad or k.requires_grad or v.requires_grad):
+        values = [n.meta.get("example_value") for n in node.all_input_nodes] if is_flex_attention(node) else []
+        if values and values[0].device.type == "cpu" and torch.is_grad_enabled() and \
+                any(getattr(t, "requires_grad", False) for t in values):  # as aot_autograd tells training
             raise SequenceParallelError(f"attention {node_label(node)}: Inductor compiles flex_attention on CPU for "
                                         "inference only; train it on CPU with backend='aot_eager'")
 

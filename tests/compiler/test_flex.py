@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autosp.compiler.communicate import ALL_TO_ALL
-from autosp.compiler.flex import FLEX_ATTENTION
+from autosp.compiler.flex import FLEX_ATTENTION, check_lowering
 from autosp.compiler.sp_pass import sequence_parallel_pass
 from autosp.compiler.tiling import apply_tiling, parse_tiling
 from autosp.compiler.tracing import tracing_config
@@ -132,6 +132,15 @@ def test_flex_attention_with_heads_the_degree_does_not_divide_is_refused_in_one_
 def test_flex_attention_training_on_cpu_under_inductor_is_refused_in_one_line(runs):
     """torch's CPU flex kernel in Inductor is inference-only: it failed deep inside Inductor (IndexError)."""
     runs.assert_refused("inductor-2", "layers.0.self_attn", "on CPU for inference only", "backend='aot_eager'")
+
+
+def test_flex_attention_inference_on_cpu_under_inductor_is_not_refused():
+    """Only training is refused: without grad mode (aot_autograd's inference graph) Inductor's CPU kernel runs."""
+    gm, _, _ = _chunked(0, chunks=1)
+    with torch.no_grad():
+        check_lowering(gm, "inductor")
+    with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*on CPU for inference only"):
+        check_lowering(gm, "inductor")
 
 
 @pytest.mark.long
