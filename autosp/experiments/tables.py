@@ -235,15 +235,16 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
         budget = cell["memory_budget"].iloc[0]
         row = {"source": mode, "model": model,
                "setting": f"{where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")}
-        row.update({m: (f"{best[m] / 1024:g}K" if best[m] > 0 else "error" if failed[m] else "none fits")
+        # a longest length that is a lower bound (a search that reached its --max-len, one length that fits): `>=`
+        at_best = cell[cell["n"] == cell["method"].map(best)]
+        bound = {m: ">=" if (at_best.loc[at_best["method"] == m, "status"] == "no_oom_up_to_max_len").all() else ""
+                 for m in best.index}
+        row.update({m: (f"{bound[m]}{best[m] / 1024:g}K" if best[m] > 0 else "error" if failed[m] else "none fits")
                     if m in best else "" for m in methods})
-        for ref in HEADLINE_RATIOS:
-            if ref in methods:
-                ok = best.get("autosp", 0) > 0 and best.get(ref, 0) > 0
-                row[f"autosp / {ref}"] = f"{best['autosp'] / best[ref]:.2f}x" if ok else ""
-        for spec in autosp_specs(methods):
-            ok = best.get(spec, 0) > 0 and best.get(SPEC_RATIO, 0) > 0
-            row[f"{spec} / {SPEC_RATIO}"] = f"{best[spec] / best[SPEC_RATIO]:.2f}x" if ok else ""
+        for ours, ref, column in [("autosp", ref, f"autosp / {ref}") for ref in HEADLINE_RATIOS if ref in methods] + [
+                (spec, SPEC_RATIO, f"{spec} / {SPEC_RATIO}") for spec in autosp_specs(methods)]:
+            ok = best.get(ours, 0) > 0 and best.get(ref, 0) > 0
+            row[column] = f"{bound[ours]}{best[ours] / best[ref]:.2f}x" if ok else ""
         rows.append(row)
     if not rows:
         raise ConfigError("no trainability results for the headline table (check --devices)")

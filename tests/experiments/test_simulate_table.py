@@ -212,3 +212,9 @@ def test_a_single_simulated_length_that_fits_renders_as_a_lower_bound_in_its_spe
     assert rows["a100-80gb"][column] == ">=3216K" and rows["a100-80gb"][ratio] == ">=1.00x |"
     assert rows["mi250-gcd"][column] == ">=1000K" and rows["mi250-gcd"][ratio] == ">=0.69x |"
     assert rows["gh200-96gb"][column] == "2500K"  # the search's answer, not the probe's shorter length
+    from autosp.experiments.tables import headline_table, simulated_table_rows, trainability_table
+
+    headline = headline_table(trainability_table(simulated_table_rows(out))).set_index("setting")  # README's table
+    assert list(headline.loc["a100-80gb, 8 ranks", [spec, f"{spec} / alst", "alst"]]) == [">=3216K", ">=1.00x",
+                                                                                        "3216K"]
+    assert headline.loc["gh200-96gb, 8 ranks", spec] == "2500K"
