@@ -235,10 +235,9 @@ def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None)
         budget = cell["memory_budget"].iloc[0]
         row = {"source": mode, "model": model,
                "setting": f"{where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")}
-        # a longest length that is a lower bound (a search that reached its --max-len, one length that fits): `>=`
-        at_best = cell[cell["n"] == cell["method"].map(best)]
-        bound = {m: ">=" if (at_best.loc[at_best["method"] == m, "status"] == "no_oom_up_to_max_len").all() else ""
-                 for m in best.index}
+        # a method with a lower bound (a search that reached its --max-len, one length that fits) has `>=` lengths
+        bounded = set(cell.loc[cell["status"] == "no_oom_up_to_max_len", "method"])
+        bound = {m: ">=" if m in bounded else "" for m in best.index}
         row.update({m: (f"{bound[m]}{best[m] / 1024:g}K" if best[m] > 0 else "error" if failed[m] else "none fits")
                     if m in best else "" for m in methods})
         for ours, ref, column in [("autosp", ref, f"autosp / {ref}") for ref in HEADLINE_RATIOS if ref in methods] + [
