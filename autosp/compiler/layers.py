@@ -4,31 +4,49 @@ inputs' layer. Shared by the checkpointing tags, gradient buckets, gather prefet
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch.fx as fx
 
 _LAYER_INDEX = re.compile(r"(?:\.\d+|\[\d+\]|\['\d+'\])(?=[.\[]|$)")
+_GLOBAL = "G["  # Dynamo's source of a module-level object
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _DYNAMO_ROOT = re.compile(r"^L\[[^\]]*\](?:\[\d+\])*")  # the traced callable's source: L['self'], L['args'][0]
 #: a parametrization's container (``torch.nn.utils.parametrize``: ``<module>.parametrizations.<param>.<i>``) belongs to
 #: the module it parametrizes; its list index is no layer index
 _PARAMETRIZATION = re.compile(r"(?:\.parametrizations|\['parametrizations'\]).*$")
 
 
+def _stack(node: fx.Node) -> list[tuple[str, Any]]:
+    """Dynamo's module stack of a node, outermost first, as (path, class) pairs."""
+    return [(str(path), cls) for path, cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def model_module(node: fx.Node) -> tuple[str, Any] | None:
+    """Innermost module of the model a node was traced in, as (path, class), or None.
+
+    HF wraps some functions as module-level kernel modules (``use_kernel_func_from_hub``: transformers 5.25's
+    ``causal_conv1d_fn``); Dynamo records them as globals (``G['...'].causal_conv1d_fn``), which are no place in the
+    model, so the innermost entry rooted in the traced callable is the node's module."""
+    stack = _stack(node)
+    inside = [entry for entry in stack if not entry[0].startswith(_GLOBAL)]
+    return (inside or stack or [None])[-1]
+
+
 def module_path(node: fx.Node) -> str | None:
-    """Innermost module path of a node (Dynamo's nn_module_stack), or None."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path, _cls = list(stack.values())[-1]
-    return str(path)
+    """Innermost module path of a node in the model (Dynamo's nn_module_stack), or None."""
+    module = model_module(node)
+    return module[0] if module else None
 
 
-def module_class(node: fx.Node) -> type | None:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
+def global_callee(node: fx.Node) -> str | None:
+    """The module-level kernel module a node runs in inside a module of the model (``causal_conv1d_fn`` in
+    ``model.layers.0.conv``), or None."""
+    stack = _stack(node)
+    inside = any(not path.startswith(_GLOBAL) for path, _cls in stack)
+    if not inside or not stack[-1][0].startswith(_GLOBAL):
         return None
-    _path, cls = list(stack.values())[-1]
-    return cls if isinstance(cls, type) else None
+    return _IDENTIFIER.findall(stack[-1][0])[-1]  # G['<module>'].causal_conv1d_fn, G['causal_conv1d_fn']
 
 
 def layer_of_path(path: str | None) -> str | None:

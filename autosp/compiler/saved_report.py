@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from autosp.compiler.fx_nodes import node_nbytes
+from autosp.compiler.layers import model_module
 from autosp.compiler.node_kinds import is_attention_value, is_collective_value
 from autosp.compiler.sac_records import PartitionRecord
 
@@ -41,17 +42,12 @@ def category_of_module(path: str | None, cls: type | str | None = None) -> str:
     return "other"
 
 
-def _node_module(node: fx.Node) -> tuple[str, Any] | None:
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1] if stack else None
-
-
 def category_of_node(node: fx.Node, _depth: int = 0) -> str:
     """Category of a forward-graph value: attention kernels and collectives are attention, otherwise the
     module it was traced in; values without module metadata (inserted by a pass) take their inputs'."""
     if is_attention_value(node) or is_collective_value(node):
         return "attention"
-    module = _node_module(node)
+    module = model_module(node)
     if module is not None:
         return category_of_module(str(module[0]), module[1])
     if _depth < 8:

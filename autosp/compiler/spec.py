@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autosp.compiler.layers import global_callee, module_path
 from autosp.errors import SequenceParallelError
 
 
@@ -55,12 +56,14 @@ def canonical_spec(dim: int, seq_len: int, sp_rank: int, sp_size: int) -> ShardS
 
 
 def node_label(node: fx.Node) -> str:
-    """A name a user can find in their model: the module path Dynamo recorded, else the node name."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return f"{path.replace(chr(39), '')} ({node.name})"
-    return node.name
+    """A name a user can find in their model: the module path Dynamo recorded (with the module-level kernel it
+    ran in, if any), else the node name."""
+    path = module_path(node)
+    if path is None:
+        return node.name
+    callee = global_callee(node)
+    inside = f"{node.name} in {callee}" if callee else node.name
+    return f"{path.replace(chr(39), '')} ({inside})"
 
 
 @dataclass

@@ -20,6 +20,7 @@ from autosp.comm.library import op
 from autosp.compiler import fx_nodes
 from autosp.compiler import rms_norm_op  # noqa: F401  (defines the op the pass emits)
 from autosp.compiler.fx_nodes import DYNAMO, dynamo_value
+from autosp.compiler.layers import module_path
 from autosp.compiler.tiling_mlp import MIN_TILE_TOKENS
 
 #: chunks per norm when no tile size is given: one chunk's fp32 scratch a sixteenth of the fp32 hidden state
@@ -151,8 +152,7 @@ def fuse_rms_norms(gm: fx.GraphModule, tile_tokens: int | None = None, *, upcast
             node.meta["nn_module_stack"] = out.meta.get("nn_module_stack")
             node.meta["stack_trace"] = out.meta.get("stack_trace")
         out.replace_all_uses_with(normed)
-        path = next(reversed((out.meta.get("nn_module_stack") or {"": ("", None)}).values()))[0]
-        fused.append({"module": str(path), "tokens": tokens, "chunk_tokens": chunk})
+        fused.append({"module": module_path(out) or "", "tokens": tokens, "chunk_tokens": chunk})
     fx_nodes.eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
