@@ -93,18 +93,18 @@ class SequenceParallelModule(torch.nn.Module):
     @property
     def tiling(self) -> str:
         """One line: what the compiler tiled (loss tiles) in each graph so far, and why anything was left whole."""
-        from autosp.compiler.tiling.loss import describe
+        from autosp.compiler.tiling import describe
 
         return describe(self._compilation.tiling_reports)
 
     @property
     def tiling_reports(self) -> list:
-        """One `autosp.compiler.tiling.loss.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
+        """One `autosp.compiler.tiling.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
         return list(self._compilation.tiling_reports)
 
     @property
     def partition_records(self) -> list:
-        """One `autosp.compiler.memory.partitioner.PartitionRecord` per compiled graph: what forward saves for backward."""
+        """One `autosp.compiler.memory.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(self._compilation.partition_fn.records)
 
     @property
@@ -135,7 +135,8 @@ class SequenceParallelModule(torch.nn.Module):
         except torch._dynamo.exc.Unsupported as e:
             if isinstance(e.__cause__, torch._dynamo.exc.ObservedException):  # the model's own code raised
                 raise SequenceParallelError(
-                    f"the model's forward{breaking_module(self.module, e)} {' '.join(str(e.__cause__).split())[:300]} while "
+                    f"the model's forward{breaking_module(self.module, e)} "
+                    f"{' '.join(str(e.__cause__).split())[:300]} while "
                     "Dynamo traced it (it raises the same without AutoSP): fix what that error names"
                 ) from e
             reason = str(e).strip().splitlines()[0]
@@ -146,7 +147,7 @@ class SequenceParallelModule(torch.nn.Module):
             ) from e
         except torch._dynamo.exc.UserError as e:
             raise SequenceParallelError(data_dependent_shape_error(e)) from None
-        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
             limit = torch._dynamo.config.recompile_limit
             raise SequenceParallelError(
                 f"Dynamo's recompile limit (torch._dynamo.config.recompile_limit={limit}) was hit: the model was "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import math
 import sys
@@ -22,7 +21,7 @@ from autosp.harness.flags import add_run_config_arguments, run_config_from_args
 from autosp.harness.measure import format_size
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 
-#: (module, function) pairs that add a subcommand; a module that does not exist (yet) is skipped
+#: (module, function) pairs that add a subcommand; each must exist (a missing one fails every command, loudly)
 SUBCOMMANDS = (
     ("autosp.experiments.search", "add_search_parser"),
     ("autosp.experiments.bench", "add_bench_parser"),
@@ -91,7 +90,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from baselines.base import get_strategy, method_names
+    from autosp.harness.strategy import get_strategy, method_names
 
     names = method_names()
     width = max(map(len, names)) + 2
@@ -126,12 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("methods", help="list the registered training methods")
     p.set_defaults(func=_cmd_methods)
 
-    for module_name, function in SUBCOMMANDS:
-        if importlib.util.find_spec(module_name) is None:
-            continue
-        add_parser = getattr(importlib.import_module(module_name), function, None)
-        if add_parser is not None:
-            add_parser(sub)
+    for module_name, function in SUBCOMMANDS:  # a module or function missing is an ImportError/AttributeError here
+        getattr(importlib.import_module(module_name), function)(sub)
     return parser
 
 

@@ -12,8 +12,8 @@ ulysses_sp`):
   all-gathered differentiably over the SP group (ArcticTraining's `SFTTrainer.loss`).
 - Per-layer activation checkpointing (reentrant) with each layer's checkpointed input in host memory: on CUDA HF's
   own `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu`, pinned); on CPU the device *is* host
-  memory, so the copy goes through `autosp.compiler.memory.offload.offload`, which the CPU meter books as host memory —
-  one host copy per layer either way, the same bytes ALST moves.
+  memory, so the copy goes through autosp's offload op (`autosp.compiler.memory.OFFLOAD_OP`), which the CPU meter
+  books as host memory — one host copy per layer either way, the same bytes ALST moves.
 - DeepSpeed ZeRO-3, every parameter partitioned, `offload_optimizer: cpu` (fp32 master partitions, fp32 gradient
   partitions and the optimizer's moments in host memory; the step runs on the host): on CUDA with DeepSpeed's CPU
   Adam (ALST's `cpu_adam`); on CPU the same offload path with torch's AdamW as the host optimizer (CPU Adam needs
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from types import MethodType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,16 +36,16 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.strategy import Strategy, TrainStep, register
 from autosp.models.build import parameter_count
 from autosp.models.llama import IGNORE_INDEX
-from baselines.base import Strategy, TrainStep, register
 from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
 from baselines.recompute_flops import RecomputeCounter
 from baselines.zero3 import zero3_config
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 #: ArcticTraining's logits shard: about this many bytes of fp32 logits per TiledFusedLogitsLoss shard
 LOGITS_SHARD_BYTES = 2**30
@@ -89,10 +90,10 @@ def no_valid_labels(labels: torch.Tensor) -> bool:
 
 def host_booked_checkpoint(function, *args, **kwargs):
     """Reentrant checkpoint whose saved input waits in (emulated) host memory: the CPU twin of HF's offload."""
-    from autosp.compiler.memory.offload import offload
+    from autosp.compiler.memory import OFFLOAD_OP
 
     def to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-        return tensor.device, offload(tensor)
+        return tensor.device, OFFLOAD_OP(tensor)
 
     def to_device(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
         device, host = packed
@@ -103,7 +104,8 @@ def host_booked_checkpoint(function, *args, **kwargs):
 
 
 def enable_checkpoint_offload(model: nn.Module, device: torch.device) -> None:
-    """Every decoder layer checkpointed, its input in host memory (ArcticTraining: `activation_checkpoint_cpu_offload`)."""
+    """Every decoder layer checkpointed, its input in host memory (ArcticTraining:
+    `activation_checkpoint_cpu_offload`)."""
     if device.type == "cuda":
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, offload=True)
         return
@@ -118,7 +120,7 @@ def counted_checkpoint(checkpoint: Callable, recompute: RecomputeCounter) -> Cal
     return counted
 
 
-def shard_like_the_adapter(batch: "Batch", sp_rank: int, sp_size: int) -> dict[str, torch.Tensor]:
+def shard_like_the_adapter(batch: Batch, sp_rank: int, sp_size: int) -> dict[str, torch.Tensor]:
     """`UlyssesSPDataLoaderAdapter.refill` for one sample: labels shifted globally, every tensor cut into this
     rank's chunk of the sequence (position ids made when the data has none, as ALST requires them)."""
     seq_len = batch.input_ids.shape[1]
@@ -147,7 +149,7 @@ def refuse_a_tied_lm_head(model: nn.Module, name: str) -> None:
 class AlstStep(DeepSpeedZeroStep):
     implementation = "alst (deepspeed ulysses_sp + zero3)"
 
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> None:
         refuse_a_tied_lm_head(model, cfg.model)
         self.deepspeed = import_deepspeed("alst")
         import transformers.masking_utils
@@ -177,7 +179,7 @@ class AlstStep(DeepSpeedZeroStep):
         self.engine, *_ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=alst_config(cfg, parameter_count(cfg.model)), mpu=mpu)
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         ctx = self.ctx
@@ -206,7 +208,7 @@ class AlstStep(DeepSpeedZeroStep):
         # differentiable token-weighted mean over the SP ranks (ArcticTraining's SFTTrainer.loss)
         losses = dist_fn.all_gather(loss, group=ctx.sp_group)
         goods = dist_fn.all_gather(good, group=ctx.sp_group)
-        loss = sum(l * g for l, g in zip(losses, goods)) / sum(goods)
+        loss = sum(part * g for part, g in zip(losses, goods, strict=True)) / sum(goods)
         self.engine.backward(loss)
         logged = loss.detach().clone()
         if ctx.dp_group is not None and ctx.dp_size > 1:  # what a user logs: the mean over data-parallel ranks
@@ -245,5 +247,5 @@ class AlstStrategy(Strategy):
                               f"the {num_kv_heads} KV heads dividing it or divisible by it; pick another --world-size")
         precision_config(cfg.dtype, self.name)
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return AlstStep(model, ctx, cfg)

@@ -15,24 +15,34 @@ from torch import nn
 
 import autosp
 from autosp.comm.host_optimizer import iter_pairs
-from autosp.compiler.memory.offload import offload_optimizer, offload_params, parse_offload
+from autosp.compiler.memory import (
+    Policy,
+    SacPolicy,
+    compiled_breakdown,
+    offload_optimizer,
+    offload_params,
+    parse_offload,
+    parse_policy,
+    peak_working_set,
+    quadratic_saved_values,
+    tiles_of,
+)
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.memory.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
-from autosp.compiler.memory.policy import Policy, SacPolicy, parse_policy
-from autosp.compiler.tiling.loss import parse_tiling
+from autosp.compiler.tiling import parse_tiling
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import current_device
 from autosp.harness.measure import ranks_on_this_node
-from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_dtype, register
+from autosp.harness.strategy import Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, compute_dtype
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 class AutoSPTrainStep(ReplicatedTrainStep):
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig, zero: int = 0):
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig, zero: int = 0):
         self.model = model
         self.ctx = ctx
         # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
@@ -58,7 +68,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self.compiled.full_parameters()
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         ctx = self.ctx
         rows = batch.input_ids.shape[0] // ctx.dp_size
         mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
@@ -96,8 +106,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
 def sac_policy(cfg: RunConfig, zero: int) -> Policy:
     """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less what the memory
     meter finds resident when the step starts: parameters, AdamW moments (none on the device with --offload
-    optimizer), gathered parameters (the floor's arithmetic) and the global batch every rank holds. The gradients are made in backward and the planner
-    counts them itself."""
+    optimizer), gathered parameters (the floor's arithmetic) and the global batch every rank holds. The gradients
+    are made in backward and the planner counts them itself."""
     from autosp.harness.runner import global_batch
 
     policy = parse_policy(cfg.sac)
@@ -135,7 +145,8 @@ class AutoSP(Strategy):
             raise ConfigError(f"--ulysses-size {u} must divide the SP degree {sp} and the {num_heads} query heads; "
                               f"valid: {valid}")
         per_rank = num_heads // (u or sp)
-        if num_heads % (u or sp) == 0 and per_rank % cfg.attention_chunks:  # the compiler also checks how the chunks meet the KV heads
+        # the compiler also checks how the chunks meet the KV heads
+        if num_heads % (u or sp) == 0 and per_rank % cfg.attention_chunks:
             raise ConfigError(f"--attention-chunks {cfg.attention_chunks} must divide the {per_rank} query heads each "
                               f"rank attends ({num_heads} over {u or sp}); valid: "
                               f"{[d for d in range(1, per_rank + 1) if per_rank % d == 0]}")
@@ -149,7 +160,7 @@ class AutoSP(Strategy):
         if cfg.compile_backend not in COMPILE_BACKENDS:
             raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose {', '.join(COMPILE_BACKENDS)}")
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))
 
 

@@ -17,8 +17,8 @@ from torch import nn
 from autosp.harness.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 def reject_sequence_parallel(cfg: RunConfig, method: str) -> None:
@@ -27,7 +27,7 @@ def reject_sequence_parallel(cfg: RunConfig, method: str) -> None:
         raise ConfigError(f"--method {method} is data parallel only; drop --sp-size {cfg.sp_size} (or use 1)")
 
 
-def local_loss(model: nn.Module, batch: "Batch", ctx: "ParallelContext") -> tuple[torch.Tensor, torch.Tensor]:
+def local_loss(model: nn.Module, batch: Batch, ctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's share of the global loss, for backward; the global loss, detached and summed over dp)."""
     rows = batch.input_ids.shape[0] // ctx.dp_size
     mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)

@@ -7,8 +7,8 @@ whenever DeepSpeed's op-compatibility table says the op can be built. That op on
 `inference_all_reduce`; training collectives go through torch.distributed (gloo here). The clean switch is
 that table itself: `deepspeed.ops.__compatible_ops__` is computed once per process and cached in the module
 (DeepSpeed keeps it as one dict so edits persist), and `build_shm_op` returns None for an op marked
-incompatible. Marking `deepspeed_shm_comm` incompatible on gloo (and on the simulator's fake process group) skips the build and changes nothing else;
-on nccl (GPUs) the table is left alone.
+incompatible. Marking `deepspeed_shm_comm` incompatible on gloo (and on the simulator's fake process group) skips
+the build and changes nothing else; on nccl (GPUs) the table is left alone.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from autosp.harness.config import ConfigError
 from autosp.harness.precision import precision_of
-from baselines.base import TrainStep
+from autosp.harness.strategy import TrainStep
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -71,7 +71,7 @@ def precision_config(dtype: str, method: str, *, pure_bf16: bool = False) -> dic
                       "weights and its fp16 scales the loss; use --dtype bfloat16 (mixed) or float32")
 
 
-def engine_gradients(engine: "DeepSpeedEngine") -> Iterator[tuple[str, torch.Tensor | None]]:
+def engine_gradients(engine: DeepSpeedEngine) -> Iterator[tuple[str, torch.Tensor | None]]:
     """`TrainStep.local_gradients` of a DeepSpeed engine, from its safe getters: a ZeRO-3 parameter's local fp32
     gradient partition; otherwise the full gradient (`.grad`, or at ZeRO 1/2 and under bf16 the fp32 one
     assembled from the partitions: then collective, in the same parameter order on every rank)."""
@@ -85,7 +85,7 @@ class DeepSpeedZeroStep(TrainStep):
     """A step around a DeepSpeed ZeRO engine (`self.engine`): its step also zeroes the gradients; full gradients and
     fp32 master parameters come from DeepSpeed's safe getters (collective under ZeRO-3)."""
 
-    engine: "DeepSpeedEngine"
+    engine: DeepSpeedEngine
 
     def optimizer_step(self) -> None:
         self.engine.step()

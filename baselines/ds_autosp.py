@@ -30,12 +30,12 @@ from torch import nn
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
-from baselines.base import Strategy, TrainStep, register
+from autosp.harness.strategy import Strategy, TrainStep, register
 from baselines.deepspeed_env import engine_gradients, import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 def autosp_config(cfg: RunConfig, sp_size: int) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def mixed_stage(cfg: RunConfig) -> int:
 class DeepSpeedAutoSPStep(TrainStep):
     implementation = "deepspeed-autosp (inductor)"
 
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> None:
         deepspeed = import_deepspeed("ds-autosp")
         from deepspeed.compile.passes.sp_compile import prepare_autosp_inputs
 
@@ -75,7 +75,7 @@ class DeepSpeedAutoSPStep(TrainStep):
         )
         self.engine.compile(backend="inductor")
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         rows = batch.input_ids.shape[0] // self.ctx.dp_size
         mine = batch.rows(self.ctx.dp_rank * rows, (self.ctx.dp_rank + 1) * rows).to(self.ctx.device)
         position_ids = mine.position_ids
@@ -131,5 +131,5 @@ class DeepSpeedAutoSP(Strategy):
             raise ConfigError(f"--method {self.name} runs ZeRO stage {mixed_stage(cfg)} under --dtype {cfg.dtype} "
                               "(stage 1 where DeepSpeed keeps fp32 master weights, i.e. mixed bf16); drop --zero")
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return DeepSpeedAutoSPStep(model, ctx, cfg)

@@ -12,24 +12,25 @@ import torch
 from torch import nn
 
 from autosp.harness.config import RunConfig
-from baselines.base import Strategy, TrainStep, compute_dtype, module_gradients, register
+from autosp.harness.strategy import Strategy, TrainStep, register
+from baselines.base import compute_dtype, module_gradients
 from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.fsdp_sharding import full, shard_llama
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 class FSDPStep(TrainStep):
     implementation = "torch-fsdp2"
 
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> None:
         self.model, self.ctx = model, ctx
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         loss, total = local_loss(self.model, batch, self.ctx)
         loss.backward()
         return total
@@ -59,7 +60,7 @@ class FSDPStrategy(Strategy):
         reject_sequence_parallel(cfg, self.name)
         super().validate(cfg, num_heads, num_kv_heads)
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         checkpointed = apply_activation_checkpointing(model, cfg)  # before sharding: FSDP2 wraps those layers
         shard_llama(model, ctx.mesh["dp"], self.name, compute_dtype(cfg))
         step = FSDPStep(model, ctx, cfg)

@@ -7,7 +7,8 @@ counts one per element where torch has no formula), which leaves this count the 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

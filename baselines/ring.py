@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
-from baselines.base import Strategy, TrainStep, compute_dtype, register
-from autosp.comm.ring_attention import zigzag_positions, zigzag_ring_attention
+from autosp.harness.strategy import Strategy, TrainStep, register
+from baselines.base import compute_dtype
 from baselines.checkpointing import apply_activation_checkpointing
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
@@ -79,7 +80,7 @@ class Ring(Strategy):
                 "drop --packed-documents / --pad-fraction"
             )
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         dtype = precision_of(cfg.dtype).compute  # what attention computes in (the parameters may be fp32 masters)
         implementation, fallback_reason, attend = choose_ring(ctx.device, dtype, ctx.sp_group)
         for module in attention_modules(model, self.name):

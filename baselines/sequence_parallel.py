@@ -27,16 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from autosp.comm.sharding import full_name
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.llama import IGNORE_INDEX, LlamaAttention, LlamaModel, attention_mask_rows
 from autosp.models.presets import is_hf_name
-from autosp.comm.sharding import full_name
 from baselines.base import ReplicatedTrainStep, compute_in_precision
 from baselines.fsdp_sharding import full
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 #: gradient all-reduce bucket, in elements (DDP's default bucket is 25 MB)
 BUCKET_ELEMENTS = 8 * 1024 * 1024
@@ -53,7 +53,7 @@ class SequenceShard:
     num_items: int  # valid labels in the whole global batch
 
 
-def shard_batch(batch: "Batch", ctx: "ParallelContext", positions: Tensor) -> SequenceShard:
+def shard_batch(batch: Batch, ctx: ParallelContext, positions: Tensor) -> SequenceShard:
     """Rows of this dp rank; the sequence positions `positions` of those rows (shifted labels first)."""
     rows = batch.input_ids.shape[0] // ctx.dp_size
     mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
@@ -103,7 +103,7 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
         if size >= BUCKET_ELEMENTS or i == len(grads) - 1:
             flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=group)
-            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 g.copy_(reduced)
             bucket, size = [], 0
 
@@ -118,7 +118,7 @@ class SequenceParallelStep(ReplicatedTrainStep):
     def __init__(
         self,
         model: nn.Module,
-        ctx: "ParallelContext",
+        ctx: ParallelContext,
         cfg: RunConfig,
         positions: Callable[[int], Tensor],
         set_mask_rows: Callable[[list[Tensor] | None], None],
@@ -140,7 +140,7 @@ class SequenceParallelStep(ReplicatedTrainStep):
         self.params = list(model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr)
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         shard = shard_batch(batch, self.ctx, self.positions(batch.input_ids.shape[1]))
         self.set_mask_rows(shard.mask_rows)
         logits = self.forward(input_ids=shard.input_ids, position_ids=shard.position_ids).logits

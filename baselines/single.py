@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import ReplicatedTrainStep, Strategy, TrainStep, compute_in_precision, register
+from autosp.harness.strategy import Strategy, TrainStep, register
+from baselines.base import ReplicatedTrainStep, compute_in_precision
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 class SingleTrainStep(ReplicatedTrainStep):

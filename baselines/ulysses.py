@@ -26,10 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.strategy import Strategy, TrainStep, register
 from autosp.models.llama import attention_from_mask_rows
-from baselines.base import Strategy, TrainStep, compute_dtype, register
-from baselines.deepspeed_env import import_deepspeed, require_deepspeed
+from baselines.base import compute_dtype
 from baselines.checkpointing import apply_activation_checkpointing
+from baselines.deepspeed_env import import_deepspeed, require_deepspeed
 from baselines.sequence_parallel import SequenceParallelStep, attention_modules, require_project_llama
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Ulysses(Strategy):
                 "use an SP degree that divides the head count"
             )
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         import_deepspeed(self.name)
         modules = attention_modules(model, self.name)
         attention = UlyssesAttention(ctx.sp_group, ctx.sp_size, modules[0].num_kv_heads)

@@ -4,11 +4,12 @@ partitioned over the data-parallel ranks; every rank trains its own full-length 
 `stage3_param_persistence_threshold: 0` partitions every parameter, however small (DeepSpeed's default keeps
 parameters under 100K elements whole on every rank, which on the small CPU presets would be nearly all of them
 and turn ZeRO-3 into plain data parallelism). Its communication buckets are capped at the model's parameter
-count (its preset's, so a shortened stand-in is configured as the real model): DeepSpeed allocates the whole reduce bucket (default 5e8 elements, 1.9 GiB in fp32) up front, which on a
-model smaller than that is pure overhead no tuned setup would keep. The optimizer is the same torch AdamW as the
-reference, handed to DeepSpeed as a client optimizer (DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages
-gradients over the dp ranks, so the backward loss (each rank's share of the global token mean) is multiplied
-by dp_size to make that average a sum. On gloo the shared-memory comm op build is skipped (`deepspeed_env`).
+count (its preset's, so a shortened stand-in is configured as the real model): DeepSpeed allocates the whole reduce
+bucket (default 5e8 elements, 1.9 GiB in fp32) up front, which on a model smaller than that is pure overhead no tuned
+setup would keep. The optimizer is the same torch AdamW as the reference, handed to DeepSpeed as a client optimizer
+(DeepSpeed's own FusedAdam would need a JIT build on CPU). DeepSpeed averages gradients over the dp ranks, so the
+backward loss (each rank's share of the global token mean) is multiplied by dp_size to make that average a sum. On
+gloo the shared-memory comm op build is skipped (`deepspeed_env`).
 """
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ import torch
 from torch import nn
 
 from autosp.harness.config import RunConfig
+from autosp.harness.strategy import Strategy, TrainStep, register
 from autosp.models.build import parameter_count
-from baselines.base import Strategy, TrainStep, register
 from baselines.checkpointing import apply_activation_checkpointing
 from baselines.data_parallel import local_loss, reject_sequence_parallel
 from baselines.deepspeed_env import DeepSpeedZeroStep, import_deepspeed, precision_config, require_deepspeed
 
 if TYPE_CHECKING:
-    from autosp.models.data import Batch
     from autosp.harness.parallel import ParallelContext
+    from autosp.models.data import Batch
 
 
 #: DeepSpeed's defaults (elements); its reduce bucket is allocated whole (5e8 fp32 = 1.9 GiB) at the first backward
@@ -57,7 +58,7 @@ def zero3_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
 class Zero3Step(DeepSpeedZeroStep):
     implementation = "deepspeed-zero3"
 
-    def __init__(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> None:
         self.deepspeed = import_deepspeed("zero3")
         self.ctx = ctx
         self.implementation += apply_activation_checkpointing(model, cfg)
@@ -67,7 +68,7 @@ class Zero3Step(DeepSpeedZeroStep):
         config = zero3_config(cfg, parameter_count(cfg.model))
         self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
-    def forward_backward(self, batch: "Batch") -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
         loss, total = local_loss(self.engine, batch, self.ctx)
         self.engine.backward(loss * self.ctx.dp_size)
         return total
@@ -87,5 +88,5 @@ class Zero3Strategy(Strategy):
         super().validate(cfg, num_heads, num_kv_heads)
         precision_config(cfg.dtype, self.name)
 
-    def setup(self, model: nn.Module, ctx: "ParallelContext", cfg: RunConfig) -> TrainStep:
+    def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return Zero3Step(model, ctx, cfg)

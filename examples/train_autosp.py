@@ -22,6 +22,7 @@ import torch.distributed as dist
 import autosp
 from autosp.training import checkpoint
 from autosp.training.gradients import clip_grad_norm_
+
 from common import arguments, batch, build_model, packed_blocks
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import TrainingArguments
 
 from autosp.training.hf_trainer import AutoSPTrainer
+
 from common import arguments, build_model, packed_blocks
 
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from autosp.harness.launch import WARM_RANK_PRELOAD
 from autosp.harness.supervisor import warm_rank_cpu_seconds, warm_ranks
 
-# --- Hypothesis profiles (tests/compiler/test_properties.py): `ci` by default, `--hypothesis-profile=nightly` -----------
+# --- Hypothesis profiles (tests/compiler/test_properties.py): `ci` by default, `--hypothesis-profile=nightly` ----
 # ci: a small fixed set (derandomized: every run draws the same examples); nightly: many more, a new seed each run.
 # A case costs a trace on P ranks, so no deadline; the examples are drawn without the database's replay in ci.
 _PROFILE = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -44,7 +44,7 @@ def cold_ranks():
         yield
 
 
-# --- options: the long profile, CPU-seconds per test (what a test costs on a shared machine) ---------------------------
+# --- options: the long profile, CPU-seconds per test (what a test costs on a shared machine) --------------------
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true",

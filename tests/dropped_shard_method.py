@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from autosp.harness.config import RunConfig
+from autosp.harness.strategy import TrainStep, register
 from baselines.autosp_method import AutoSP, AutoSPTrainStep
-from baselines.base import TrainStep, register
 
 DROPPED = "model.layers.1.mlp.up_proj.parametrizations.weight.original"
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from autosp.comm.sharding import full_name
 from autosp.harness.config import RunConfig
+from autosp.harness.strategy import Strategy, TrainStep, register
 from baselines.autosp_method import AutoSP
-from baselines.base import Strategy, TrainStep, register
 from baselines.single import Single
 from baselines.zero3 import Zero3Strategy
 

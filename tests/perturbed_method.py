@@ -4,7 +4,7 @@ Imported into ranks with `extra_imports` / `--import tests.perturbed_method` (re
 import torch
 
 from autosp.harness.config import RunConfig
-from baselines.base import TrainStep, register
+from autosp.harness.strategy import TrainStep, register
 from baselines.single import Single, SingleTrainStep
 
 PERTURBED = "model.layers.1.mlp.up_proj.weight"

@@ -1,5 +1,5 @@
 """Test double: a sequence-parallel method that is only ever validated (the CLI tests use it through --import)."""
-from baselines.base import Strategy, register
+from autosp.harness.strategy import Strategy, register
 
 
 @register

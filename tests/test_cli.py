@@ -99,3 +99,18 @@ def test_unwritable_out_fails_before_training(tmp_path, monkeypatch, capsys, com
     assert main([*command, "--model", "tiny", "--out", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot write --out {tmp_path / where}: " in err and reason in err
+
+
+def test_every_subcommand_module_exists_and_a_missing_one_is_loud(monkeypatch) -> None:
+    """Each of `SUBCOMMANDS` adds its command; a module or function renamed without updating the list fails every
+    command at once (it was once skipped, and its command silently vanished)."""
+    from autosp import cli
+
+    commands = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    assert {"search", "bench", "table", "history", "simulate", "simulate-table"} <= commands
+    monkeypatch.setattr(cli, "SUBCOMMANDS", (*cli.SUBCOMMANDS, ("autosp.experiments.no_such_module", "add_parser")))
+    with pytest.raises(ModuleNotFoundError, match="autosp.experiments.no_such_module"):
+        cli.build_parser()
+    monkeypatch.setattr(cli, "SUBCOMMANDS", (("autosp.experiments.bench", "add_no_such_parser"),))
+    with pytest.raises(AttributeError, match="add_no_such_parser"):
+        cli.build_parser()

@@ -33,7 +33,8 @@ def _torchrun(script: str, out: Path, config: Path, *extra: str) -> str:
                "--data", str(EXAMPLES / "data" / "tiny.jsonl"), "--out", str(out), "--seq-len", "64",
                "--batch-size", "2", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--lr", "3e-3",
                "--backend", "aot_eager", *extra]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout

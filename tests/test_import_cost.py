@@ -9,7 +9,7 @@ _PROBE = """
 import sys
 import autosp
 from autosp.harness.runner import rank_main
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 get_strategy("single")
 heavy = ["torch._inductor", "torch._dynamo", "torch.distributed.fsdp", "deepspeed", "transformers", "pandas",
          "baselines.alst", "baselines.fsdp"]
@@ -27,8 +27,7 @@ def test_every_builtin_method_is_listed_and_unknown_names_list_them() -> None:
     import pytest
 
     from autosp.errors import ConfigError
-    from baselines import BUILTIN_MODULES
-    from baselines.base import get_strategy, method_names
+    from autosp.harness.strategy import BUILTIN_MODULES, get_strategy, method_names
 
     assert set(BUILTIN_MODULES) <= set(method_names())
     with pytest.raises(ConfigError, match="unknown method 'nope'; valid methods: ") as error:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 import runpy
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 pins = runpy.run_path(str(ROOT / "bin" / "autosp-pins"))

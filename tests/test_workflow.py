@@ -48,8 +48,8 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
             assert "figures/trainability-all.pdf" in plan and "cpu/P2/llama3-mini/autosp.jsonl" in plan
             assert "cpu/P2/small/zero3.jsonl" in plan and "checks/cpu/P2/hf:small/ds-autosp.json" in plan
     plan = dry_run(tmp_path, "all", "--profile", "profiles/a100", "--cores", "64")  # as on a GPU node
-    searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 8 --device cuda --dtype bfloat16",
-                          plan)
+    searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 8 --device cuda "
+                          r"--dtype bfloat16", plan)
     assert {m for _, m in searches} >= {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b"}
     assert ("ds-autosp", "hf:llama-3.1-8b") in searches and ("autosp", "hf:llama-3.1-8b") in searches
     assert "--memory-budget" not in plan  # the GPUs' own memory
@@ -61,10 +61,20 @@ def test_every_target_plans_under_every_profile(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "world_size 8 > gpus_per_node 4" in proc.stdout + proc.stderr
 
 
+def test_a_bare_snakemake_plans_the_quick_starts_target(tmp_path: Path) -> None:
+    """No target named: the quick start's figure (`default_target`), not the first rule of the Snakefile."""
+    def outputs(plan: str) -> list[str]:
+        return sorted(re.findall(r"^\s+output: (.+)$", plan, re.M))
+
+    bare = outputs(dry_run(tmp_path, "--cores", "2"))
+    assert "figures/trainability.png, figures/trainability.pdf" in bare
+    assert bare == outputs(dry_run(tmp_path, "figure_trainability", "--cores", "2"))
+
+
 def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
     plan = dry_run(tmp_path, "figure_trainability", "--cores", "2")
-    searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 2 --device cpu --dtype float32 "
-                          r"--compile-backend (\S+) .*?--memory-budget (\S+)", plan)
+    searches = re.findall(r"Shell command: autosp search --method (\S+) --model (\S+) --world-size 2 --device cpu "
+                          r"--dtype float32 --compile-backend (\S+) .*?--memory-budget (\S+)", plan)
     cells = {(m, model) for m, model, _, _ in searches}
     assert len(searches) == len(cells) == 5 + 3  # tiny x 5 methods; the peer, autosp and alst on hf:tiny
     assert {("ds-autosp", "hf:tiny"), ("autosp", "hf:tiny"), ("alst", "hf:tiny")} <= cells
@@ -132,8 +142,11 @@ def test_an_interrupted_cell_is_redone_not_recorded(tmp_path: Path) -> None:
     """A cell whose command is interrupted (exit 130, after writing its `interrupted` row, as `autosp search`
     does on SIGTERM) fails its job, so snakemake deletes the row and a rerun searches again."""
     fake = tmp_path / "autosp-interrupted"
-    fake.write_text('#!/bin/sh\ncase "$*" in *--record-failure*) status=error code=0;; *) status=interrupted code=130;; esac\n'
-                    'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo "{\\"status\\": \\"$status\\"}" >> "$2"; shift; done\n'
+    fake.write_text('#!/bin/sh\n'
+                    'case "$*" in *--record-failure*) status=error code=0;; *) status=interrupted code=130;; esac\n'
+                    'while [ $# -gt 0 ]; do\n'
+                    '  [ "$1" = --out ] && echo "{\\"status\\": \\"$status\\"}" >> "$2"; shift\n'
+                    'done\n'
                     'exit $code\n')
     fake.chmod(0o755)
     cell = "results/trainability/cpu/P2/tiny/autosp.jsonl"

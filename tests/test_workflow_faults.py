@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_workflow import ROOT, dry_run, snakemake
+from tests.test_workflow import ROOT, snakemake
 
 FINISHED, KILLED = "results/trainability/cpu/P2/tiny/autosp.jsonl", "results/trainability/cpu/P2/tiny/ulysses.jsonl"
 
@@ -145,7 +145,8 @@ CELLS = [f"results/trainability/cpu/P2/tiny/{method}.jsonl" for method in ("ulys
 
 
 def _processes_in(folder: Path) -> dict[int, tuple[int, str]]:
-    """Live processes working in `folder` (the workflow's jobs, their ranks and fork servers): pid -> (ppid, cmdline)."""
+    """Live processes working in `folder` (the workflow's jobs, their ranks and fork servers): pid -> (ppid,
+    cmdline)."""
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream host copies to and from `device` run on (one per device, made on first use)."""
     if device not in _side_streams:
         _side_streams[device] = torch.cuda.Stream(device=device)

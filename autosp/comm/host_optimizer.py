@@ -56,7 +56,7 @@ class HostMasters:
         self.params_on_host = False  # offload=params: the compute-dtype parameters live in host memory too
 
     @classmethod
-    def capture(cls, params: Iterable[nn.Parameter], compute_dtype: torch.dtype | None) -> "HostMasters":
+    def capture(cls, params: Iterable[nn.Parameter], compute_dtype: torch.dtype | None) -> HostMasters:
         """Copy each floating-point parameter (in its own dtype, the master dtype) to host memory; with
         `compute_dtype`, the device parameter then becomes its compute-dtype cast (the master leaves the device)."""
         store = cls()
@@ -185,7 +185,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self.masters.params_on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # gradients streamed to host memory in backward (offload=params) have arrived
@@ -223,7 +223,7 @@ class HostOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         saved = state_dict["state"]
         index = 0
-        for group, saved_group in zip(self.param_groups, groups):
+        for group, saved_group in zip(self.param_groups, groups, strict=False):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         with torch.no_grad():
             for index, (p, master) in enumerate(self._pairs):

@@ -30,6 +30,7 @@ from autosp.comm.host_copy import synchronize_side_streams, to_host
 from autosp.comm.library import custom_op, op, qualified
 from autosp.errors import SequenceParallelError
 
+
 def _check(device: torch.device) -> None:
     if device.type not in ("cpu", "cuda"):
         raise SequenceParallelError(f"offload=params runs on CUDA/ROCm (pinned host memory) or CPU (emulated), not on "

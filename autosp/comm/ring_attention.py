@@ -118,7 +118,8 @@ def _future(sq: int, sk: int, device: torch.device) -> Tensor:
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
     """Online-softmax merge of two partial attentions over disjoint key sets (fp32 accumulators)."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse)[..., None] + block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None]
+    out = (out * torch.exp(lse - new_lse)[..., None]
+           + block_out.to(out.dtype) * torch.exp(block_lse - new_lse)[..., None])
     return out, new_lse
 
 
@@ -296,7 +297,7 @@ def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
         _, backward = _flash_ring()
         bshd = [t.transpose(1, 2).contiguous() for t in (dout, q, k, v, out)]
         grads = backward(group, *bshd, lse, softmax_scale=scale, causal=causal)
-        return tuple(g.to(t.dtype).transpose(1, 2).contiguous() for g, t in zip(grads, (q, k, v)))
+        return tuple(g.to(t.dtype).transpose(1, 2).contiguous() for g, t in zip(grads, (q, k, v), strict=True))
     return ring_backward(dout, q, k, v, out, lse, group, scale, False, causal)
 
 

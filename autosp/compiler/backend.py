@@ -23,16 +23,17 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import sync_gradients
-from autosp.compiler.sp.attention.hybrid import subgroups
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static, reduction_over
+from autosp.compiler.sp import subgroups
 from autosp.compiler.specialize import is_symbolic, per_length
 from autosp.compiler.tracing import install_output_hooks, tracing_config
 
 
 def make_backend(
     sp_group: dist.ProcessGroup, options: CompileOptions | None = None, *,
-    reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1, zero: int = 0, model: torch.nn.Module | None = None,
+    reduce_group: dist.ProcessGroup | None = None, dp_size: int = 1, zero: int = 0,
+    model: torch.nn.Module | None = None,
 ) -> Callable[[fx.GraphModule, list[Any]], Callable]:
     """A torch.compile backend making the graph sequence parallel over `sp_group`, as `options` say
     (`autosp.compiler.options`; default: the defaults).

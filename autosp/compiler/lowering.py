@@ -1,5 +1,6 @@
 """Lowering a Dynamo graph for training with a partition function deciding what backward recomputes: Inductor
-(its own pipeline, the partitioner swapped in for this call) or aot_eager (no-op compilers, for tests)."""
+(its own pipeline, the partitioner swapped in for this call) or aot_eager (no-op compilers, for tests); and
+`sac_backend`, a torch.compile backend that lowers with a checkpointing policy and no SP pass."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -8,8 +9,8 @@ from typing import Any
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 
+from autosp.compiler.memory import Policy, SacPolicy, make_partition_fn
 from autosp.errors import ConfigError
-
 
 #: Inductor settings for the graphs of this backend. `allow_buffer_reuse` off: Inductor's wrapper reuses a freed
 #: buffer for a later one of the same size instead of freeing it, which keeps it alive from its last use to the
@@ -48,6 +49,7 @@ def compile_with_partitioner(
             return compile_fx(gm, example_inputs, config_patches=INDUCTOR_MEMORY_CONFIG)
     if inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
+
         # torch's own aot_eager compiler: its boxed calling convention frees each input (a saved activation, in
         # backward) after its last use, as Inductor's code does; `make_boxed_func(fx_g.forward)` held them all
         # until backward's end.
@@ -61,3 +63,18 @@ def compile_with_partitioner(
         )
         return backend(gm, example_inputs)
     raise ConfigError(f"unknown compile backend {inner!r} for SAC lowering; choose inductor or aot_eager")
+
+
+def sac_backend(
+    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True, **planner: Any
+) -> Callable[..., Any]:
+    """A ``torch.compile`` backend applying ``policy`` (no SP pass): single-process SAC; the backend's
+    ``partition_fn`` attribute exposes the partition records; ``planner``: `make_partition_fn`'s offload and
+    host_budget."""
+    partition_fn = make_partition_fn(policy, cacheable=cacheable, **planner)
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
+
+    backend.partition_fn = partition_fn  # type: ignore[attr-defined]
+    return backend

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from autosp.comm.sharding import check_stage
-from autosp.compiler.memory.offload import offload_mode, offload_optimizer, offload_params, parse_offload
-from autosp.compiler.memory.policy import Policy, parse_policy
-from autosp.compiler.tiling.loss import Tiling, check_outputs, parse_tiling
+from autosp.compiler.memory import Policy, offload_mode, offload_optimizer, offload_params, parse_offload, parse_policy
+from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
 
 #: the torch.compile backends that lower the graphs after the SP pass (`compile_with_partitioner`); the one list
@@ -34,7 +33,7 @@ class CompileOptions:
     """The compiler's options (the SP group itself is chosen by `sp_size`/`process_group`, not here)."""
 
     #: what backward's values cost: off | sac | full | auto | budget=<fraction in [0, 1]> | budget=<bytes, e.g.
-    #: 32MiB> (`autosp.compiler.memory.partitioner`). Default auto, the memory planner: one decision per layer over the three
+    #: 32MiB> (`autosp.compiler.memory`). Default auto, the memory planner: one decision per layer over the three
     #: levers (keep on the device, move to host memory, recompute) against the device budget (budget=<bytes>, or
     #: the device's free memory at compile time; no limit on CPU) and `host_budget`, least added step time first.
     #: It stays the `sac` option (with `offload`) rather than a new `memory` switch so that every explicit policy
@@ -76,7 +75,8 @@ class CompileOptions:
     host_budget: int | None = None
     #: each attention's Ulysses region (all-to-alls of q, k, v, attention, all-to-all back) in this many chunks of
     #: its heads, so one layer's full-length attention tensors exist for one chunk at a time, forward and backward
-    #: (`autosp.compiler.sp.attention.communicate.HeadChunks`); must divide the query heads per rank. Default 1 (no chunks)
+    #: (`autosp.compiler.sp.attention.communicate.HeadChunks`); must divide the query heads per rank. Default 1 (no
+    #: chunks)
     attention_chunks: int = 1
 
     policy: Policy = field(init=False, repr=False, compare=False)

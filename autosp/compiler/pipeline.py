@@ -6,7 +6,7 @@ one-line contract (what it requires, what it guarantees), run in this order by `
     tiling              LM head + loss (and token-wise blocks) over tiles of the local tokens
   joint passes        on aot_autograd's joint forward+backward graph, before it is partitioned:
     gradient_buckets    gradient collectives in buckets inside backward
-  partition           SAC/planner tags + torch's min-cut partitioner (`autosp.compiler.memory.partitioner`): forward, backward
+  partition           SAC/planner tags + torch's min-cut partitioner (`autosp.compiler.memory`): forward, backward
   partitioned passes  on the partitioned forward and backward graphs:
     gather_prefetch     ZeRO 2/3 parameter gathers bucketed per layer, issued one layer ahead
     offload             layer-boundary values kept in host memory between forward and backward
@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -29,17 +30,13 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.compiler.sp.attention import flex
-from autosp.compiler.zero import grad_buckets, prefetch
-from autosp.compiler.memory import offload
-from autosp.compiler.zero.grad_buckets import Bucket, GradientReduction, bucket_gradient_reduction
-from autosp.compiler.memory.offload import OffloadReport, offload_boundaries
-from autosp.compiler.options import CompileOptions
-from autosp.compiler.zero.prefetch import GatherBucket, prefetch_gathers
+from autosp.compiler import memory, zero
 from autosp.compiler.lowering import compile_with_partitioner
-from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
-from autosp.compiler.sp.walk import sequence_parallel_pass
-from autosp.compiler.tiling.loss import TilingReport, apply_tiling
+from autosp.compiler.memory import OffloadReport, SacPartitioner, make_partition_fn, offload_boundaries
+from autosp.compiler.options import CompileOptions
+from autosp.compiler.sp import check_flex_lowering, sequence_parallel_pass
+from autosp.compiler.tiling import TilingReport, apply_tiling
+from autosp.compiler.zero import Bucket, GatherBucket, GradientReduction, bucket_gradient_reduction, prefetch_gathers
 
 DUMP_ENV = "AUTOSP_DUMP_GRAPHS"
 
@@ -180,6 +177,11 @@ class _Dump:
             self.step += 1
 
 
+def _sources(*stages: ModuleType) -> tuple[str, ...]:
+    """Every source file of these stages' packages: what the passes a `Partitioner` runs are made of."""
+    return tuple(str(path) for stage in stages for path in sorted(Path(stage.__file__).parent.rglob("*.py")))
+
+
 class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one graph: `JOINT_PASSES`, the SAC partition, `PARTITIONED_PASSES`."""
 
@@ -208,15 +210,16 @@ class Partitioner(CustomPartitionerFn):
         return self
 
     def uuid(self) -> Any:
-        return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions, self.c.options.offload_mode,
-                get_hash_for_files((__file__, grad_buckets.__file__, prefetch.__file__, offload.__file__)))
+        return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions,
+                self.c.options.offload_mode,
+                get_hash_for_files((__file__, *_sources(zero, memory))))
 
 
 def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     """One static Dynamo graph through the pipeline: `GRAPH_PASSES`, then (unless the backend is eager) lowered
     with `Partitioner` as aot_autograd's partition function (refused first where the backend cannot lower it:
-    `flex.check_lowering`)."""
-    flex.check_lowering(gm, c.options.backend)
+    `check_flex_lowering`)."""
+    check_flex_lowering(gm, c.options.backend)
     dump = _Dump()
     for step in GRAPH_PASSES:
         dump(step.name, "before", [("", gm)])

@@ -31,7 +31,7 @@ def bind_sizes(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
     """A static copy of `gm` for these inputs: SymInt placeholders replaced by their values, fake shapes redone."""
     static = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     placeholders = [n for n in static.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, inputs):
+    for node, value in zip(placeholders, inputs, strict=True):
         if isinstance(value, int) and not isinstance(value, bool):
             node.replace_all_uses_with(value)  # type: ignore[arg-type]  (FX args may be plain ints)
     static.recompile()
@@ -39,7 +39,7 @@ def bind_sizes(gm: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
     fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     with mode, torch.enable_grad():  # propagate requires_grad as Dynamo did for the training graph
         _RecordValues(static).run(*fake_inputs)
-    for node, x in zip(placeholders, inputs):  # parameters stay recognisable to the analysis
+    for node, x in zip(placeholders, inputs, strict=True):  # parameters stay recognisable to the analysis
         if isinstance(x, torch.nn.Parameter):
             node.meta["example_value"] = torch.nn.Parameter(node.meta["example_value"], requires_grad=x.requires_grad)
     return static

@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from autosp.compiler.memory import CATEGORIES, UNATTRIBUTED, category_of_module
 from autosp.harness.config import ConfigError
-from autosp.compiler.memory.saved_report import CATEGORIES, UNATTRIBUTED, category_of_module
+
 
 def working_set_table(working: dict[str, Any]) -> pd.DataFrame:
     """Rows: categories, parameter gradients, scratch inside the running op, total; columns: saved and
@@ -52,7 +53,7 @@ class SavedActivationRecorder:
         self._handles: list[RemovableHandle] = []
         self._hooks: Any = None
 
-    def __enter__(self) -> "SavedActivationRecorder":
+    def __enter__(self) -> SavedActivationRecorder:
         if self.model is not None:
             self._params = {_storage_ptr(p) for p in self.model.parameters()}
         if self.by_module:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import pandas as pd
 
-from autosp.harness.config import ConfigError, RunConfig
 from autosp.experiments.progress import progress
-from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE, stop_requested
 from autosp.experiments.tables import throughput_table
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE, stop_requested
 
 
 def run_bench(
@@ -80,7 +80,6 @@ def run_bench(
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from autosp.harness.flags import run_config_from_args
-
     from autosp.harness.method_spec import split_methods
 
     methods = split_methods(args.methods)

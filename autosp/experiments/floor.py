@@ -26,14 +26,20 @@ bound must hold for the best possible schedule, and those can be made arbitraril
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from autosp.compiler.memory.offload import DEVICE_WINDOW
+from autosp.compiler.memory import DEVICE_WINDOW
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset
+
+if TYPE_CHECKING:
+    import argparse
+
+    import pandas as pd
 
 FP32_BYTES = 4
 ADAMW_STATES_PER_PARAM = 2  # exp_avg and exp_avg_sq
@@ -230,9 +236,9 @@ def run_floor(cfg: RunConfig) -> MemoryFloor:
     """The floor of the run `cfg` configures: at the ZeRO stage its strategy really runs (`Strategy.zero_stage`,
     e.g. ds-autosp's 1 under mixed bf16), with autosp's tiled loss and offload as set (what a search starts
     from and judges its answer against)."""
-    from autosp.compiler.memory.offload import offload_optimizer, offload_params, parse_offload
-    from autosp.compiler.tiling.loss import parse_tiling
-    from baselines.base import get_strategy
+    from autosp.compiler.memory import offload_optimizer, offload_params, parse_offload
+    from autosp.compiler.tiling import parse_tiling
+    from autosp.harness.strategy import get_strategy
 
     autosp = cfg.method == "autosp"
     return floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
@@ -258,7 +264,7 @@ def parse_entry(text: str) -> tuple[str, int | None]:
 
 
 def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, world_size: int, budget_bytes: int,
-                dtype: str = "bfloat16", mixed_precision: bool = True) -> "pd.DataFrame":
+                dtype: str = "bfloat16", mixed_precision: bool = True) -> pd.DataFrame:
     """One row per (model, method, stage): model state per rank, the longest length whose floor fits
     `budget_bytes`, and its ratio to each PAPER_RATIOS baseline at the row's stage where the baseline runs it
     (like with like), else at the baseline's own stage."""
@@ -266,7 +272,7 @@ def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, wor
 
     rows = []
     for model in models:
-        def limit(method: str, zero: int | None) -> tuple[MemoryFloor, int]:
+        def limit(method: str, zero: int | None, model: str = model) -> tuple[MemoryFloor, int]:
             f = floor_for(method, model, world_size=world_size, dtype=dtype, zero=zero, mixed_precision=mixed_precision)
             return f, f.max_seq_len(budget_bytes)
 
@@ -285,7 +291,7 @@ def floor_table(models: list[str], entries: list[tuple[str, int | None]], *, wor
     return pd.DataFrame(rows)
 
 
-def format_floor_table(df: "pd.DataFrame", *, world_size: int, budget_bytes: int) -> str:
+def format_floor_table(df: pd.DataFrame, *, world_size: int, budget_bytes: int) -> str:
     from autosp.experiments.tables import paper_claims
 
     claims = paper_claims().set_index("claim_id")
@@ -298,7 +304,7 @@ def format_floor_table(df: "pd.DataFrame", *, world_size: int, budget_bytes: int
     return "\n".join((head, body, paper))
 
 
-def _cmd_floor(args: "argparse.Namespace") -> int:
+def _cmd_floor(args: argparse.Namespace) -> int:
     from autosp.harness.measure import parse_size
 
     budget = parse_size(args.device_memory)
@@ -309,7 +315,7 @@ def _cmd_floor(args: "argparse.Namespace") -> int:
     return 0
 
 
-def add_floor_parser(subparsers: "argparse._SubParsersAction") -> None:
+def add_floor_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp floor --models llama-3.1-8b,llama-2-13b --methods autosp:0,autosp:3,zero3,ulysses`."""
     p = subparsers.add_parser("floor", help="analytic per-rank memory floor: longest trainable length per method "
                                             "and ZeRO stage at paper scale")

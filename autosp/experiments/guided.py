@@ -54,6 +54,7 @@ def device_model(cfg: RunConfig):  # noqa: ANN201 - a DeviceModel
     matches = [d for d in device_catalogue().values()
                if d.vendor != "cpu" and re.search(rf"\b{re.escape(d.name.split('-')[0])}\b", name)]
     if not matches:
-        raise ConfigError(f"the GPU {gpu.name!r} is not in the simulator's catalogue (autosp/reference/device_memory.csv)")
+        raise ConfigError(
+            f"the GPU {gpu.name!r} is not in the simulator's catalogue (autosp/reference/device_memory.csv)")
     best = min(matches, key=lambda d: abs(d.memory_bytes - gpu.total_memory))
     return get_device_model(best.name, cfg.memory_budget)

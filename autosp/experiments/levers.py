@@ -25,8 +25,8 @@ import pandas as pd
 import torch
 
 from autosp.experiments.floor import floor_for
-from autosp.harness.precision import precision_of
 from autosp.harness.measure import format_size, parse_size
+from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset, get_preset
 
 #: ALST (Arctic Long Sequence Training): Llama-3.1-8B on one node of 8 H100-80GB with tiled loss, TiledMLP,

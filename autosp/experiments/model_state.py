@@ -30,7 +30,8 @@ def model_state_table(records: pd.DataFrame) -> pd.DataFrame:
         floor = floor_for(method, model, world_size=int(world), dtype=dtype, zero=int(zero))
         predicted = floor.params_bytes + floor.optimizer_bytes
         rows.append({"method": method, "model": model, "P": int(world), "seq_len": int(seq_len), "zero": int(zero),
-                     "precision": floor.precision, "resident_mib": last["resident"] / MIB, "predicted_state_mib": predicted / MIB,
+                     "precision": floor.precision, "resident_mib": last["resident"] / MIB,
+                     "predicted_state_mib": predicted / MIB,
                      "ratio": last["resident"] / predicted, "peak_mib": last["peak_mem_bytes"] / MIB})
     table = pd.DataFrame(rows)
     if not table.empty:

@@ -21,7 +21,13 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from autosp.experiments.tables import (  # noqa: E402
-    COMPILED_METHODS, THROUGHPUT_GROUP, TRAINABILITY_GROUP, add_records_arguments, model_order, paper_claims)
+    COMPILED_METHODS,
+    THROUGHPUT_GROUP,
+    TRAINABILITY_GROUP,
+    add_records_arguments,
+    model_order,
+    paper_claims,
+)
 from autosp.harness.config import ConfigError  # noqa: E402
 
 #: the paper's names for the baselines (paper_claims.csv `autosp_vs`) -> our methods that stand for them
@@ -64,7 +70,7 @@ def method_color(method: str) -> str | tuple:
 
 
 def _panel_title(key: tuple, names: list[str]) -> str:
-    parts = dict(zip(names, key))
+    parts = dict(zip(names, key, strict=True))
     text = f"{parts.get('model')} · P={parts.get('world_size')} · {parts.get('device')}"
     budget = parts.get("memory_budget")
     if budget is not None and not (isinstance(budget, float) and math.isnan(budget)):
@@ -202,7 +208,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     floor_y = 2 ** math.floor(math.log2(lengths.min() / 4)) if len(lengths) else 256
     labelled = len(sub) <= MAX_LABELLED_BARS
     floor_drawn = 0.0  # the highest floor limit drawn (0: none)
-    for i, (model, group) in enumerate(zip(models, groups)):
+    for i, (model, group) in enumerate(zip(models, groups, strict=True)):
         for j, (method, stage) in enumerate(group):
             row = sub[(sub["model"] == model) & (sub["method"] == method) & (stages == _key(stage))].iloc[0]
             x = i + width * (j - (len(group) - 1) / 2)
@@ -286,7 +292,8 @@ def trainability_ratios(table: pd.DataFrame, claims: pd.DataFrame | None = None)
         ref = same.iloc[0] if len(same) else mine.loc[mine["_length"].idxmax()]
         label = base["method"] + (f" ZeRO-{int(base['_stage'])}" if base["method"] in multi else "")
         rows.append({**{c: base[c] for c in setting}, "model": model, "baseline": label, "method": base["method"],
-                     "zero": base["_stage"], "ratio": ref["_length"] / base["_length"], "claim": _claim_text(base["method"], claims)})
+                     "zero": base["_stage"], "ratio": ref["_length"] / base["_length"],
+                     "claim": _claim_text(base["method"], claims)})
     return pd.DataFrame(rows, columns=[*setting, "model", "baseline", "method", "zero", "ratio", "claim"])
 
 
@@ -312,7 +319,8 @@ def _ratio_panel(ax: plt.Axes, ratios: pd.DataFrame, devices: int) -> None:
 
     rank = {m: i for i, m in enumerate(SERIES_ORDER)}
     ratios = ratios.assign(_row=[row_label(r) for _, r in ratios.iterrows()],
-                           _order=[(rank.get(m, len(rank)), m, -z) for m, z in zip(ratios["method"], ratios["zero"])])
+                           _order=[(rank.get(m, len(rank)), m, -z)
+                                   for m, z in zip(ratios["method"], ratios["zero"], strict=True)])
     rows = list(dict.fromkeys(ratios.sort_values("model", key=lambda m: m.map(model_order), kind="stable")["_row"]))
     columns = list(dict.fromkeys(ratios.sort_values("_order")["baseline"]))
     grid = np.full((len(rows), len(columns)), np.nan)
@@ -350,7 +358,7 @@ def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None) -
     fig, axes = plt.subplot_mosaic(mosaic, figsize=size, layout="constrained",
                                    height_ratios=None if wide else [6, 0.6 + 0.32 * rows])
     handles: dict[str, object] = {}
-    for name, (device, sub) in zip(names, panels):
+    for name, (device, sub) in zip(names, panels, strict=True):
         _trainability_panel(axes[name], device, sub, series, multi, handles)
     _ratio_panel(axes["ratios"], ratios, len(panels))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 4),
@@ -406,7 +414,7 @@ def draw_throughput(table: pd.DataFrame, claims: pd.DataFrame | None = None, ref
             mid.errorbar(m["seq_len"], tps, yerr=err, marker="o", capsize=3, color=color, label=label)
             if ratio_col in m and method != reference:
                 bottom.plot(m["seq_len"], m[ratio_col], marker="o", color=color, label=f"{method} (measured)")
-        model = dict(zip(group, key if isinstance(key, tuple) else (key,))).get("model")
+        model = dict(zip(group, key if isinstance(key, tuple) else (key,), strict=True)).get("model")
         for _, run in failed[failed["model"] == model].drop_duplicates(["method", "seq_len"]).iterrows():
             top.plot(run["seq_len"], top.get_ylim()[0] if top.has_data() else 1, marker="x", ms=9,
                      color=method_color(run["method"]))
@@ -467,7 +475,7 @@ def draw_memory(table: pd.DataFrame, baseline: str, claims: pd.DataFrame | None 
         claim_id = f"activation_mem_{metric_category}"
         for _, c in claims[claims["claim_id"] == claim_id].iterrows():
             bars.append((f"{metric_category}: paper claim ({c['hardware']})", float(c["factor"]), CLAIM_STYLE))
-    for i, (label, factor, style) in enumerate(bars):
+    for i, (_, factor, style) in enumerate(bars):
         right.barh(i, factor, **style)
         right.annotate(f"{factor:.2f}×" if factor else "all recomputed", (factor, i), va="center", fontsize=7)
     right.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
@@ -489,7 +497,7 @@ def draw_sac(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Fig
     with the paper's ~7% / 1.66x (hatched box); policies whose search or bench failed are listed with why."""
     claims = paper_claims() if claims is None else claims
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
-    markers = dict(zip(table["policy"], "osD^vP*X"))
+    markers = dict(zip(table["policy"], "osD^vP*X", strict=False))
     for _, row in table.iterrows():
         gain, overhead = row.get("length_gain"), row.get("time_overhead")
         if pd.notna(gain) and pd.notna(overhead):
@@ -521,7 +529,7 @@ def draw_sac(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Fig
     right.set_yscale("log", base=2)
     right.margins(y=0.15)  # room for the labels above the bars
     right.set_ylabel("max trainable length (tokens, log2)")
-    for x, (_, row) in zip(xs, table.iterrows()):
+    for x, (_, row) in zip(xs, table.iterrows(), strict=True):
         if pd.notna(row["iter_time_s"]):
             right.annotate(f"{row['iter_time_s'] * 1e3:.0f} ms/step\nat S={int(row['seq_len'])}",
                            (x, max(float(row["max_seq_len"]) if pd.notna(row["max_seq_len"]) else 1, 1)),
@@ -545,8 +553,14 @@ def check_figure_path(path: str | Path) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from autosp.experiments.tables import (load_checks, memory_table, records_from_args, sac_table, throughput_table,
-                                           trainability_table)
+    from autosp.experiments.tables import (
+        load_checks,
+        memory_table,
+        records_from_args,
+        sac_table,
+        throughput_table,
+        trainability_table,
+    )
 
     for path in args.out:
         check_figure_path(path)

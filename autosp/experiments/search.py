@@ -42,8 +42,8 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
@@ -186,12 +186,12 @@ def search_max_length(
     stop = None
     for seq_len, result in measured:
         stop = stop or note(seq_len // granularity, result)
-    if measured:
-        pass  # the search goes on from what was measured
-    elif start_len is None:
+    # with results measured already the search goes on from them; else it starts at the lowest length, or at a hint
+    # near the answer (e.g. a previous one): probe it, then its neighbour on the open side, unless its peak says the
+    # boundary is further away (a hint far off, e.g. a memory floor's optimistic limit)
+    if not measured and start_len is None:
         stop = ask(lo_k)
-    else:  # a hint near the answer (e.g. a previous one): probe it, then its neighbour on the open side, unless
-        # its peak says the boundary is further away (a hint far off, e.g. a memory floor's optimistic limit)
+    elif not measured:
         stop = ask(min(max(start_len // granularity, lo_k), hi_k))
         neighbour = None if good is None and bad is None else (good + 1 if bad is None else bad - 1)
         guess = linear_guess() if stop is None and not settled() else None
@@ -461,7 +461,6 @@ def record_failed_search(cfg: RunConfig, *, out: str, reason: str) -> dict:
     """Append a search result row with status ``error`` and `reason`, probing nothing: what a workflow
     writes for a cell whose search process itself died, so the cell is reported (and drawn) as failed."""
     from autosp.harness.records import append_record, new_record
-
     from autosp.harness.runner import device_name
 
     search_id = uuid.uuid4().hex

@@ -128,7 +128,7 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
                        compile_backend=rows["compile_backend"].where(rows["method"].isin(COMPILED_METHODS)))
     ac = next((c for c in ("ac", "config.ac") if c in rows), None)  # a record keeps it in its config
     if ac is not None:  # a checkpointed variant is a row of its own, labelled (`method_variant`)
-        rows = rows.assign(method=[method_variant(m, a) for m, a in zip(rows["method"], rows[ac])])
+        rows = rows.assign(method=[method_variant(m, a) for m, a in zip(rows["method"], rows[ac], strict=True)])
     if "method_spec" in rows:  # a method run with its own options (`autosp[sac=auto]`) is a row of its own
         rows = rows.assign(method=rows["method_spec"].fillna(rows["method"]))
     group = [c for c in TRAINABILITY_GROUP if c in rows]
@@ -136,7 +136,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
     table = _latest(rows, group + ["method"] + stage)
     table = table.assign(peak_bytes_per_token=[
         peak_slope(p, whole_oom_peaks=d == "cpu")
-        for p, d in zip(table.get("probes", [None] * len(table)), table.get("device", [None] * len(table)))])
+        for p, d in zip(table.get("probes", [None] * len(table)), table.get("device", [None] * len(table)),
+                        strict=True)])
     table = table[group + ["method"] + stage + ["compile_backend", "status", "max_seq_len",
                                                 "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
                                                 "num_probes", "peak_bytes_per_token", "error"]].copy()
@@ -161,7 +162,7 @@ def peak_slope(probes: object, *, whole_oom_peaks: bool = False) -> float:
               if isinstance(p, dict) and p.get("status") in counted and p.get("peak_mem_bytes")}
     if len({length for length, _ in points}) < 2:
         return float("nan")
-    lengths, peaks = zip(*sorted(points))
+    lengths, peaks = zip(*sorted(points), strict=True)
     return float(np.polyfit(np.asarray(lengths, float), np.asarray(peaks, float), 1)[0])
 
 
@@ -180,7 +181,7 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
     world = re.search(r"world size (\d+)", text)
     rows = []
     for line in lines[2:]:
-        cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|"))))
+        cells = dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=False))
         for column, value in cells.items():
             label = re.fullmatch(r"(?P<method>[\w.-]+(?:\[[^\[\]]+\])?)(?: \(hf\))? z(?P<zero>\d+)", column)
             if label is None or not value:
@@ -324,7 +325,8 @@ def memory_table(records: pd.DataFrame, baseline: str) -> pd.DataFrame:
     runs = records[records["kind"] == "activations"] if "kind" in records else records.iloc[0:0]
     if runs.empty:
         raise ConfigError("no activation records in the given files; run `autosp activations ... --out FILE` first")
-    runs = _latest(runs.assign(label=[method_label(m, s) for m, s in zip(runs["method"], runs["sac"])]), ["label"])
+    labels = [method_label(m, s) for m, s in zip(runs["method"], runs["sac"], strict=True)]
+    runs = _latest(runs.assign(label=labels), ["label"])
     rows = []
     for _, run in runs.iterrows():
         row = {"method": run["label"], "model": run["model"], "seq_len": run["seq_len"],
@@ -335,7 +337,8 @@ def memory_table(records: pd.DataFrame, baseline: str) -> pd.DataFrame:
         rows.append(row)
     table = pd.DataFrame(rows)
     if baseline not in set(table["method"]):
-        raise ConfigError(f"memory baseline {baseline!r} is not among the methods measured: {', '.join(table['method'])}")
+        raise ConfigError(
+            f"memory baseline {baseline!r} is not among the methods measured: {', '.join(table['method'])}")
     base = table.set_index("method").loc[baseline]
     for category in ("attention", "mlp", "total"):
         column = f"{category}_bytes"
@@ -488,7 +491,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
     """`autosp table trainability|throughput|memory|sac|headline|alst --in FILES... [--out table.csv]`."""
-    p = subparsers.add_parser("table", help="tables (trainability, throughput, memory, sac, headline, alst) from records",
+    p = subparsers.add_parser("table",
+                              help="tables (trainability, throughput, memory, sac, headline, alst) from records",
                               epilog="headline: --in takes search records (.jsonl) and `autosp simulate-table` "
                                      "tables (.md) together, e.g. --in results/simulated_table.md; alst: ALST's "
                                      "published lengths (arXiv 2506.13996) beside the alst records")

@@ -113,8 +113,8 @@ class CheckReport:
             if group in self.grad_errors:
                 lines.append(f"{group:<12}{cell('grads', group, self.grad_errors[group])}"
                              f"{cell('params', group, self.param_errors[group])}")
-        lines.append("loss        " + "  ".join(f"step {i}: {m:.6f} vs {r:.6f} (rel {e:.1e})" for i, (m, r, e)
-                                             in enumerate(zip(self.losses, self.reference_losses, self.loss_errors)))
+        steps = enumerate(zip(self.losses, self.reference_losses, self.loss_errors, strict=True))
+        lines.append("loss        " + "  ".join(f"step {i}: {m:.6f} vs {r:.6f} (rel {e:.1e})" for i, (m, r, e) in steps)
                      + (f" [{self.bounds['loss']['loss']:.1e}]" if self.bounds else ""))
         verdict = "PASSED" if self.passed else "FAILED"
         lines.append(f"{verdict}: worst gradient {self.worst_grad.error:.2e} ({self.worst_grad.parameter}, step "
@@ -184,11 +184,12 @@ def compare(trace: dict[str, Any], reference: dict[str, Any], report: CheckRepor
     """Fill `report` with the errors of `trace` against `reference` and decide `passed`: every error within
     `report.bounds` where given (per kind and group), else within `report.tolerance`."""
     report.losses, report.reference_losses = trace["losses"], reference["losses"]
-    report.loss_errors = [abs(m - r) / max(abs(r), 1e-30) for m, r in zip(trace["losses"], reference["losses"])]
+    report.loss_errors = [abs(m - r) / max(abs(r), 1e-30)
+                          for m, r in zip(trace["losses"], reference["losses"], strict=True)]
     problems = []
     for kind, errors, worst in (("grads", report.grad_errors, report.worst_grad),
                                 ("params", report.param_errors, report.worst_param)):
-        for step, (mine, ref) in enumerate(zip(trace[kind], reference[kind])):
+        for step, (mine, ref) in enumerate(zip(trace[kind], reference[kind], strict=True)):
             if mine.keys() != ref.keys():
                 missing, unexpected = sorted(ref.keys() - mine.keys()), sorted(mine.keys() - ref.keys())
                 problems.append(f"step {step} {kind}: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -232,14 +233,15 @@ def check(cfg: RunConfig, *, tolerance: float | None = None, steps: int = DEFAUL
     if method.status != "ok":
         report.status, report.error = method.status, f"the method: {method.error}"
         return report
-    missing = [r for r, key in zip(references, keys) if key not in _REFERENCES]
+    missing = [r for r, key in zip(references, keys, strict=True) if key not in _REFERENCES]
     if missing:  # one process for the references not traced yet in this one
         outcome = launch(trace_references, ([r.to_dict() for r in missing], extra_imports, steps), world_size=1,
                          device=cfg.device, timeout_s=cfg.timeout_s)
         if outcome.status != "ok":
             report.status, report.error = outcome.status, f"the single-process reference: {outcome.error}"
             return report
-        _REFERENCES.update((reference_key(r, extra_imports, steps), t) for r, t in zip(missing, outcome.results[0]))
+        _REFERENCES.update((reference_key(r, extra_imports, steps), t)
+                           for r, t in zip(missing, outcome.results[0], strict=True))
     traces = [method.results[0]] + [_REFERENCES[key] for key in keys]
     for key in keys:
         _REFERENCES.move_to_end(key)

@@ -17,7 +17,7 @@ from autosp.models.data import DataConfig
 
 __all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
 
-#: RunConfig fields only some methods read; each method declares its own (`baselines.base.Strategy.options`) and
+#: RunConfig fields only some methods read; each method declares its own (`strategy.Strategy.options`) and
 #: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
 METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac", "attention_chunks")
 #: `--ac`: the baselines' per-layer activation checkpointing (`baselines.checkpointing`)
@@ -46,7 +46,7 @@ class RunConfig:
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
-    tiling: str = "off"  # autosp only: off | auto | loss,mlp,norm, optionally :<tokens per tile> (autosp.compiler.tiling.loss)
+    tiling: str = "off"  # autosp only: off | auto | loss,mlp,norm, optionally :<tokens per tile> (compiler.tiling)
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
     offload: str = "off"  # autosp only: off | activations | auto (layer-boundary activations in host memory; auto: the
     # --sac auto planner decides), optionally with an `optimizer` item (master weights + AdamW moments in host memory)
@@ -83,12 +83,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         d = dict(d)
         d["data"] = DataConfig(**d.get("data", {}))
         return cls(**d)
 
-    def replace(self, **changes: Any) -> "RunConfig":
+    def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
     def config_hash(self) -> str:

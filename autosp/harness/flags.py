@@ -29,14 +29,18 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per data-parallel replica")
     g.add_argument("--world-size", type=int, default=d["world_size"], help="number of ranks")
     g.add_argument("--sp-size", type=int, default=d["sp_size"], help="SP degree (default: the method's)")
-    g.add_argument("--dtype", default=d["dtype"], help="float32 | bfloat16 (mixed: bf16 compute, fp32 master weights, gradients, AdamW "
-                   "moments) | bfloat16-pure | float16-pure")
+    g.add_argument("--dtype", default=d["dtype"], help="float32 | bfloat16 (mixed: bf16 compute, fp32 master weights, "
+                   "gradients, AdamW moments) | bfloat16-pure | float16-pure")
     g.add_argument("--device", default=d["device"], help="cpu | cuda (ROCm builds of torch use cuda too)")
     g.add_argument("--seed", type=int, default=d["seed"])
     g.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
-    g.add_argument("--steps", type=int, default=d["steps"], help="timed steps after the measured one (0: measure the peak only)")
+    g.add_argument("--steps", type=int, default=d["steps"],
+                   help="timed steps after the measured one (0: measure the peak only)")
     g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
-    g.add_argument("--sac", default=d["sac"], help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (the memory planner: the least added step time that fits --memory-budget, or the GPU's free memory, over keeping, host memory with --offload auto, and recompute) | budget=<bytes>, e.g. budget=32MiB")
+    g.add_argument("--sac", default=d["sac"],
+                   help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (the memory planner: the "
+                   "least added step time that fits --memory-budget, or the GPU's free memory, over keeping, host "
+                   "memory with --offload auto, and recompute) | budget=<bytes>, e.g. budget=32MiB")
     g.add_argument("--compile-backend", default=d["compile_backend"], help=" | ".join(COMPILE_BACKENDS))
     g.add_argument("--memory-budget", default=None,
                    help="emulated device size, e.g. 512MiB or 2GiB: a higher peak ends the run as oom")
@@ -68,8 +72,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    "backward (auto: where --sac auto, the memory planner, needs the room); an `optimizer` item "
                    "(optimizer, activations,optimizer, auto,optimizer; optimizer:torch|deepspeed picks the host AdamW) "
                    "keeps the master weights and AdamW moments in host memory, the step on the CPU; a `params` item "
-                   "beside it (auto,optimizer,params) keeps the parameters there too, fetched at each use, gradients sent to "
-                   "host as backward makes them (ZeRO 3 or one rank)")
+                   "beside it (auto,optimizer,params) keeps the parameters there too, fetched at each use, gradients "
+                   "sent to host as backward makes them (ZeRO 3 or one rank)")
     g.add_argument("--ac", default=d["ac"], help="ulysses, ring, zero3, fsdp: off | layer (per-layer activation "
                    "checkpointing, as practitioners run them at long context)")
     g.add_argument("--host-memory-budget", default=None,

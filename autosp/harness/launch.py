@@ -52,7 +52,7 @@ WARM_RANK_PRELOAD = ("torch", "torch._dynamo", "torch._functorch.aot_autograd", 
 def warm_preload(method_specs: str) -> tuple[str, ...]:
     """What the warm-rank server of a command running `method_specs` ("autosp", "ulysses[ac=layer],zero3") imports
     once: the common start-up modules and each built-in method's own module (DeepSpeed's for zero3, alst, ...)."""
-    from baselines import BUILTIN_MODULES
+    from autosp.harness.strategy import BUILTIN_MODULES
 
     names = re.sub(r"\[[^\]]*\]", "", method_specs).split(",")
     return WARM_RANK_PRELOAD + tuple(dict.fromkeys(BUILTIN_MODULES[n.strip()] for n in names

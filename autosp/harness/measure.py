@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autosp.compiler.fx.sizes import parse_size  # noqa: F401  (the harness's sizes are read here)
+from autosp.compiler.fx import parse_size  # noqa: F401  (the harness's sizes are read here)
 
 T = TypeVar("T")
 
@@ -162,7 +162,8 @@ class CudaMemoryMeter(MemoryMeter):
                                         "resident_at_step_start_bytes": self.at_start,
                                         "host_offloaded_bytes": torch.cuda.host_memory_stats().get(
                                             "active_bytes.peak", 0),
-                                        "device_total_bytes": torch.cuda.get_device_properties(self.device).total_memory})
+                                        "device_total_bytes":
+                                            torch.cuda.get_device_properties(self.device).total_memory})
 
 
 class CpuAllocationMeter(MemoryMeter):
@@ -236,7 +237,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`)."""
     from autosp.comm.host_optimizer import HOST_REGION
     from autosp.comm.host_params import GRADIENT_TO_HOST_NAME
-    from autosp.compiler.memory.offload import OFFLOAD_OP_NAME
+    from autosp.compiler.memory import OFFLOAD_OP_NAME
 
     allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
     windows: list[tuple[int, int]] = []

@@ -2,7 +2,7 @@
 ``autosp[sac=auto,tiling=loss]``, so that one interleaved bench can time two settings of one method side by side
 (`autosp bench --methods autosp,autosp[tiling=off]`): ratios are only honest within one run.
 
-A spec may set only the options its method honours (`baselines.base.Strategy.honoured_options`); the shared flags
+A spec may set only the options its method honours (`strategy.Strategy.honoured_options`); the shared flags
 still apply to every spec that honours them, and a spec's own value wins. Its label is the text as written, which
 names its rows in the bench's table and what `--ratio-to` may refer to. A value that is itself a comma-separated
 list is written with `+` inside the brackets: ``autosp[offload=auto+optimizer]`` is ``--offload auto,optimizer``.
@@ -27,7 +27,7 @@ class MethodSpec:
 
     def config(self, cfg: RunConfig) -> RunConfig:
         """`cfg` for this spec: its method, its options over the shared ones, and only what the method honours."""
-        from baselines.base import get_strategy
+        from autosp.harness.strategy import get_strategy
 
         strategy = get_strategy(self.method)
         foreign = sorted(set(self.options) - strategy.honoured_options())

@@ -38,7 +38,8 @@ FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",
     "sp_size", "dp_size", "dtype", "device", "device_name", "mode", "status", "error", "peak_mem_bytes",
     "peak_mem_by_rank", "iter_time_s", "tokens_per_s", "loss", "memory_budget", "sac", "compile_backend",
-    "zero", "precision", "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config", "extra",
+    "zero", "precision", "git_commit", "git_dirty", "versions", "hostname", "timestamp", "config_hash", "config",
+    "extra",
 )
 _VERSIONED = ("deepspeed", "transformers", "numpy", "pandas", "autosp")
 
@@ -79,7 +80,7 @@ def git_state() -> tuple[str | None, bool | None]:
 
 def _zero_stage(cfg: RunConfig) -> int | None:
     """The ZeRO stage `cfg.method` runs (its own default when cfg.zero is None); None for an unknown method."""
-    from baselines.base import get_strategy
+    from autosp.harness.strategy import get_strategy
 
     try:
         return get_strategy(cfg.method).zero_stage(cfg)
@@ -89,7 +90,7 @@ def _zero_stage(cfg: RunConfig) -> int | None:
 
 def _own_config(cfg: RunConfig) -> RunConfig:
     """`cfg` as `cfg.method` receives it: the options it does not honour at their defaults (unknown method: as is)."""
-    from baselines.base import get_strategy
+    from autosp.harness.strategy import get_strategy
 
     try:
         return get_strategy(cfg.method).own_config(cfg)

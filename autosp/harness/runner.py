@@ -18,18 +18,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autosp.compiler.memory import parse_policy
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.memory.policy import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
-from autosp.harness.measure import (apply_device_budget, format_sizes_apart, host_over_budget_error, memory_meter,
-                                    node_host_bytes, ranks_on_this_node, summarize_times, timed)
-from autosp.models import build_model, get_preset
-from autosp.models.data import Batch, make_batch
+from autosp.harness.measure import (
+    apply_device_budget,
+    format_sizes_apart,
+    host_over_budget_error,
+    memory_meter,
+    node_host_bytes,
+    ranks_on_this_node,
+    summarize_times,
+    timed,
+)
 from autosp.harness.parallel import build_context
 from autosp.harness.precision import PRECISIONS, precision_of
 from autosp.harness.records import append_record, check_writable, new_record
-from baselines.base import Strategy, TrainStep, get_strategy
+from autosp.harness.strategy import Strategy, TrainStep, get_strategy
+from autosp.models import build_model, get_preset
+from autosp.models.data import Batch, make_batch
 
 #: `--dtype` -> the dtype the model is built in: its state (master parameters) dtype; a mixed precision's compute
 #: dtype is applied by the method (`autosp.harness.precision`)

@@ -229,7 +229,8 @@ class RankProcesses:
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
-            if isinstance(p, _ForkedRank) and p.poll() is None:  # forked before it could make its own group: not reached by killpg
+            # forked before it could make its own group: not reached by killpg
+            if isinstance(p, _ForkedRank) and p.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(p.pid, signal.SIGKILL)
         for p in self.procs:

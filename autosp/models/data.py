@@ -96,7 +96,7 @@ def _packed_positions(num_docs: int, real_len: int, seq_len: int, generator: tor
     cuts = (torch.randperm(real_len - 1, generator=generator)[: num_docs - 1] + 1).sort().values.tolist()
     starts = [0, *cuts]
     ends = [*cuts, seq_len]
-    return torch.cat([torch.arange(end - start) for start, end in zip(starts, ends)])
+    return torch.cat([torch.arange(end - start) for start, end in zip(starts, ends, strict=True)])
 
 
 def make_batch(data: DataConfig, *, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> Batch:

@@ -8,14 +8,14 @@ and `hf:<preset>` can be checked against it weight for weight.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autosp.compiler.sp.attention import masked_attention  # the `autosp_sp::masked_attention` op
+from autosp.compiler.sp import masked_attention
 from autosp.models.presets import ModelPreset
 
 IGNORE_INDEX = -100
@@ -154,7 +154,7 @@ def attention_from_mask_rows(q: Tensor, k: Tensor, v: Tensor, rows: list[Tensor]
     what a hand-written sequence-parallel attention uses on the full sequence."""
     if rows is None:
         return sdpa_attention(q, k, v, None)
-    return masked_attention.masked_attention(q, k, v, rows, ATTENTION_MASK_PROGRAM, None, True)
+    return masked_attention(q, k, v, rows, ATTENTION_MASK_PROGRAM, None, True)
 
 
 class LlamaModel(nn.Module):

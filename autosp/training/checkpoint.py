@@ -175,7 +175,7 @@ def _initialise(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     for p in params:
         p.grad = None

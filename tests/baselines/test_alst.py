@@ -3,7 +3,7 @@ import pytest
 
 from autosp.harness.check import check
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

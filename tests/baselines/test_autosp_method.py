@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import autosp
+from autosp.errors import SequenceParallelError
 from autosp.harness.check import check
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
-from autosp.errors import SequenceParallelError
 from autosp.harness.launch import launch
 from autosp.harness.runner import build_train_step, global_batch, validate
 
@@ -45,7 +45,7 @@ def test_project_llama_matches_single_process(model, world_size, options):
 
 
 def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
-    from autosp.compiler.memory.partitioner import Policy
+    from autosp.compiler.memory import Policy
     from autosp.experiments.floor import floor_for
     from baselines.autosp_method import sac_policy
 
@@ -180,7 +180,7 @@ def test_each_method_runs_its_longest_length_stage_by_default_and_the_floor_agre
     """autosp, ulysses and ring default to stage 3 (like with like, and each one's longest trainable length)."""
     from autosp.experiments.floor import floor_for
     from autosp.harness.records import new_record
-    from baselines.base import get_strategy
+    from autosp.harness.strategy import get_strategy
 
     expected = {"autosp": 3, "ulysses": 3, "ring": 3, "zero3": 3, "fsdp": 3, "ulysses-ac": 0, "ulysses-compile": 0}
     for method, stage in expected.items():

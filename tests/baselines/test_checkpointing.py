@@ -32,7 +32,7 @@ def test_layer_checkpointing_keeps_only_the_layer_inputs_and_computes_the_same_g
     assert apply_activation_checkpointing(checkpointed, RunConfig("ulysses", model_name, 256, ac="layer")) == "+ac"
     plain_bytes, checkpointed_bytes = saved_bytes(plain, input_ids), saved_bytes(checkpointed, input_ids)
     assert checkpointed_bytes < plain_bytes / 2, (checkpointed_bytes, plain_bytes)
-    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 from tests.baselines.gloo import run_ranks
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 from baselines.ring import choose_ring
 from tests.baselines.checking import assert_check_passes
 

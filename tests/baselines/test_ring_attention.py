@@ -34,7 +34,7 @@ def _check_ring(rank: int, world: int, dtype: torch.dtype, heads: int, kv_heads:
     local_out = zigzag_ring_attention(*local, dist.group.WORLD)
     local_out.backward(dout[:, :, idx])
     torch.testing.assert_close(local_out, out.detach()[:, :, idx], rtol=tol, atol=tol)
-    for mine, full in zip(local, (q, k, v)):
+    for mine, full in zip(local, (q, k, v), strict=True):
         torch.testing.assert_close(mine.grad, full.grad[:, :, idx], rtol=tol, atol=tol)
 
 
@@ -68,5 +68,5 @@ def test_math_block_matches_cpu_flash_kernel(causal: bool) -> None:
     ref_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, ref_out, ref_lse, 0.0, causal, scale=0.3
     )
-    for mine, ref in zip(grads, ref_grads):
+    for mine, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(mine, ref)

@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.parallel import build_context
+from autosp.harness.strategy import get_strategy
 from autosp.models import build_model
 from autosp.models.data import make_batch
-from autosp.harness.parallel import build_context
-from baselines.base import get_strategy
 
 
 def test_single_trains_in_process_and_exposes_full_state() -> None:

@@ -5,7 +5,7 @@ from torch.utils._pytree import tree_leaves
 
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.runner import build_train_step, global_batch
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 from tests.baselines.checking import assert_check_passes
 from tests.baselines.gloo import run_ranks
 

@@ -1,7 +1,7 @@
 import pytest
 
 from autosp.harness.config import ConfigError, RunConfig
-from baselines.base import get_strategy
+from autosp.harness.strategy import get_strategy
 from tests.baselines.checking import assert_check_passes
 from tests.baselines.gloo import run_ranks
 
@@ -19,8 +19,8 @@ def test_zero3_rejects_sequence_parallel() -> None:
 def _every_parameter_partitioned(rank: int, world: int) -> None:
     import torch
 
-    from autosp.models import build_model
     from autosp.harness.parallel import build_context
+    from autosp.models import build_model
 
     cfg = RunConfig("zero3", "tiny", 64, world_size=world)
     step = get_strategy("zero3").setup(build_model("tiny"), build_context(1, torch.device("cpu")), cfg)

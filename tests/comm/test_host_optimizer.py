@@ -30,7 +30,7 @@ def test_host_adamw_steps_the_masters_bit_for_bit_as_adamw_steps_the_parameters(
     masters = HostMasters.capture(offloaded.parameters(), None)
     optimizer = HostOptimizer(offloaded.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
     _steps(offloaded, optimizer)
-    for p, q in zip(reference.parameters(), offloaded.parameters()):
+    for p, q in zip(reference.parameters(), offloaded.parameters(), strict=True):
         assert torch.equal(p, q) and torch.equal(p, masters.master(q))
     assert optimizer.implementation == "torch.optim.adamw.AdamW torch (host tensors)"
     n = sum(p.numel() for p in reference.parameters())
@@ -56,7 +56,7 @@ def test_state_dict_round_trip_restores_masters_moments_and_device_parameters():
     saved, after = copy.deepcopy(optimizer.state_dict()), [masters.master(p).clone() for p in model.parameters()]
     _steps(model, optimizer, steps=1)  # move away, then restore
     optimizer.load_state_dict(saved)
-    for p, master in zip(model.parameters(), after):
+    for p, master in zip(model.parameters(), after, strict=True):
         assert torch.equal(masters.master(p), master) and torch.equal(p, master.to(torch.bfloat16))
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq", "master"} for s in optimizer.state.values())
 
@@ -79,7 +79,7 @@ def test_deepspeeds_cpu_adam_steps_the_masters_within_fp32_tolerance_of_torchs()
     if optimizer.implementation != "deepspeed-cpu-adam":
         pytest.skip("DeepSpeed's CPU Adam op does not build here")
     _steps(offloaded, optimizer)
-    for p, q in zip(reference.parameters(), offloaded.parameters()):
+    for p, q in zip(reference.parameters(), offloaded.parameters(), strict=True):
         assert (p - q).norm() <= 1e-5 * p.norm()
 
 

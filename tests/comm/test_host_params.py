@@ -80,8 +80,8 @@ def _zero3_rank() -> dict:
 
 def test_at_zero_3_every_shard_is_fetched_in_forward_and_again_in_backward_and_gathers_still_go_a_layer_ahead():
     """Two gloo ranks: one fetch per shard in forward and again in backward (the partitioner re-runs it, never keeps a
-    device copy from forward), one gradient copy to host per shard in backward, and every layer's gather bucket but the first of
-    each graph still issued during the previous layer (the fetches move with it)."""
+    device copy from forward), one gradient copy to host per shard in backward, and every layer's gather bucket but
+    the first of each graph still issued during the previous layer (the fetches move with it)."""
     from autosp.harness.launch import launch
 
     outcome = launch(_zero3_rank, world_size=2, timeout_s=300)

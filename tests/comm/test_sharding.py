@@ -10,10 +10,10 @@ import torch.distributed as dist
 import autosp
 from autosp.comm.sharding import full_name, resolve_stage
 from autosp.errors import SequenceParallelError
+from autosp.harness.config import DataConfig
 from autosp.harness.launch import launch
 from autosp.models import build_model
 from autosp.models.data import make_batch
-from autosp.harness.config import DataConfig
 
 
 def _ops_rank() -> None:

@@ -25,7 +25,7 @@ def graph_bytes(seq_len: int) -> tuple[int, int]:
     lengths = {seq_len, -(-seq_len // 128) * 128}
     values = [n.meta["val"] for g in graphs for n in g.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     size = [v.numel() * v.element_size() for v in values]
-    square = [s for s, v in zip(size, values) if sum(d in lengths for d in v.shape) >= 2]
+    square = [s for s, v in zip(size, values, strict=True) if sum(d in lengths for d in v.shape) >= 2]
     return max(square, default=0), max(size)
 
 

@@ -29,7 +29,7 @@ def second_step_difference(seed: int) -> tuple[float, str]:
     for model in (a, b):
         model(**batch).loss.backward()
     return max(((pa.grad - pb.grad).abs().max().item(), name)
-               for (name, pa), pb in zip(a.named_parameters(), b.parameters()) if pa.grad is not None)
+               for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True) if pa.grad is not None)
 
 
 if __name__ == "__main__":

@@ -200,4 +200,5 @@ def build_hf_qwen3_moe(seed: int = 0) -> nn.Module:
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], use_cache=False)
-    return Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa", experts_implementation="batched_mm").train()
+    return Qwen3MoeForCausalLM._from_config(cfg, attn_implementation="sdpa",
+                                            experts_implementation="batched_mm").train()

@@ -29,7 +29,8 @@ CASES = {
     "hybrid-4": (4, exact_case(seq_len=62, heads=2, kv_heads=1)),
     "hybrid-2-ring": (2, exact_case(seq_len=64, heads=2, kv_heads=1, compile_options={"ulysses_size": 1})),  # pure ring
     # router top-k, argsort of (token, expert) pairs, repeat_interleave over the merged token dim, index_add_ back
-    **{f"moe-{p}": (p, exact_case(seq_len=s, batch_size=b, experts=4, top_k=2)) for p, s, b in ((2, 64, 2), (4, 62, 1))},
+    **{f"moe-{p}": (p, exact_case(seq_len=s, batch_size=b, experts=4, top_k=2))
+       for p, s, b in ((2, 64, 2), (4, 62, 1))},
     **{f"dropout-{p}": (p, exact_case(seq_len=s, residual_dropout=0.3)) for p, s in ((2, 64), (4, 61))},
     "qwen3-moe": (2, exact_case(builder="tests.compiler.models.build_hf_qwen3_moe", seq_len=31)),  # odd: padded
     "hf-65": (4, exact_case(builder="autosp.models.build_model", name="hf:tiny", vocab=512, seq_len=65)),

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from autosp.compiler.sp.attention.communicate import ALL_TO_ALL
-from autosp.compiler.sp.attention.flex import FLEX_ATTENTION, check_lowering
+from autosp.compiler.sp.attention.flex import FLEX_ATTENTION, check_flex_lowering
 from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.compiler.tiling.loss import apply_tiling, parse_tiling
 from autosp.compiler.tracing import tracing_config
@@ -121,7 +121,8 @@ def test_flex_attention_graph_keeps_its_vmap_levels_through_tiling():
 
 
 def test_flex_attention_in_chunks_not_dividing_a_ranks_heads_is_refused_in_one_line():
-    with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*attention_chunks=3 must divide the 2 query heads"):
+    with pytest.raises(SequenceParallelError,
+                       match=r"blocks\.0\.attn .*attention_chunks=3 must divide the 2 query heads"):
         _chunked(0, chunks=3)
 
 
@@ -138,9 +139,9 @@ def test_flex_attention_inference_on_cpu_under_inductor_is_not_refused():
     """Only training is refused: without grad mode (aot_autograd's inference graph) Inductor's CPU kernel runs."""
     gm, _, _ = _chunked(0, chunks=1)
     with torch.no_grad():
-        check_lowering(gm, "inductor")
+        check_flex_lowering(gm, "inductor")
     with pytest.raises(SequenceParallelError, match=r"blocks\.0\.attn .*on CPU for inference only"):
-        check_lowering(gm, "inductor")
+        check_flex_lowering(gm, "inductor")
 
 
 @pytest.mark.long

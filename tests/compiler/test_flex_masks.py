@@ -1,9 +1,9 @@
-"""Flex attention's block mask built by rows (`autosp/compiler/sp/attention/flex_masks.py`, issue 27): the same block tensors
-as HF's dense path, and no [S, S] tensor left in the graph for it."""
+"""Flex attention's block mask built by rows (`autosp/compiler/sp/attention/flex_masks.py`, issue 27): the same
+block tensors as HF's dense path, and no [S, S] tensor left in the graph for it."""
 from __future__ import annotations
 
 import copy
-import warnings
+from itertools import pairwise
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def _inputs(seq_len: int, documents: int, rows: int) -> dict:
         positions = []
         for row in range(rows):  # documents of even lengths, their ends 70 positions later in each next row
             bounds = [0, *(k * seq_len // documents + 70 * row for k in range(1, documents)), seq_len]
-            positions.append(torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])]))
+            positions.append(torch.cat([torch.arange(b - a) for a, b in pairwise(bounds)]))
         kwargs["position_ids"] = torch.stack(positions)
     return kwargs
 
@@ -87,9 +87,9 @@ def test_block_tensors_equal_hf_dense_path_and_no_square_mask_is_left(case):
     assert not _square(gm, seq_len)
     rows = _block_tensors(gm, inputs)
     assert len(rows) == len(dense) >= 2
-    for by_rows, by_dense in zip(rows, dense):
+    for by_rows, by_dense in zip(rows, dense, strict=True):
         assert len(by_rows) == len(by_dense) == 8
-        for a, b in zip(by_rows, by_dense):
+        for a, b in zip(by_rows, by_dense, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 

@@ -1,5 +1,6 @@
-"""Unmodified HF mixture-of-experts models (and DeepSeek-V3's latent attention) as shipped (default grouped_mm experts, issue 27) against
-single-process training: per-rank routing on local expert counts, load-balancing loss made global."""
+"""Unmodified HF mixture-of-experts models (and DeepSeek-V3's latent attention) as shipped (default grouped_mm
+experts, issue 27) against single-process training: per-rank routing on local expert counts, load-balancing loss made
+global."""
 from __future__ import annotations
 
 import pytest

@@ -120,7 +120,8 @@ class ScanPositions(nn.Module):
         freqs = positions[:, None] * self.inv_freq
         table = torch.cat((freqs, freqs), dim=-1)
         cos, sin = table.cos(), table.sin()
-        q, k, v = self.qkv(self.embed(input_ids)).view(batch, seq, 3, self.heads, self.head_dim).transpose(1, 3).unbind(2)
+        qkv = self.qkv(self.embed(input_ids)).view(batch, seq, 3, self.heads, self.head_dim)
+        q, k, v = qkv.transpose(1, 3).unbind(2)
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
             half = x.shape[-1] // 2

@@ -1,6 +1,7 @@
 """Causal-mask recognition: fires exactly on masks that are `kv <= q`, never on near misses."""
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -8,11 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import json
-
-
-from autosp.compiler.sp.attention import masked_attention
 from autosp.compiler.fx.sdpa import attention_args, is_attention
+from autosp.compiler.sp.attention import masked_attention
 from autosp.compiler.sp.attention.masks import express_structured_masks, recognise_causal_masks
 from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.harness.config import DataConfig
@@ -163,7 +161,8 @@ def _op_masks(seq_len):
         # window x documents x key padding (fully masked query rows in batch row 1)
         "window, documents, padding": ([pos[:, None], pos[None, :], (pos - 5)[:, None], doc[:, None], doc[None, :],
                                         keep[:, None, None, :]],
-                                       causal_window + [["eq", ["row", 3], ["row", 4]], ["and", ["step", 2], ["step", 3]],
+                                       causal_window + [["eq", ["row", 3], ["row", 4]],
+                                                        ["and", ["step", 2], ["step", 3]],
                                                         ["and", ["step", 4], ["row", 5]]]),
         # an attention sink (key 0 for every query) beside a window: the span must reach back to key 0
         "sink or window": ([pos[:, None], pos[None, :], (pos - 5)[:, None]],
@@ -192,7 +191,8 @@ def test_masked_attention_matches_dense_attention_in_value_and_gradient(monkeypa
     out = torch.ops.autosp_sp.masked_attention(q, k, v, rows, program, None, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     grad = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    for got, want in zip(got_grads, torch.autograd.grad(expected, (q, k, v), grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

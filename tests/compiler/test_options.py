@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import autosp
-from autosp.compiler.options import COMPILE_BACKENDS, CompileOptions
-from autosp.compiler.memory.partitioner import Policy, SacPolicy
 from autosp.compiler.fx.sizes import parse_size
+from autosp.compiler.memory import Policy, SacPolicy
+from autosp.compiler.options import COMPILE_BACKENDS, CompileOptions
 from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
 
 
@@ -25,7 +25,8 @@ def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
 
 
 @pytest.mark.parametrize("changes, error, text", [
-    (dict(backend="tvm"), SequenceParallelError, "unknown inner backend 'tvm'; choose one of inductor, aot_eager, eager"),
+    (dict(backend="tvm"), SequenceParallelError,
+     "unknown inner backend 'tvm'; choose one of inductor, aot_eager, eager"),
     (dict(zero=4), SequenceParallelError, "zero=4: choose a ZeRO stage in [0, 1, 2, 3]"),
     (dict(sac="most"), ConfigError, "unknown --sac policy 'most'"),
     (dict(sac="budget=2"), ConfigError, "--sac budget='2': write a fraction in [0, 1]"),

@@ -37,7 +37,8 @@ def test_dumped_graphs_before_and_after_each_pass(tmp_path, monkeypatch) -> None
     files = _train_step(tmp_path, monkeypatch, dump=True)
     # (pass, its graph before, after): the joint graph is partitioned into a forward and a backward graph
     steps = [("sequence_parallel", "", ""), ("tiling", "", ""), ("gradient_buckets", "", ""),
-             ("partition", "", "-forward"), ("gather_prefetch", "-forward", "-forward"), ("offload", "-backward", "-backward")]
+             ("partition", "", "-forward"), ("gather_prefetch", "-forward", "-forward"),
+             ("offload", "-backward", "-backward")]
     graph = files[0].split("-")[0]
     for index, (name, before, after) in enumerate(steps):
         assert f"{graph}-{index:02d}-{name}-before{before}.txt" in files, (name, files)

@@ -49,7 +49,8 @@ def cases(draw) -> dict:
         "pad_side": draw(st.sampled_from(["right", "left"])) if pad_fraction else "right",
         "documents": draw(st.integers(1, 3)),
     }
-    options = {"zero": draw(st.integers(0, 3)), "tiling": draw(st.sampled_from(["off", "auto", "loss", "mlp", "auto:8"])),
+    options = {"zero": draw(st.integers(0, 3)),
+               "tiling": draw(st.sampled_from(["off", "auto", "loss", "mlp", "auto:8"])),
                "sac": draw(st.sampled_from(["off", "auto", "sac", "full"]))}
     return {"model": model, "data": data, "options": options, "world_size": draw(st.sampled_from([2, 4]))}
 
@@ -114,7 +115,7 @@ def outcomes() -> dict[str, dict]:
 
     collect()
     unique = list({_key(c): c for c in drawn}.values())
-    _OUTCOMES.update(zip(map(_key, unique), run_cases(unique)))
+    _OUTCOMES.update(zip(map(_key, unique), run_cases(unique), strict=True))
     return _OUTCOMES
 
 

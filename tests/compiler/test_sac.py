@@ -8,25 +8,23 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autosp.compiler.memory.partitioner import (
+from autosp.compiler.fx import (
     AUTOSP_ATTENTION_OPS,
     AUTOSP_COLLECTIVE_OPS,
     AUTOSP_HOST_PARAM_OPS,
     AUTOSP_OFFLOAD_OPS,
     AUTOSP_OPAQUE_OPS,
     AUTOSP_TOKENWISE_OPS,
-    PartitionRecord,
-    Policy,
     is_attention_forward,
     is_attention_value,
     is_collective,
     is_opaque,
     layer_of_path,
-    parse_policy,
-    sac_backend,
-    tag_joint_graph,
 )
+from autosp.compiler.lowering import sac_backend
+from autosp.compiler.memory import PartitionRecord, Policy, parse_policy
 from autosp.compiler.memory.planner import estimated_peak
+from autosp.compiler.memory.tags import tag_joint_graph
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
@@ -186,7 +184,8 @@ def test_auto_recomputes_the_mlp_before_attention(tiny_runs: dict[str, Partition
     assert not plan["recomputes_attention"] and record.attention_forwards_in_backward == 0
     assert plan["estimated_peak_bytes"] <= plan["budget_bytes"] < off
     assert "mlp" in _recomputed_categories(record) and "sdpa" not in _recomputed_categories(record)
-    record, plan = _auto_plan(sac - 1, offload="off")  # below every token-wise rung: attention goes too, as the plan says
+    # below every token-wise rung: attention goes too, as the plan says
+    record, plan = _auto_plan(sac - 1, offload="off")
     assert plan["tokenwise_recompute_layers"] == layers and plan["recomputes_attention"]
     assert record.attention_forwards_in_backward == plan["attention_recompute_layers"] > 0
     assert "sdpa" in _recomputed_categories(record) and not plan["recomputes_collectives"]
@@ -271,7 +270,8 @@ def test_collectives_are_never_recomputed(one_rank_group, policy: str) -> None:
     assert forward_a2a == 4 * 2
     # Backward holds only the gradient all-to-alls (one per forward one), none re-run from the forward.
     assert len(record.collectives_in_backward) == forward_a2a
-    assert not any(is_collective(n) for n in record.bw_module.graph.nodes if n.meta.get("partitioner_tag") == "is_forward")
+    assert not any(is_collective(n) for n in record.bw_module.graph.nodes
+                   if n.meta.get("partitioner_tag") == "is_forward")
     _assert_grads_equal(model, [p.grad for p in reference.parameters()])
 
 
@@ -366,13 +366,14 @@ def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
 def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeypatch) -> None:
     """Inductor's buffer reuse keeps a freed buffer alive until a later one of its size takes it over, judged
     against a peak estimate blind to opaque ops' scratch: on tiny, P=2, S=15,360 it held 9.9 MiB of layer 1's MLP
-    backward buffers through its attention backward (peak 46.60 MiB, 39.99 without; autosp.compiler.memory.partitioner). The
+    backward buffers through its attention backward (peak 46.60 MiB, 39.99 without; autosp.compiler.lowering). The
     setting must reach compile_fx as config_patches, which it re-applies when it lowers the backward graph at the
     first backward call (a scope around the call would have ended by then), and leave the caller's config alone."""
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
-    from autosp.compiler.memory.partitioner import compile_with_partitioner, make_partition_fn
+    from autosp.compiler.lowering import compile_with_partitioner
+    from autosp.compiler.memory import make_partition_fn
 
     seen = {}
 
@@ -411,11 +412,12 @@ def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_induct
 
 
 def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> None:
-    import autosp.comm.host_params, autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.sp.attention.flex_masks, autosp.compiler.sp.attention.masked_attention, autosp.compiler.memory.offload, autosp.compiler.tiling.loss  # noqa: F401,E401,E501
+    import autosp.comm.host_params  # noqa: F401,E401,E501
     from autosp.comm.library import registered_names
 
-    assert registered_names() == (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS
-                                  | AUTOSP_OFFLOAD_OPS | AUTOSP_HOST_PARAM_OPS | AUTOSP_TOKENWISE_OPS), "classify every new autosp_sp:: op"
+    classified = (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS | AUTOSP_OFFLOAD_OPS
+                  | AUTOSP_HOST_PARAM_OPS | AUTOSP_TOKENWISE_OPS)
+    assert registered_names() == classified, "classify every new autosp_sp:: op"
 
 
 def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
@@ -423,7 +425,8 @@ def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
     g = torch.fx.Graph()
     q, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
     in_layer = {"layer": ("L['self'].layers.0.attn", nn.Module)}
-    nodes = {"attention": g.call_function(torch.ops.autosp_sp.masked_attention.default, (q, q, q, [q], "p", None, False))}
+    nodes = {"attention": g.call_function(torch.ops.autosp_sp.masked_attention.default,
+                                          (q, q, q, [q], "p", None, False))}
     nodes["activation"] = g.call_function(aten.relu.default, (nodes["attention"],))
     nodes["loss"] = g.call_function(torch.ops.autosp_sp.linear_cross_entropy.default,
                                     (nodes["activation"], q, q, -100, torch.float32, 16, True))

@@ -9,8 +9,8 @@ from torch._functorch.partitioners import default_partition
 
 import autosp.comm  # noqa: F401
 from autosp.compiler.sp.walk import sequence_parallel_pass
-from autosp.harness.config import DataConfig
 from autosp.errors import SequenceParallelError
+from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
 from tests.compiler.graphs import capture, count
@@ -45,7 +45,8 @@ def test_four_all_to_alls_per_attention_layer_forward_and_backward(name):
     aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: g.forward, partition_fn=partition)
     a2a_packet = torch.ops.autosp_sp.all_to_all
     for graph in graphs:  # forward, then backward: exactly the gradient all-to-alls of the forward ones
-        assert sum(1 for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is a2a_packet) == 4 * layers
+        all_to_alls = sum(1 for n in graph.graph.nodes if getattr(n.target, "overloadpacket", None) is a2a_packet)
+        assert all_to_alls == 4 * layers
 
 
 def test_graph_traced_without_grad_is_rewritten_the_same_way():

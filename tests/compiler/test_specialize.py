@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 import autosp
-from autosp.compiler.specialize import bind_sizes, is_symbolic
 from autosp.compiler.sp.walk import sequence_parallel_pass
+from autosp.compiler.specialize import bind_sizes, is_symbolic
 from autosp.harness.config import DataConfig
 from autosp.harness.launch import launch
 from autosp.models import build_model
@@ -45,7 +45,7 @@ def _three_lengths_one_trace() -> tuple[float, int]:
         ref = reference(**batch.model_kwargs()).loss
         ref.backward()
         worst = max(worst, abs(loss.item() - ref.item()) / abs(ref.item()))
-        for p, q in zip(model.parameters(), reference.parameters()):
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst = max(worst, float((p.grad - q.grad).norm() / q.grad.norm()))
     return worst, torch._dynamo.utils.counters["stats"]["unique_graphs"]
 

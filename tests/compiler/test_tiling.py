@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autosp.compiler.memory.partitioner import compile_with_partitioner, make_partition_fn
+from autosp.compiler.lowering import compile_with_partitioner
+from autosp.compiler.memory import make_partition_fn
 from autosp.compiler.tiling.loss import (
     MIN_TILE_TOKENS,
     TilingReport,
@@ -53,7 +54,7 @@ def _eager(name: str, ids: torch.Tensor, labels: torch.Tensor) -> torch.nn.Modul
 
 def _assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_tiled_loss_and_mlp_are_exact_on_hf_llama_with_tied_embeddings():
@@ -196,7 +197,7 @@ def test_mlp_whose_weights_are_made_inside_the_module_is_tiled():
     compiled(input_ids=ids, labels=labels).loss.backward()
     assert [b["tile_tokens"] for b in reports[0].mlp] == [16, 16]
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_dead_code_elimination_keeps_in_place_writes_into_a_buffer_read_later() -> None:

@@ -35,7 +35,7 @@ def _five_lengths(name: str) -> dict:
         ref = reference(**_batch(seq_len)).loss
         ref.backward()
         worst = max(worst, abs(out.loss.item() - ref.item()) / abs(ref.item()))
-        for p, q in zip(model.parameters(), reference.parameters()):
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             worst = max(worst, float((p.grad - q.grad).norm() / q.grad.norm()))
     return {"worst": worst, "traces": torch._dynamo.utils.counters["stats"]["unique_graphs"], "local": local}
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autosp.compiler.lowering import sac_backend
+from autosp.compiler.memory.planner import estimated_peak
 from autosp.compiler.memory.saved_report import (
     UNATTRIBUTED,
     category_of_module,
@@ -13,10 +15,8 @@ from autosp.compiler.memory.saved_report import (
     quadratic_saved_values,
     tiles_of,
 )
-from autosp.experiments.activations import SavedActivationRecorder, breakdown_table, working_set_table
-from autosp.compiler.memory.partitioner import sac_backend
-from autosp.compiler.memory.planner import estimated_peak
 from autosp.compiler.tiling.loss import TilingReport
+from autosp.experiments.activations import SavedActivationRecorder, breakdown_table, working_set_table
 from autosp.harness.config import ConfigError
 from autosp.models import build_model
 

@@ -46,8 +46,9 @@ def test_reference_must_be_measured_in_the_same_run(tmp_path) -> None:
 
 
 def test_each_method_receives_and_records_only_the_options_it_honours(tmp_path) -> None:
-    """autosp's flags (tiling, sac, offload, ulysses_size, attention_chunks) reach autosp only; `zero` every method with a choice of
-    stages; `compile_backend` the methods that compile. The rest run, and are recorded, at the defaults."""
+    """autosp's flags (tiling, sac, offload, ulysses_size, attention_chunks) reach autosp only; `zero` every method
+    with a choice of stages; `compile_backend` the methods that compile. The rest run, and are recorded, at the
+    defaults."""
     received: dict = {}
     run = fake_run([])
     out = tmp_path / "bench.jsonl"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.floor import METHOD_SHARDING, floor_for, memory_floor, parameter_count
+from autosp.harness.config import ConfigError
 from autosp.models import get_preset
 
 PAPER_METHODS = ["single", "autosp", "ulysses", "ulysses-ac", "ulysses-compile", "ring", "zero3", "fsdp", "ds-autosp"]

@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.flops import add_flops_parser, flops_table, layer_flops, parse_seq_lens
+from autosp.harness.config import ConfigError
 from autosp.models import get_preset
 
 

@@ -11,8 +11,13 @@ import pytest
 from matplotlib.text import Text
 
 from autosp.experiments import plots
-from autosp.experiments.tables import (memory_table, sac_table, simulated_table_rows, throughput_table,
-                                       trainability_table)
+from autosp.experiments.tables import (
+    memory_table,
+    sac_table,
+    simulated_table_rows,
+    throughput_table,
+    trainability_table,
+)
 
 MiB = 2**20
 
@@ -86,11 +91,14 @@ def sac() -> pd.DataFrame:
     return sac_table(pd.DataFrame(rows))
 
 
-SIMULATED_MD = """| model | device | autosp z0 | autosp z3 | ulysses z0 | ulysses z3 | ring z0 | ring z3 | fsdp z3 | zero3 z3 | ds-autosp (hf) z1 | autosp/ulysses (paper) |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-""" + "".join(f"| {model} | {device} | 252K | {168 + k}K | 142K | 46K | 142K | 46K | 6K | 4K | 282K | 3.65x (2.7x) |\n"
-              for k, model in enumerate(["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b"])
-              for device in ("a100-80gb", "gh200-96gb", "mi250-gcd")) + "\n36 cells, world size 8, bfloat16.\n"
+SIMULATED_MD = ("| model | device | autosp z0 | autosp z3 | ulysses z0 | ulysses z3 | ring z0 | ring z3 | fsdp z3 "
+                "| zero3 z3 | ds-autosp (hf) z1 | autosp/ulysses (paper) |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+                + "".join(f"| {model} | {device} | 252K | {168 + k}K | 142K | 46K | 142K | 46K | 6K | 4K | 282K "
+                          "| 3.65x (2.7x) |\n"
+                          for k, model in enumerate(["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b"])
+                          for device in ("a100-80gb", "gh200-96gb", "mi250-gcd"))
+                + "\n36 cells, world size 8, bfloat16.\n")
 
 
 def simulated(tmp_path) -> pd.DataFrame:
@@ -172,4 +180,4 @@ def test_every_method_and_checkpointed_variant_has_a_colour_of_its_own() -> None
     methods = ["autosp", "ds-autosp", "alst", "ulysses", "ring", "fsdp", "zero3", "single"]
     methods += [f"{m}[ac=layer]" for m in ("ulysses", "ring", "fsdp", "zero3")]
     colours = [matplotlib.colors.to_rgb(method_color(m)) for m in methods]
-    assert len(set(colours)) == len(methods), dict(zip(methods, colours))
+    assert len(set(colours)) == len(methods), dict(zip(methods, colours, strict=True))

@@ -7,7 +7,6 @@ import signal
 
 import pytest
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.search import (
     ERROR,
     FOUND,
@@ -20,6 +19,7 @@ from autosp.experiments.search import (
     default_granularity,
     search_max_length,
 )
+from autosp.harness.config import ConfigError
 
 
 class ThresholdOracle:
@@ -254,8 +254,8 @@ def _cfg(**kw):
 
 
 def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
-    from autosp.harness.records import load_records
     from autosp.experiments.search import run_search
+    from autosp.harness.records import load_records
 
     out = tmp_path / "trainability.jsonl"
     runner = FakeRunner(per_token=(64 << 20) // 3000)
@@ -450,8 +450,8 @@ def test_run_search_guided_by_a_right_prediction_measures_two_probes(tmp_path) -
 
 
 def test_run_search_records_a_prediction_30_percent_off_and_returns_the_measured_answer(tmp_path) -> None:
-    from autosp.harness.records import load_records
     from autosp.experiments.search import run_search
+    from autosp.harness.records import load_records
 
     out = tmp_path / "t.jsonl"
     runner = FakeRunner(per_token=(64 << 20) // 15_000)  # measured: 14,848 trains, 15,360 does not

@@ -19,9 +19,9 @@ CPU = get_device_model("cpu", 1 << 30)
 
 @pytest.fixture(autouse=True)
 def fresh_predictions():
-    sim._PREDICTIONS.clear()
+    sim.extrapolate._PREDICTIONS.clear()
     yield
-    sim._PREDICTIONS.clear()
+    sim.extrapolate._PREDICTIONS.clear()
 
 
 def test_full_checkpointing_with_offload_simulates_and_matches_the_meter():
@@ -94,7 +94,7 @@ def test_a_simulated_rank_steps_adamw_the_way_its_device_does(device, multi_tens
             seen.add(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    with sim._optimizer_implementation_of(get_device_model(device, 1 << 30)), Ops():
+    with sim.optimizer_implementation_of(get_device_model(device, 1 << 30)), Ops():
         torch.optim.AdamW(params).step()
     assert any(name.startswith("_foreach_sqrt") for name in seen) == multi_tensor
 
@@ -144,7 +144,7 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
         return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
 
     runs = {2: run(2, 55, "view"), 3: run(3, 71, "empty_like"), 4: run(4, 81, "empty_like")}
-    monkeypatch.setattr(sim.extrapolate, "_rank_peak", lambda cfg, device, layers=None: runs[layers])
+    monkeypatch.setattr(sim.extrapolate, "rank_peak", lambda cfg, device, layers=None: runs[layers])
     peak, how = sim.predict_peak(RunConfig(method="autosp", model="llama-2-13b", seq_len=18432, world_size=8),
                                  get_device_model("mi250-gcd"))
     assert how["layers_simulated"] == [2, 3, 4] and how["extrapolated_from"] == [3, 4]
@@ -159,9 +159,9 @@ def test_a_phase_line_with_a_term_below_zero_at_full_depth_is_not_used():
         phase = sim.PhasePeak(peak, peak, peak - transient, 0, 0, transient, "mm")
         return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
 
-    peak, _ = sim._extrapolate(run(2, 50), run(3, 50), 10)
+    peak, _ = sim.extrapolate_peak(run(2, 50), run(3, 50), 10)
     assert peak.peak_bytes == 200 and peak.transient_bytes == 50
-    peak, why = sim._extrapolate(run(2, 50), run(3, 40), 10)
+    peak, why = sim.extrapolate_peak(run(2, 50), run(3, 40), 10)
     assert peak is None and why == "backward transient_bytes extrapolates below zero from 2 and 3 layers"
 
 
@@ -176,7 +176,7 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
                             saved_activation_bytes=0, transient_bytes=0, peak_op="mm", peak_phase="backward",
                             num_layers=layers or 28, ops=1, phases={"backward": sim.PhasePeak(1, 1, 1, 0, 0, 0, "mm")})
 
-    monkeypatch.setattr(sim.extrapolate, "_rank_peak", rank_peak)  # the name predict_peak calls
+    monkeypatch.setattr(sim.extrapolate, "rank_peak", rank_peak)  # the name predict_peak calls
     cfg = RunConfig(method="zero3", model="llama-3.2-3b", seq_len=12288, world_size=8, dtype="bfloat16")
     _, how = sim.predict_peak(cfg, get_device_model("a100-80gb"))
     assert depths == [None] and how["layers_simulated"] == [28] and "not linear in the depth" in how["note"]
@@ -184,7 +184,8 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
     assert depths[1:] == [3, 4]  # FSDP2 (PyTorch's ZeRO-3: gathers by layer) is extrapolated, from 3 and 4 layers
 
 
-@pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"), ("ulysses", 3, "tiny", "float32"),
+@pytest.mark.parametrize("method, zero, model, dtype", [("autosp", 0, "tiny", "float32"),
+                                                    ("ulysses", 3, "tiny", "float32"),
                                                     ("zero3", None, "tiny", "bfloat16"),
                                                     pytest.param("ds-autosp", None, "hf:tiny", "bfloat16",
                                                                  marks=pytest.mark.long),
@@ -201,17 +202,18 @@ def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method,
     # Dynamo's own patch (restored on exit in this context), not monkeypatch: its config values are context
     # variables, and a monkeypatched one left `recompile_limit` hidden for the rest of the suite's process
     with torch._dynamo.config.patch(recompile_limit=2), sim.shared_rank_programs():
-        shared = [sim._rank_peak(cfg.replace(seq_len=lengths[0]), CPU)]
-        program = next(iter(sim._SHARED[0].programs.values()))
-        shared += [sim._rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths[1:]]
-        assert list(sim._SHARED[0].programs.values()) == [program]  # kept, never rebuilt
+        shared = [sim.rank_peak(cfg.replace(seq_len=lengths[0]), CPU)]
+        program = next(iter(sim.programs._SHARED[0].programs.values()))
+        shared += [sim.rank_peak(cfg.replace(seq_len=n), CPU) for n in lengths[1:]]
+        assert list(sim.programs._SHARED[0].programs.values()) == [program]  # kept, never rebuilt
         if method == "ds-autosp":  # a second engine in the same cell (another depth) shares DeepSpeed's one splice
-            assert sim._rank_peak(cfg.replace(seq_len=256), CPU, 1).peak_bytes < shared[0].peak_bytes  # hf:tiny: 2 layers
+            # hf:tiny: 2 layers
+            assert sim.rank_peak(cfg.replace(seq_len=256), CPU, 1).peak_bytes < shared[0].peak_bytes
     ignore = dict(ops=0, assumed_healthy_reads=0)  # counts of the calls themselves (no warm-up after the first)
     assert [{**vars(p), **ignore} for p in shared[:2] + shared[3:]] == \
         [{**vars(p), **ignore} for p in (shared[0], fresh, shared[0])]
     assert shared[0].peak_bytes < fresh.peak_bytes  # the lengths differ in what they hold
-    assert not sim._SHARED and not torch.distributed.is_initialized()  # the scope closed its fake world
+    assert not sim.programs._SHARED and not torch.distributed.is_initialized()  # the scope closed its fake world
 
 
 def test_alst_is_simulated_on_two_device_types_in_one_command_as_on_each_alone(tmp_path):
@@ -224,7 +226,7 @@ def test_alst_is_simulated_on_two_device_types_in_one_command_as_on_each_alone(t
                  "--device", "cpu,a100-80gb", "--memory-budget", "1GiB", "--out", str(out)]) == 0
     together = pd.read_json(out, lines=True)
     assert list(together["status"]) == ["ok", "ok"], list(together["error"])
-    sim._PREDICTIONS.clear()
+    sim.extrapolate._PREDICTIONS.clear()
     cfg = RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=512)
     alone = [sim.simulate(cfg, get_device_model(name, 1 << 30)) for name in ("cpu", "a100-80gb")]
     assert list(together["peak_mem_bytes"]) == [r["peak_mem_bytes"] for r in alone]
@@ -252,7 +254,7 @@ def test_alsts_peak_at_depth_is_the_line_through_2_and_3_layers(monkeypatch):
     a100 = get_device_model("a100-80gb")
     with sim.shared_rank_programs():
         line, how = sim.predict_peak(cfg, a100)
-        whole = sim._rank_peak(sim.simulate_config(cfg), a100)
+        whole = sim.rank_peak(sim.simulate_config(cfg), a100)
     assert how["extrapolated_from"] == [2, 3] and "note" not in how and whole.num_layers == line.num_layers == 6
     assert how["per_layer_peak_bytes"] > 0  # the depth shows
     terms = ("live_tensor_bytes", "gradient_bytes", "saved_activation_bytes", "peak_op", "peak_phase",
@@ -394,7 +396,7 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import baselines.alst as alst
-    from autosp.experiments.simulate.adapters import RealTwins, _alst_data_answers
+    from autosp.experiments.simulate.adapters import RealTwins, alst_data_answers
     from autosp.models.data import Batch
 
     # shifted: [6, 7, 8, 9, -100, -100, -100, -100]: rank 0's half has labels, rank 1's has none
@@ -404,7 +406,7 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
         fake = Batch(**{name: mode.from_tensor(t) for name, t in real.model_kwargs().items()})
         for name, t in fake.model_kwargs().items():
             twins.add(t, getattr(real, name))
-        with _alst_data_answers(twins, sim.LiveStorageTracker(CPU), valid_labels=4):
+        with alst_data_answers(twins, sim.LiveStorageTracker(CPU), valid_labels=4):
             answers = []
             for rank in (0, 1):
                 labels = alst.shard_like_the_adapter(fake.rows(0, 1), rank, 2)["shift_labels"]
@@ -527,9 +529,9 @@ def test_a_simulated_node_that_offloads_more_than_its_host_memory_is_oom_naming_
             return peak, how
 
         mp.setattr(sim.extrapolate, "_predict_peak", offloading)
-        sim._PREDICTIONS.clear()
+        sim.extrapolate._PREDICTIONS.clear()
         over = sim.simulate(cfg.replace(host_memory_budget=2 * MIB - 1), CPU)
-        sim._PREDICTIONS.clear()
+        sim.extrapolate._PREDICTIONS.clear()
         within = sim.simulate(cfg.replace(host_memory_budget=2 * MIB), CPU)
     assert over["status"] == "oom" and over["extra"]["oom_in"] == "host"
     assert over["error"] == "host memory: the node's ranks offload 2.000000 MiB, over --host-memory-budget 1.999999 MiB"
@@ -549,14 +551,14 @@ def test_each_simulated_device_gets_its_own_plan_and_the_record_carries_it():
 def test_the_memory_planner_is_simulated_at_full_depth():
     """autosp's planner (`--sac auto`) plans every layer against the whole device, so a 2- and 3-layer program
     keeps what the full depth recomputes or moves: no depth extrapolation for it, as for ZeRO-3."""
-    from autosp.experiments.simulate.extrapolate import _planned
+    from autosp.experiments.simulate.extrapolate import planned_by_device
 
-    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="auto"))
-    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="budget=1GiB"))
-    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac="sac")) is None
-    assert _planned(RunConfig(method="ulysses", model="tiny", seq_len=256, sac="auto")) is None
+    assert planned_by_device(RunConfig(method="autosp", model="tiny", seq_len=256, sac="auto"))
+    assert planned_by_device(RunConfig(method="autosp", model="tiny", seq_len=256, sac="budget=1GiB"))
+    assert planned_by_device(RunConfig(method="autosp", model="tiny", seq_len=256, sac="sac")) is None
+    assert planned_by_device(RunConfig(method="ulysses", model="tiny", seq_len=256, sac="auto")) is None
     # its last rung is a fixed policy, extrapolated like `sac` (what its searches run on: `simulated_search`)
-    assert _planned(RunConfig(method="autosp", model="tiny", seq_len=256, sac=sim.LAST_RUNG_SAC)) is None
+    assert planned_by_device(RunConfig(method="autosp", model="tiny", seq_len=256, sac=sim.LAST_RUNG_SAC)) is None
 
 
 def _planner_search(monkeypatch, longest: dict[str, int]) -> dict:
@@ -603,7 +605,7 @@ def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
                     compile_backend="aot_eager", sac="auto", offload="auto")
     device = get_device_model("cpu", 14 * MIB)
     on_rung = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
-    sim._PREDICTIONS.clear()
+    sim.extrapolate._PREDICTIONS.clear()
     monkeypatch.setattr(lengths, "_last_rung", lambda cfg: None)
     whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     assert on_rung["extra"]["searched_on"]["planner_confirmed"] is True

@@ -37,7 +37,7 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
 def test_checkpointed_variants_and_alst_are_columns_of_their_own_with_autosps_ratio_to_them():
     """`ulysses[ac=layer]` beside plain `ulysses` (never in its place), alst on the HF variant; the paper's claimed
     ratio stays beside the plain baseline, the practical anchors get autosp/alst and autosp/ulysses[ac=layer]."""
-    from autosp.experiments.tables import simulated_table_rows, trainability_table
+    from autosp.experiments.tables import trainability_table
 
     records = [dict(kind="search", model="llama-3.1-8b", device="h100-80gb", device_name="h100-80gb", world_size=8,
                     memory_budget=None, mode="simulated", method=method, ac=ac, zero=3, status="found",
@@ -61,7 +61,8 @@ def test_checkpointed_variants_and_alst_are_columns_of_their_own_with_autosps_ra
 def test_a_variant_column_reads_back_from_the_markdown_table(tmp_path):
     from autosp.experiments.tables import simulated_table_rows
 
-    (tmp_path / "t.md").write_text("| model | device | autosp z3 | ulysses[ac=layer] z3 | alst (hf) z3 |\n|---|---|---|---|---|\n"
+    (tmp_path / "t.md").write_text("| model | device | autosp z3 | ulysses[ac=layer] z3 | alst (hf) z3 |\n"
+                                   "|---|---|---|---|---|\n"
                                    "| llama-3.1-8b | h100-80gb | 400K | 200K | 800K |\n\nworld size 8\n")
     rows = simulated_table_rows(tmp_path / "t.md")
     assert list(rows["method"]) == ["autosp", "ulysses[ac=layer]", "alst"] and list(rows["max_seq_len"]) == [
@@ -96,7 +97,7 @@ def test_the_paper_methods_compare_every_sp_method_at_autosps_zero_3_stage_too()
 
 
 def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
-    sim._PREDICTIONS.clear()
+    sim.extrapolate._PREDICTIONS.clear()
     out, table = tmp_path / "rows.jsonl", tmp_path / "table.md"
     args = ["simulate-table", "--models", "tiny", "--methods", "ring:0,ulysses", "--devices", "a100-80gb,mi250-gcd",
             "--world-size", "2", "--dtype", "float32", "--granularity", "512", "--max-len", "1024", "--jobs", "1",
@@ -134,7 +135,7 @@ def test_a_method_spec_sets_its_own_options_and_is_a_column_of_its_own_against_a
     """`autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]:3`: the planner's levers as one column beside
     plain autosp (never in its place), its stage after the brackets, `+` for a list value, its ratio to alst; the
     column reads back from the Markdown table and a later file's cell replaces it, not plain autosp's."""
-    from autosp.experiments.simulate.table import cell_configs, parse_method, search_cell
+    from autosp.experiments.simulate.table import cell_configs, parse_method
     from autosp.experiments.tables import trainability_table
 
     spec = "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]"
@@ -198,8 +199,10 @@ def test_a_single_simulated_length_that_fits_renders_as_a_lower_bound_in_its_spe
     alst = dict(kind="search", model="hf:llama-3.1-8b", memory_budget=8e10, world_size=8, dtype="bfloat16",
                 mode="simulated", method="alst", zero=3, status="found", config={"ac": "off"}, timestamp="2026-12-03")
     records = [probe("a100-80gb", 3216, "ok"), probe("a100-80gb", 3000, "ok"), probe("a100-80gb", 4000, "oom"),
-               dict(alst, device="a100-80gb", device_name="a100-80gb", max_seq_len=3216 * 1024), probe("mi250-gcd", 1000, "ok"),
-               dict(alst, device="mi250-gcd", device_name="mi250-gcd", max_seq_len=1448 * 1024), probe("gh200-96gb", 2000, "ok"),
+               dict(alst, device="a100-80gb", device_name="a100-80gb", max_seq_len=3216 * 1024),
+               probe("mi250-gcd", 1000, "ok"),
+               dict(alst, device="mi250-gcd", device_name="mi250-gcd", max_seq_len=1448 * 1024),
+               probe("gh200-96gb", 2000, "ok"),
                dict(probe("gh200-96gb", 0, "found"), kind="search", method_spec=spec, max_seq_len=2500 * 1024)]
     (tmp_path / "probes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "out.md"

@@ -7,10 +7,16 @@ import math
 import pandas as pd
 import pytest
 
-from autosp.harness.config import ConfigError
 from autosp.experiments.plots import _method_legend_label, throughput_figure, trainability_figure, trainability_ratios
-from autosp.experiments.tables import (headline_table, paper_claims, simulated_table_rows, throughput_table,
-                                       trainability_table, write_csv_atomic)
+from autosp.experiments.tables import (
+    headline_table,
+    paper_claims,
+    simulated_table_rows,
+    throughput_table,
+    trainability_table,
+    write_csv_atomic,
+)
+from autosp.harness.config import ConfigError
 
 MiB = 2**20
 
@@ -257,7 +263,8 @@ def test_alsts_published_lengths_stand_beside_the_alst_records_as_a_ratio(tmp_pa
     from autosp.experiments.tables import alst_published, alst_table
 
     headline = alst_published().query("kind == 'headline'")
-    assert list(zip(headline["world_size"], headline["seq_len"])) == [(1, 500_000), (8, 3_700_000), (32, 15_000_000)]
+    assert list(zip(headline["world_size"], headline["seq_len"], strict=True)) == [(1, 500_000), (8, 3_700_000),
+                                                                                 (32, 15_000_000)]
     records = [dict(search_row("alst", 3_145_728, model="hf:llama-3.1-8b"), world_size=8, device="h100-80gb",
                     mode="simulated", seq_len=3_145_728),
                {"kind": None, "method": "alst", "model": "hf:llama-3.1-8b", "world_size": 1, "device": "h100-80gb",

@@ -55,7 +55,8 @@ def autosp_losses(steps: int, *, zero: int, dtype: str = "float32") -> list[floa
 
 def reassociation_drift(steps: int, fp32: list[float]) -> list[float]:
     """fp32 reassociation's drift at each step: the worst over the PERMUTATIONS runs against `fp32`."""
-    return [max(d) for d in zip(*(drift(single_losses(steps, permuted=seed), fp32) for seed in PERMUTATIONS))]
+    drifts = [drift(single_losses(steps, permuted=seed), fp32) for seed in PERMUTATIONS]
+    return [max(d) for d in zip(*drifts, strict=True)]
 
 
 def drift(curve: list[float], reference: list[float]) -> list[float]:
@@ -74,7 +75,7 @@ def bound(spread: list[float]) -> list[float]:
 
 def excess(curve_drift: list[float], limit: list[float]) -> list[tuple[int, float, float]]:
     """The steps where the drift exceeds its bound: (step, drift, bound)."""
-    return [(t, d, b) for t, (d, b) in enumerate(zip(curve_drift, limit)) if d > b]
+    return [(t, d, b) for t, (d, b) in enumerate(zip(curve_drift, limit, strict=True)) if d > b]
 
 
 def curves(steps: int) -> dict[str, list[float]]:
@@ -92,7 +93,7 @@ def table(loss: dict[str, list[float]]) -> list[tuple[str, list[float], list[flo
     """(name, drift from single fp32 per step, its bound or None) for each curve of `curves`."""
     fp32 = loss["single fp32"]
     reassociation = [max(d) for d in zip(*(drift(loss[f"single fp32, MLP permutation {seed}"], fp32)
-                                           for seed in PERMUTATIONS))]
+                                           for seed in PERMUTATIONS), strict=True)]
     bf16_spread = drift(loss["single bf16 mixed"], fp32)
     return [(f"single fp32, MLP permuted (reassociation, worst of {len(PERMUTATIONS)})", reassociation, None),
             *[(f"autosp P=2 zero {z} fp32", drift(loss[f"autosp P=2 zero {z} fp32"], fp32), bound(reassociation))

@@ -26,5 +26,6 @@ for i in range(n):
         traceback.print_exc()
         sys.exit(1)
     errs = {k: max(v for kk, v in w.items() if kk != "choice") for k, w in worst.items()}
-    print(f"run {i}: passed in {time.time() - t0:.0f} s wall, load at start {load:.1f}, worst errors {errs}", flush=True)
+    print(f"run {i}: passed in {time.time() - t0:.0f} s wall, load at start {load:.1f}, worst errors {errs}",
+          flush=True)
 print(f"{n} consecutive runs, 0 failures")

@@ -3,8 +3,15 @@ import math
 import pytest
 import torch
 
-from autosp.harness.check import (SPREAD_FACTOR, CheckReport, check, compare, parameter_group, relative_error,
-                                  spread_bounds)
+from autosp.harness.check import (
+    SPREAD_FACTOR,
+    CheckReport,
+    check,
+    compare,
+    parameter_group,
+    relative_error,
+    spread_bounds,
+)
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.precision import precision_of
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from autosp.harness.config import RunConfig
-from autosp.models import build_model
 from autosp.harness.runner import run
+from autosp.models import build_model
 from baselines.single import SingleTrainStep
 from tests.nonfinite_method import PLANTED
 

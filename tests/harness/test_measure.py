@@ -55,7 +55,8 @@ def test_cpu_peak_is_deterministic_and_grows_with_sequence_length() -> None:
 
 
 def test_two_rank_peak_is_deterministic() -> None:
-    """Collectives free tensors from gloo's worker threads unless the meter settles them (see autosp.harness.measure)."""
+    """Collectives free tensors from gloo's worker threads unless the meter settles them (see
+    autosp.harness.measure)."""
     cfg = RunConfig(method="ulysses", model="tiny", seq_len=512, world_size=2, steps=1, warmup=1, timeout_s=180,
                     zero=0)
     first, second = run(cfg), run(cfg)

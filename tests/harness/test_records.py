@@ -6,7 +6,14 @@ import pytest
 
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.records import (
-    FIELDS, SCHEMA_VERSION, append_record, check_writable, load_records, new_record, write_json_atomic)
+    FIELDS,
+    SCHEMA_VERSION,
+    append_record,
+    check_writable,
+    load_records,
+    new_record,
+    write_json_atomic,
+)
 
 CFG = RunConfig(method="single", model="tiny", seq_len=64, data=DataConfig(pad_fraction=0.25))
 

@@ -54,7 +54,7 @@ def test_same_seed_gives_same_weights_in_both_implementations_tied_too():
     init_parameters(ours, 2)
     init_parameters(hf, 2)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    for (name, a), b in zip(ours.state_dict().items(), hf.state_dict().values()):
+    for (name, a), b in zip(ours.state_dict().items(), hf.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     ids = torch.randint(0, 512, (1, 16))
     torch.testing.assert_close(ours(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss)
@@ -99,7 +99,7 @@ def test_hf_mixtral_and_deepseek_v3_are_moe_and_mla_with_the_presets_sizes():
     assert deepseek.model.layers[1].mlp.experts is not None  # layer 0 dense, layer 1 routed experts
     # seeded like every model: same seed, same weights; each expert and latent projection drawn, not HF's init
     again = build_model("hf-deepseek-v3:tiny")
-    for (name, a), b in zip(deepseek.state_dict().items(), again.state_dict().values()):
+    for (name, a), b in zip(deepseek.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert deepseek.model.layers[1].self_attn.kv_a_proj_with_mqa.weight.std().item() == pytest.approx(0.02, rel=0.1)
     ids = torch.randint(0, 512, (1, 16))
@@ -110,7 +110,8 @@ def test_hf_mixtral_and_deepseek_v3_are_moe_and_mla_with_the_presets_sizes():
 
 @pytest.mark.parametrize("model", ["hf-mixtral:tiny", "hf-deepseek-v3:tiny"])
 def test_autosp_check_passes_on_the_moe_and_mla_harness_models(model):
-    """With the tiled loss: on MLA it once came out wrong (the key buffer's in-place fills were dead-code eliminated)."""
+    """With the tiled loss: on MLA it once came out wrong (the key buffer's in-place fills were dead-code
+    eliminated)."""
     from autosp.harness.check import check
     from autosp.harness.config import RunConfig
 

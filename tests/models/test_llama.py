@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autosp.compiler.sp.attention.masked_attention import run_program
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
-from autosp.compiler.sp.attention.masked_attention import run_program
 from autosp.models.llama import (
     ATTENTION_MASK_PROGRAM,
     LlamaForCausalLM,
@@ -45,7 +45,7 @@ def test_loss_is_hf_style_shifted_token_mean():
 
 def test_seeded_init_is_deterministic_and_dtype_keeps_rope_fp32():
     a, b, c = build_model("tiny", seed=3), build_model("tiny", seed=3), build_model("tiny", seed=4)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb)
         assert name.endswith("norm.weight") or not torch.equal(pa, pc)
     assert a.model.layers[0].input_layernorm.weight.eq(1).all()

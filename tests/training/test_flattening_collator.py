@@ -27,7 +27,7 @@ def _compare() -> dict:
     ref = reference(**batch).loss
     ref.backward()
     worst = max(float((p.grad - q.grad).norm() / q.grad.norm())
-                for p, q in zip(model.parameters(), reference.parameters()))
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True))
     # the documents really are separate: one joint causal sequence gives another loss
     joint = build_model("hf:tiny", seed=0)(input_ids=batch["input_ids"], labels=batch["labels"]).loss
     return {"keys": sorted(batch), "loss": loss.item(), "ref": ref.item(), "joint": joint.item(), "worst": worst}

@@ -55,7 +55,8 @@ def _train(output_dir: str, sp: bool) -> dict:
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
     params = trainer.sp_model.full_parameters() if sp else {k: v.detach().clone() for k, v in model.named_parameters()}
-    return {"logs": logs.rows, "params": params, "eval_loss": eval_loss, "zero": getattr(getattr(trainer, "sp_model", None), "zero", None)}
+    zero = getattr(getattr(trainer, "sp_model", None), "zero", None)
+    return {"logs": logs.rows, "params": params, "eval_loss": eval_loss, "zero": zero}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_every_logged_loss_and_norm_equal_the_single_process_trainer(runs):
     assert runs[2]["zero"] == 3
     assert [r[0] for r in sp] == [r[0] for r in reference] == list(range(1, STEPS + 1))
     assert any(r[2] > 0.3 for r in reference)  # clipping binds: the norm must be the global one
-    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(sp, reference):
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(sp, reference, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-5), step
         assert norm == pytest.approx(ref_norm, rel=1e-5), step
 

@@ -89,8 +89,8 @@ def test_logged_metrics_eval_loss_and_parameters_equal_the_single_process_sft_tr
     assert sp["zero"] == 3
     assert [r[0] for r in sp["logs"]] == [r[0] for r in reference["logs"]] == list(range(1, STEPS + 1))
     assert any(r[2] > 0.3 for r in reference["logs"])  # clipping binds: the norm must be the global one
-    for row, ref in zip(sp["logs"], reference["logs"]):
-        for name, value, expected in zip(METRICS, row[1:], ref[1:]):
+    for row, ref in zip(sp["logs"], reference["logs"], strict=True):
+        for name, value, expected in zip(METRICS, row[1:], ref[1:], strict=True):
             assert value == pytest.approx(expected, rel=1e-5), (row[0], name)
     assert sp["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
     for name, value in reference["params"].items():

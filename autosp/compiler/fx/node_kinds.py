@@ -46,7 +46,8 @@ AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward", "flex_block_sums"})
 #: token-wise kernels, recomputed like the aten ops they replace (`autosp.compiler.tiling.norm`)
 AUTOSP_TOKENWISE_OPS = frozenset({"rms_norm", "rms_norm_backward"})
-#: the activation offload's copies (`autosp.compiler.memory.offload`): inserted after partitioning, so no policy sees them
+#: the activation offload's copies (`autosp.compiler.memory`'s offload): inserted after partitioning, so no policy sees
+#: them
 AUTOSP_OFFLOAD_OPS = frozenset({"offload", "reload", "wait"})
 #: the parameter offload's copies (`autosp.comm.host_params`): a parameter's fetch from host memory, re-run in backward
 #: as ZeRO 3's regather is; its gradient's copy to host memory, made in backward only
@@ -79,7 +80,8 @@ def is_attention_forward(node: fx.Node) -> bool:
 def is_collective(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
-    if getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES or autosp_op_name(node) in AUTOSP_COLLECTIVE_OPS:
+    if (getattr(node.target, "namespace", None) in COLLECTIVE_NAMESPACES
+            or autosp_op_name(node) in AUTOSP_COLLECTIVE_OPS):
         return True
     return "all_to_all" in str(node.target) or "alltoall" in str(node.target)
 
@@ -89,7 +91,8 @@ def is_opaque(node: fx.Node) -> bool:
     return autosp_op_name(node) in AUTOSP_OPAQUE_OPS
 
 
-def _getitem_parent(node: fx.Node) -> fx.Node | None:
+def getitem_source(node: fx.Node) -> fx.Node | None:
+    """The multi-output node a `getitem` reads one output of, else None."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return node.args[0]
     return None
@@ -97,18 +100,18 @@ def _getitem_parent(node: fx.Node) -> fx.Node | None:
 
 def is_attention_value(node: fx.Node) -> bool:
     """The attention op itself or one of its outputs (out, logsumexp, ...)."""
-    parent = _getitem_parent(node)
+    parent = getitem_source(node)
     return is_attention_forward(node) or (parent is not None and is_attention_forward(parent))
 
 
 def is_collective_value(node: fx.Node) -> bool:
-    parent = _getitem_parent(node)
+    parent = getitem_source(node)
     return is_collective(node) or (parent is not None and is_collective(parent))
 
 
 def is_pinned_value(node: fx.Node) -> bool:
     """A collective or opaque kernel, or one of its outputs: saved under every policy, never re-run."""
-    parent = _getitem_parent(node)
+    parent = getitem_source(node)
     return is_collective_value(node) or is_opaque(node) or (parent is not None and is_opaque(parent))
 
 
@@ -121,7 +124,7 @@ def _dropout_p(node: fx.Node) -> float:
     return 0.0
 
 
-def _is_random(node: fx.Node) -> bool:
+def is_random(node: fx.Node) -> bool:
     """Seeded random ops are left to the partitioner; attention kernels carry the tag for their dropout,
     so they count as random only with a non-zero dropout_p."""
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
@@ -129,19 +132,22 @@ def _is_random(node: fx.Node) -> bool:
     return not is_attention_forward(node) or _dropout_p(node) != 0.0
 
 
-def _is_mutating(node: fx.Node) -> bool:
+def is_mutating(node: fx.Node) -> bool:
+    """An op whose schema writes to an argument."""
     schema = getattr(node.target, "_schema", None)
     return schema is not None and schema.is_mutable
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """An op whose output aliases its first argument without writing to it (a view: saving it pins its base)."""
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(
         a.alias_info is not None and not a.alias_info.is_write for a in schema.arguments[:1]
     ) and any(r.alias_info is not None for r in schema.returns)
 
 
-def _is_tensor_or_tuple(node: fx.Node) -> bool:
+def holds_tensors(node: fx.Node) -> bool:
+    """A node whose value is a tensor, or a tuple/list holding at least one."""
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) or (
         isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)

@@ -21,6 +21,6 @@ def is_attention(node: fx.Node) -> bool:
 def attention_args(node: fx.Node) -> dict[str, Any]:
     """SDPA's arguments by name, defaults filled in (Dynamo records them positionally or by keyword)."""
     bound = dict(SDPA_DEFAULTS)
-    bound.update(zip(SDPA_PARAMS, node.args))
+    bound.update(zip(SDPA_PARAMS, node.args, strict=False))
     bound.update(node.kwargs)
     return bound

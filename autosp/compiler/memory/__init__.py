@@ -1,2 +1,53 @@
-"""Pass 4 and 6, memory: activation checkpointing (policies, tags, the partition function, the memory planner), the
-offload of saved values to host memory, and reports of what a partition saved."""
+"""Passes 4 and 6, memory: what backward keeps, recomputes or finds in host memory. The checkpointing policies
+(`policy`) as tags on the joint graph (`tags`), the partition function (`partitioner`: tags + torch's min-cut, or the
+memory planner, `planner`, under policy auto), what a partition saved (`records`) and its breakdown by category
+(`saved_report`), the offload pass and its ops (`offload`). The names below are what the driver, the harness and the
+baselines import; the modules are private to this package.
+
+The partition function loads on first use (PEP 562): it imports torch's partitioner and Inductor, seconds that a
+rank of an eager method, or the harness reading a policy or an offload option, does not pay."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from autosp.compiler.memory.offload import (
+    DEVICE_WINDOW,
+    OFFLOAD_OP,
+    OFFLOAD_OP_NAME,
+    OffloadReport,
+    offload_boundaries,
+    offload_mode,
+    offload_optimizer,
+    offload_params,
+    parse_offload,
+)
+from autosp.compiler.memory.policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
+from autosp.compiler.memory.records import PartitionRecord
+from autosp.compiler.memory.saved_report import (
+    CATEGORIES,
+    UNATTRIBUTED,
+    category_of_module,
+    compiled_breakdown,
+    peak_working_set,
+    quadratic_saved_values,
+    tiles_of,
+)
+
+if TYPE_CHECKING:
+    from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
+
+__all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
+           "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "category_of_module",
+           "compiled_breakdown", "make_partition_fn", "offload_boundaries", "offload_mode",
+           "offload_optimizer", "offload_params", "parse_offload", "parse_policy", "peak_working_set",
+           "quadratic_saved_values", "tiles_of"]
+
+_ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ON_FIRST_USE:
+        from autosp.compiler.memory import partitioner
+
+        return getattr(partitioner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

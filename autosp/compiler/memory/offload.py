@@ -13,23 +13,9 @@ The pass runs on the *partitioned* forward and backward graphs (after the SAC pa
   previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_sp::wait` just
   before its own first use.
 
-The ops, per device:
-- CUDA / ROCm: pinned host buffers; offload and reload copy on one side stream (`non_blocking`), the side stream
-  first waits for the compute stream; the source of an offload is kept alive for the copy by `record_stream`;
-  `wait` makes the compute stream wait for the reload's event. Not run here (no GPU on the machines this was
-  built on); written against torch's stream API as torch's own `ao::` offload ops are.
-- CPU: the device is host memory, so a device run is emulated: offload copies into a fresh buffer that the memory
-  meter books as *host* (allocations made inside `autosp_sp::offload`), reload copies back into device
-  memory. The graph, the schedule and the bytes are those a GPU would run; only the copies are synchronous.
-- any other device: a one-line error.
-
-Why not torch's own partitioner offload (`torch._functorch.config.enable_activation_offloading`, 2.13): it is a
-process-wide flag; it offloads each value after its *last* forward use and then waits for the copy there (or
-sinks every wait to the end of forward, which keeps all sources on the device until forward ends, i.e. saves
-nothing for a whole-model graph); its reload prefetch schedules by benchmarking nodes on the GPU; and on CPU its
-`device_put` to the CPU is a no-op and its `ao::` ops need an accelerator stream, so nothing of it can run, be
-tested or be measured here. Its rules of what may be offloaded (no views, getitems, model outputs or
-non-contiguous values) are kept.
+The ops copy on a side stream into pinned buffers on CUDA/ROCm, synchronously into memory booked as host on CPU (an
+emulation with the GPU's graph, schedule and bytes), and refuse any other device. Why not torch's own partitioner
+offload, and how the ops run per device: docs/measurements/2026-12-01-offload.md ("The ops per device").
 """
 from __future__ import annotations
 
@@ -43,9 +29,7 @@ import torch.fx as fx
 
 from autosp.comm.host_copy import side_stream, to_host
 from autosp.comm.library import custom_op, fragment, op, qualified
-from autosp.compiler.fx.nodes import node_nbytes
-from autosp.compiler.fx.layers import assign_layers
-from autosp.compiler.fx.node_kinds import _is_view
+from autosp.compiler.fx import assign_layers, is_view, node_nbytes
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations", "auto")
@@ -121,7 +105,7 @@ def check_device(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------------------ the ops
 
-_pending_reloads: dict[int, "torch.cuda.Event"] = {}  # device data_ptr -> its reload's completion event
+_pending_reloads: dict[int, torch.cuda.Event] = {}  # device data_ptr -> its reload's completion event
 
 
 @custom_op("offload", mutates_args=())
@@ -137,7 +121,8 @@ def _(tensor: torch.Tensor) -> torch.Tensor:
 
 
 OFFLOAD_OP = op("offload").default
-"""What the simulator's storage tracker books as host memory."""
+"""The op itself: what alst's host-booked checkpoint calls and the simulator's storage tracker books as host
+memory."""
 
 
 @custom_op("reload", mutates_args=())
@@ -203,7 +188,7 @@ def _layers(graph: fx.Graph) -> dict[fx.Node, str | None]:
 def _offloadable(node: fx.Node, model_outputs: set[fx.Node]) -> bool:
     """torch's rules (activation_offloading.can_offload): no views, getitems, model outputs, non-contiguous."""
     val = node.meta.get("val")
-    return (node.op == "call_function" and node.target is not operator.getitem and not _is_view(node)
+    return (node.op == "call_function" and node.target is not operator.getitem and not is_view(node)
             and node not in model_outputs and isinstance(val, torch.Tensor) and val.is_floating_point()
             and val.is_contiguous())
 

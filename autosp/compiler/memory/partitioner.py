@@ -14,7 +14,7 @@ Policies (``parse_policy``):
   budget=<f>     attention and collectives pinned, then torch's ``activation_memory_budget`` = f;
   full           per-layer full checkpointing: only layer outputs and collectives saved, attention included
                  in the recomputation;
-  auto           the memory planner (``autosp.compiler.memory.planner``), the compiler's default: per layer, the cheapest mix
+  auto           the memory planner (`planner`), the compiler's default: per layer, the cheapest mix
                  of keeping, moving layer boundaries to host memory and the above recomputation whose estimated
                  peak fits a per-rank byte budget (``budget=<bytes>``, e.g. ``budget=32MiB``; plain ``auto``:
                  the device's free memory at compile time, no limit on CPU) — nothing recomputed or moved when all
@@ -31,7 +31,7 @@ at the start of backward.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -40,25 +40,9 @@ from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.compiler.fx.nodes import node_nbytes
-from autosp.compiler.lowering import INDUCTOR_MEMORY_CONFIG, compile_with_partitioner
-from autosp.compiler.fx.layers import assign_layers, layer_of_path, module_path
-from autosp.compiler.fx.node_kinds import (AUTOSP_ATTENTION_OPS, AUTOSP_COLLECTIVE_OPS, AUTOSP_HOST_PARAM_OPS,
-                                        AUTOSP_OFFLOAD_OPS, AUTOSP_OPAQUE_OPS, AUTOSP_TOKENWISE_OPS,
-                                        is_attention_forward, is_attention_value, is_collective, is_collective_value,
-                                        is_opaque)
-from autosp.compiler.memory.policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
+from autosp.compiler.memory.policy import Policy, SacPolicy, parse_policy
 from autosp.compiler.memory.records import PartitionRecord
 from autosp.compiler.memory.tags import tag_joint_graph
-
-#: the names importers read from here: the policy, what a node is, its layer, what a partition saved
-__all__ = ["AUTOSP_ATTENTION_OPS", "AUTOSP_COLLECTIVE_OPS", "AUTOSP_HOST_PARAM_OPS", "AUTOSP_OFFLOAD_OPS",
-           "AUTOSP_OPAQUE_OPS", "AUTOSP_TOKENWISE_OPS", "INDUCTOR_MEMORY_CONFIG", "POLICY_CHOICES", "PartitionRecord",
-           "Policy", "SacPartitioner", "SacPolicy", "assign_layers", "compile_with_partitioner", "is_attention_forward",
-           "is_attention_value", "is_collective", "is_collective_value", "is_opaque", "layer_of_path",
-           "make_partition_fn", "module_path", "node_nbytes", "parse_policy", "sac_backend",
-           "tag_joint_graph"]
-
 
 #: the modules whose source decides a partition: Inductor's caches are keyed by their contents (`SacPartitioner.uuid`)
 PARTITION_SOURCES = ("autosp.compiler.memory.partitioner", "autosp.compiler.memory.planner",
@@ -123,18 +107,3 @@ def make_partition_fn(policy: str | Policy = SacPolicy.SAC, *, cacheable: bool =
     """Partition function for ``aot_autograd(..., partition_fn=...)`` implementing ``policy`` (under ``auto`` also
     the host-memory lever: ``offload`` and ``host_budget``, `autosp.compiler.memory.planner.plan_partition`)."""
     return SacPartitioner(parse_policy(policy), cacheable=cacheable, offload=offload, host_budget=host_budget)
-
-
-def sac_backend(
-    policy: str | Policy = SacPolicy.SAC, inner: str = "aot_eager", *, cacheable: bool = True, **planner: Any
-) -> Callable[..., Any]:
-    """A ``torch.compile`` backend applying ``policy`` (no SP pass): single-process SAC; the backend's
-    ``partition_fn`` attribute exposes the partition records; ``planner``: `make_partition_fn`'s offload and
-    host_budget."""
-    partition_fn = make_partition_fn(policy, cacheable=cacheable, **planner)
-
-    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_with_partitioner(gm, example_inputs, partition_fn=partition_fn, inner=inner)
-
-    backend.partition_fn = partition_fn  # type: ignore[attr-defined]
-    return backend

@@ -1,47 +1,15 @@
 """The memory planner (``--sac auto`` / ``budget=<bytes>``, the compiler's default): per compiled graph, the least
-added step time that fits the device.
+added step time that fits the device's byte budget.
 
-Each value backward needs is kept on the device, moved to host memory, or recomputed. Recomputing costs time;
-a move to host memory costs none where its copy hides behind the compute (a side stream on GPUs,
-`autosp.compiler.memory.offload`) but holds host memory. So the planner walks a ladder of plans ordered by recompute
-cost and takes the first whose estimated peak fits the per-rank byte budget (given, or the device's free memory
-at compile time; no limit on CPU unless given):
-
-1. save everything (attention and collectives pinned, the rest left to torch's min-cut, which only re-runs
-   what is free to re-run) — no layer is recomputed;
-2. recompute the token-wise ops (linear/MLP, norms, rotary, elementwise) of the first k decoder layers, k = 1..N:
-   the ``sac`` policy in k layers. Their FLOPs grow linearly in the sequence, attention's quadratically;
-3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
-   layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``);
-4. also re-run the all-to-alls of the first k layers, k = 1..N: the whole layer recomputed from its input, as
-   per-layer activation checkpointing does (ALST, ``ulysses[ac=layer]``) — only when 3. with all N layers does
-   not fit: its cost is communication, and it frees what no other rung can (the all-to-alls' full-length
-   outputs, pinned on every other rung). The plan says ``recomputes_collectives``.
-
-On every rung that does not fit as it is, saved values move to host memory before the next rung is tried
-(``offload=auto``), if their bytes fit the host budget — first the layer-boundary values
-(`offload.boundary_values`), then every saved value made inside a layer: host memory is spent before recompute.
-``offload=activations`` moves the boundaries on every rung, ``off`` never. With room to spare the first rung fits:
-nothing recomputed, nothing moved.
-
-ZeRO-3 parameter gathers are re-run in backward under every policy. Within a phase the saved bytes fall as k
-grows, so the smallest fitting k is found by bisection: a graph is partitioned about 1 + 3 log2(N) times at most
-(each on a copy of the joint graph); the host-memory variants of a rung reuse its partition.
-
-Cost model, from the graph alone (no run):
-* memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
-  every non-view value allocates its bytes (shape x dtype from its fake value) and is freed after its last user;
-  views share their base; graph outputs (saved values, gradients) are never freed within their graph; backward
-  starts with the saved activations and tangents alive. Graph inputs (parameters, the batch) are resident model
-  state that the caller subtracts from the budget. Buffers inside opaque kernels (the all-to-all's send and
-  receive buffers, a tiled loss's tile) are added while their node runs, as each op declares them
-  (``autosp.comm.transients``), and so are a multi-output op's outputs. It does not see Inductor's fusion
-  and buffer reuse (which lower the real peak), nor anything outside the graph (the optimizer step). Measured
-  against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
-  of the step's peak increase at 512, 1K and 2K tokens.
-* time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
-  one per output element for the others (memory-bound ops), and the bytes moved to host memory (each way, per
-  step), reported for the chosen plan; values in host memory are not device bytes in the replay.
+Each value backward needs is kept on the device, moved to host memory, or recomputed. The planner walks a ladder of
+plans ordered by recompute cost and takes the first whose estimated peak fits: keep everything; recompute the
+token-wise ops of the first k layers; also their attention; also their all-to-alls (the whole layer, as per-layer
+checkpointing does). On a rung that does not fit as it is, saved values move to host memory first (``offload=auto``,
+within the host budget): host memory is spent before recompute. The smallest fitting k is found by bisection. The
+peak is estimated from the graph alone, by a liveness replay of the partitioned graphs (`live_at_peak`) with the
+scratch bytes opaque ops declare; the cost is the recomputed FLOPs (`recompute_flops`) and the bytes moved.
+The ladder, the cost model and how the replay was checked against measured peaks:
+docs/measurements/2026-12-02-planner.md ("How the planner decides").
 """
 from __future__ import annotations
 
@@ -55,15 +23,22 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autosp.compiler.fx.layers import assign_layers, forward_nodes
-from autosp.compiler.fx.node_kinds import (_getitem_parent, _is_view, is_attention_forward, is_attention_value,
-                                       is_collective_value, is_pinned_value)
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
+from autosp.comm.transients import nbytes, transient_bytes
+from autosp.compiler.fx import (
+    assign_layers,
+    forward_nodes,
+    getitem_source,
+    is_attention_forward,
+    is_attention_value,
+    is_collective_value,
+    is_pinned_value,
+    is_view,
+    node_nbytes,
+)
 from autosp.compiler.memory.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
 from autosp.compiler.memory.records import saved_values
-from autosp.compiler.memory.tags import _regather_parameters, _tag, _tag_layers
-from autosp.comm.transients import nbytes, transient_bytes
-from autosp.compiler.fx.nodes import node_nbytes
+from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
 
 
 @dataclass(frozen=True)
@@ -145,10 +120,10 @@ def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequ
         rerun_collective = is_collective_value(node) and layers.get(node) in collectives
         if (is_pinned_value(node) and not rerun_collective) or (
                 is_attention_value(node) and layers.get(node) not in attention):
-            _tag(node, CheckpointPolicy.MUST_SAVE)
-    _regather_parameters(graph, forward)
+            tag_node(node, CheckpointPolicy.MUST_SAVE)
+    tag_parameter_regathers(graph, forward)
     if tokenwise:
-        _tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
+        tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
 
 
 @dataclass
@@ -254,10 +229,10 @@ def plan_partition(
 def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
     """The node whose allocation `node`'s value lives in: a view's base, and so for each piece a multi-output view
     op returns (split's, unbind's: the base lives until its last piece dies); itself otherwise."""
-    if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+    if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
         return owners[node.args[0]]
-    parent = _getitem_parent(node)
-    if parent is not None and _is_view(parent):
+    parent = getitem_source(node)
+    if parent is not None and is_view(parent):
         return owners[parent]
     return node
 
@@ -299,7 +274,7 @@ def _running_bytes(node: fx.Node) -> int:
     """Bytes alive only while `node` runs: its op's declared scratch, and for a multi-output op all its outputs
     (allocated by the op; the replay books each again at the getitem that takes it, and frees unused ones)."""
     val = node.meta.get("val")
-    allocates = isinstance(val, (tuple, list)) and not _is_view(node)  # a split's pieces are views of its input
+    allocates = isinstance(val, (tuple, list)) and not is_view(node)  # a split's pieces are views of its input
     outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if allocates else 0
     return transient_bytes(node) + outputs
 
@@ -337,7 +312,7 @@ def recompute_flops(bw: fx.GraphModule) -> int:
         rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
         if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
             continue
-        if node.target is operator.getitem or _getitem_parent(node) is not None:
+        if node.target is operator.getitem or getitem_source(node) is not None:
             continue
         flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
         total += flops if flops else node_nbytes(node) // max(1, _itemsize(node))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autosp.compiler.fx.sizes import UNITS, split_size
+from autosp.compiler.fx import UNITS, split_size
 from autosp.errors import ConfigError
 
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from autosp.compiler.fx.nodes import node_nbytes
-from autosp.compiler.fx.node_kinds import _getitem_parent, is_attention_forward, is_collective
+from autosp.compiler.fx import getitem_source, is_attention_forward, is_collective, node_nbytes
 
 
 def saved_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
@@ -83,7 +82,8 @@ class PartitionRecord:
         """Forward ops that the backward graph re-runs."""
         return sum(
             n.op == "call_function"
-            and _getitem_parent(n) is None
-            and (n.meta.get("partitioner_tag") == "is_forward" or getattr(n.target, "__name__", "") == "run_with_rng_state")
+            and getitem_source(n) is None
+            and (n.meta.get("partitioner_tag") == "is_forward"
+                 or getattr(n.target, "__name__", "") == "run_with_rng_state")
             for n in self.bw_module.graph.nodes
         )

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp.compiler.fx.nodes import node_nbytes
-from autosp.compiler.fx.layers import model_module
-from autosp.compiler.fx.node_kinds import is_attention_value, is_collective_value
+from autosp.compiler.fx import is_attention_value, is_collective_value, model_module, node_nbytes
 from autosp.compiler.memory.records import PartitionRecord
 
 CATEGORIES = ("attention", "mlp", "norm", "other")

@@ -1,2 +1,15 @@
-"""Pass 1, sequence parallelism: the walk over Dynamo's Torch-IR graph of one rank that shards the sequence, resizes
-views, keeps index tensors whole, reduces the loss over the group, and routes attention through `attention/`."""
+"""Pass 1, sequence parallelism: the walk (`walk`) over Dynamo's Torch-IR graph of one rank that finds attention and
+the sequence inputs (`analysis`), narrows full values to this rank's shard (`shard`, `indices`, `index_chains`),
+resizes views (`resize`), pads any length (`padding`), keeps MoE routing local (`routing`, `expert_counts`), slices
+dropout masks (`dropout`), reduces the loss over the group (`loss`), and routes attention through `attention/`
+(all-to-alls, the hybrid with ring attention, hand-written and flex attention, masks in O(S)). The names below are
+what the rest of the compiler (and the project Llama, for its masked attention) imports; the modules are private to
+this package."""
+from __future__ import annotations
+
+from autosp.compiler.sp.attention.flex import check_flex_lowering
+from autosp.compiler.sp.attention.hybrid import subgroups
+from autosp.compiler.sp.attention.masked_attention import masked_attention
+from autosp.compiler.sp.walk import sequence_parallel_pass
+
+__all__ = ["check_flex_lowering", "masked_attention", "sequence_parallel_pass", "subgroups"]

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autosp.compiler.sp.attention import eager_attention, flex
+from autosp.compiler.fx import attention_args, is_attention
 from autosp.compiler.sp import indices
-from autosp.compiler.fx.sdpa import attention_args, is_attention
+from autosp.compiler.sp.attention import eager_attention, flex
 from autosp.compiler.sp.spec import node_label
 from autosp.errors import SequenceParallelError
+
 
 @dataclass(frozen=True)
 class AttentionSite:

@@ -22,7 +22,8 @@ DROPOUTS = {F.dropout, torch.dropout, "dropout"}
 
 def _arguments(node: fx.Node) -> tuple[fx.Node, float, bool]:
     names = ("input", "p", "training", "inplace")
-    bound = {"p": 0.5, "training": True, "inplace": False} | dict(zip(names, node.args)) | dict(node.kwargs)
+    positional = dict(zip(names, node.args, strict=False))  # the arguments given by position: a prefix of `names`
+    bound = {"p": 0.5, "training": True, "inplace": False} | positional | dict(node.kwargs)
     if node.target is torch.dropout:  # torch.dropout(input, p, train)
         bound["training"] = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
     return bound["input"], float(bound["p"]), bool(bound["training"])

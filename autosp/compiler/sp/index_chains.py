@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autosp.compiler.sp.resize import _size_args
+from autosp.compiler.sp.resize import size_args
 from autosp.compiler.sp.spec import SPContext
 
 NARROWS = {"narrow", torch.narrow}
@@ -212,7 +212,7 @@ def _stack(node: fx.Node, out: torch.Tensor, dim: int):
 def _expand(node: fx.Node, out: torch.Tensor, dim: int):
     """The input is narrowed where it holds the dim (else it broadcasts), the hard-coded size becomes the shard's."""
     source = node.args[0]
-    sizes, as_sequence = _size_args(node)
+    sizes, as_sequence = size_args(node)
     if len(sizes) != out.dim() or any(isinstance(s, fx.Node) for s in sizes):
         return None
     value = _value(source)

@@ -22,7 +22,7 @@ EXPANDS = {"expand"}
 _LIKE = {"view_as", "reshape_as", "expand_as"}
 
 
-def _size_args(node: fx.Node) -> tuple[list, bool]:
+def size_args(node: fx.Node) -> tuple[list, bool]:
     """The target sizes of a view/reshape/expand and whether they were passed as one sequence."""
     sizes = node.args[1:] if "shape" not in node.kwargs and "size" not in node.kwargs else (
         node.kwargs.get("shape", node.kwargs.get("size")),)
@@ -87,7 +87,7 @@ def resize(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
     if not ctx.is_local(source):
         return None
     spec = ctx.spec(source)
-    sizes, as_sequence = _size_args(node)
+    sizes, as_sequence = size_args(node)
     out_shape = tuple(ctx.original[node].shape)
     if node.target in EXPANDS:  # sizes align with the input's dims from the right
         new_spec = spec.at(spec.dim + len(out_shape) - ctx.current[source].dim())
@@ -113,7 +113,7 @@ def repeated(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
                                                                                        ShardSpec):
         return None
     spec = ctx.spec(node.args[0])
-    counts, _ = _size_args(node)
+    counts, _ = size_args(node)
     if any(isinstance(c, fx.Node) for c in counts):
         raise SequenceParallelError(f"{node_label(node)}: symbolic sizes are resized by `mark_dynamic` graphs only")
     dim = spec.dim + len(counts) - ctx.current[node.args[0]].dim()
@@ -130,14 +130,14 @@ def fresh_like(ctx: SPContext, node: fx.Node) -> ShardSpec | None:
     if node.target not in FRESH_LIKE or not ctx.is_local(source) or not isinstance(ctx.specs[source], ShardSpec):
         return None
     spec = ctx.spec(source)
-    sizes, packed = _size_args(node)
+    sizes, packed = size_args(node)
     full = ctx.original[source].shape
     if len(sizes) != len(full) or sizes[spec.dim] != spec.full_extent or list(sizes[:spec.dim]) != list(
             full[:spec.dim]):
         return None
     sizes[spec.dim] = spec.local_extent
-    size_args = (tuple(sizes),) if packed else tuple(sizes)
-    node.args = (source, *size_args) if "size" not in node.kwargs else (source,)
+    new_sizes = (tuple(sizes),) if packed else tuple(sizes)
+    node.args = (source, *new_sizes) if "size" not in node.kwargs else (source,)
     if "size" in node.kwargs:
         node.kwargs = {**node.kwargs, "size": tuple(sizes)}
     return spec

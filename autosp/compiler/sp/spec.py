@@ -1,14 +1,14 @@
 """Where a rank-local value sits in the global sequence, and the graph-walk state the SP steps share."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autosp.compiler.fx.layers import global_callee, module_path
+from autosp.compiler.fx import global_callee, module_path
 from autosp.errors import SequenceParallelError
 
 
@@ -44,7 +44,7 @@ class ShardSpec:
     def merged(self) -> bool:
         return self.outer != 1 or self.inner != 1
 
-    def at(self, dim: int, **changes: int) -> "ShardSpec":
+    def at(self, dim: int, **changes: int) -> ShardSpec:
         return replace(self, dim=dim, **changes)
 
 
@@ -173,6 +173,3 @@ class SPContext:
             self._localized[key] = node
         return self._localized[key]
 
-
-def shape_of(value: Any) -> tuple[int, ...]:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()

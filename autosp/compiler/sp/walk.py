@@ -16,10 +16,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
+from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
-from autosp.compiler.fx.sdpa import is_attention
+from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -154,13 +154,14 @@ def _input_spec(ctx: SPContext, node: fx.Node) -> ShardSpec:
 def _output_spec(ctx: SPContext, node: fx.Node, before: Any, after: Any) -> Any:
     """Read the output's shard off the shapes: the one dim that shrank carries the sequence."""
     if isinstance(before, (tuple, list)):
-        specs = tuple(_output_spec(ctx, node, b, a) for b, a in zip(before, after))
+        specs = tuple(_output_spec(ctx, node, b, a) for b, a in zip(before, after, strict=True))
         return specs if any(s is not None for s in specs) else None
     if not isinstance(before, torch.Tensor):
         if before != after:
-            raise SequenceParallelError(f"{node_label(node)} reads a size of the sharded sequence ({before} -> {after})")
+            raise SequenceParallelError(
+                f"{node_label(node)} reads a size of the sharded sequence ({before} -> {after})")
         return None
-    changed = [d for d, (b, a) in enumerate(zip(before.shape, after.shape)) if b != a]
+    changed = [d for d, (b, a) in enumerate(zip(before.shape, after.shape, strict=True)) if b != a]
     if len(changed) > 1:
         raise SequenceParallelError(
             f"{node_label(node)} ({node.target}) combines two sharded sequence dimensions (shape "

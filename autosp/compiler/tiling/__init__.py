@@ -1,2 +1,9 @@
-"""Pass 2, tiling: the LM head + loss over tiles of the local tokens, token-wise blocks in token tiles, RMSNorms as one
-kernel over chunks."""
+"""Pass 2, tiling: the LM head + cross-entropy over tiles of the local tokens (`loss`, its kernel `loss_op`), token-wise
+blocks such as the MLP in token tiles (`mlp`), Llama's RMSNorm as one kernel over chunks of tokens (`norm`, its
+kernel `rms_norm_op`). The names below are the tiling option and the pass, what the driver and the harness import;
+the modules are private to this package."""
+from __future__ import annotations
+
+from autosp.compiler.tiling.loss import Tiling, TilingReport, apply_tiling, check_outputs, describe, parse_tiling
+
+__all__ = ["Tiling", "TilingReport", "apply_tiling", "check_outputs", "describe", "parse_tiling"]

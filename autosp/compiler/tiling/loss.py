@@ -34,8 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autosp.comm.library import op
-from autosp.compiler.fx import nodes as fx_nodes
-from autosp.compiler.fx.nodes import DYNAMO, dynamo_value
+from autosp.compiler.fx import DYNAMO, dynamo_value, eliminate_dead_code, emit
 from autosp.compiler.tiling import loss_op as tiled_loss_op  # noqa: F401  (defines the op the pass emits)
 from autosp.compiler.tiling.mlp import MIN_TILE_TOKENS, tile_token_wise_blocks
 from autosp.compiler.tiling.norm import fuse_rms_norms
@@ -71,7 +70,7 @@ class Tiling:
 KINDS = ("loss", "mlp", "norm")
 
 
-def parse_tiling(value: "str | Tiling | None") -> Tiling:
+def parse_tiling(value: str | Tiling | None) -> Tiling:
     """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm, the norms only where
     they upcast a 16-bit hidden state), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
@@ -81,7 +80,8 @@ def parse_tiling(value: "str | Tiling | None") -> Tiling:
     tile_tokens = None
     if size:
         if not size.isdigit() or int(size) < 1:
-            raise ConfigError(f"tiling {value!r}: the tile size after ':' must be a positive token count, e.g. loss:1024")
+            raise ConfigError(
+                f"tiling {value!r}: the tile size after ':' must be a positive token count, e.g. loss:1024")
         tile_tokens = int(size)
     if kind == "off" and not size:
         return Tiling()
@@ -157,7 +157,7 @@ class _Head:
     dtype: torch.dtype  # the loss's input dtype (after casts)
 
 
-def _find_head(ce_input: fx.Node, output: fx.Node) -> "_Head | str":
+def _find_head(ce_input: fx.Node, output: fx.Node) -> _Head | str:
     """The LM head feeding `ce_input`, or the reason it cannot be tiled."""
     steps: list[fx.Node] = []
     node = ce_input
@@ -199,7 +199,7 @@ def _hidden_through(graph: fx.Graph, head: _Head, vocab: int, hidden_size: int) 
         args[0] = node
         if step.target is not operator.getitem and args[-1] == vocab:
             args[-1] = hidden_size
-        node = fx_nodes.emit(graph, step.target, tuple(args), dict(step.kwargs), key=DYNAMO)
+        node = emit(graph, step.target, tuple(args), dict(step.kwargs), key=DYNAMO)
     return node
 
 
@@ -225,17 +225,17 @@ def tile_loss(gm: fx.GraphModule, tiling: Tiling) -> TilingReport:
             tile_tokens = tiling.tile_tokens or auto_tile_tokens(tokens, hidden_size, vocab)
             weight = head.linear.args[1]
             with_grads = dynamo_value(hidden).requires_grad or dynamo_value(weight).requires_grad
-            fused = fx_nodes.emit(graph, op("linear_cross_entropy").default,
+            fused = emit(graph, op("linear_cross_entropy").default,
                                   (hidden, weight, bound["target"], bound.get("ignore_index", -100), head.dtype,
                                    tile_tokens, with_grads), key=DYNAMO)
-            loss = fx_nodes.emit(graph, operator.getitem, (fused, 0), key=DYNAMO)
+            loss = emit(graph, operator.getitem, (fused, 0), key=DYNAMO)
             if bound.get("reduction", "mean") == "mean":
-                valid = fx_nodes.emit(graph, torch.ne, (bound["target"], bound.get("ignore_index", -100)), key=DYNAMO)
-                count = fx_nodes.emit(graph, torch.sum, (valid,), key=DYNAMO)
-                loss = fx_nodes.emit(graph, torch.div, (loss, count), key=DYNAMO)
+                valid = emit(graph, torch.ne, (bound["target"], bound.get("ignore_index", -100)), key=DYNAMO)
+                count = emit(graph, torch.sum, (valid,), key=DYNAMO)
+                loss = emit(graph, torch.div, (loss, count), key=DYNAMO)
         ce.replace_all_uses_with(loss)  # the head, its casts/views and the loss are dead now
         report.tiled.append({"tokens": int(tokens), "vocab": int(vocab), "tile_tokens": int(tile_tokens)})
-    fx_nodes.eliminate_dead_code(graph)
+    eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return report
@@ -277,7 +277,7 @@ def keep_only_loss(gm: fx.GraphModule) -> bool:
         return value if not isinstance(value, fx.Node) or depends[value] else None
 
     output.args = (keep(output.args[0]),)
-    fx_nodes.eliminate_dead_code(graph)
+    eliminate_dead_code(graph)
     gm.recompile()
     return True
 

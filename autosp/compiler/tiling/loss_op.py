@@ -32,7 +32,8 @@ def tiled_cross_entropy(
     (nothing to differentiate) the gradients are empty."""
     total = hidden.new_zeros((), dtype=torch.float32)
     grad_hidden = torch.empty_like(hidden) if with_grads else hidden.new_empty(0)
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else weight.new_empty(0, dtype=torch.float32)
+    grad_weight = (torch.zeros_like(weight, dtype=torch.float32) if with_grads
+                   else weight.new_empty(0, dtype=torch.float32))
     head = weight.to(hidden.dtype)
     for start in _tiles(hidden.shape[0], tile_tokens):
         tile_target = target[start:start + tile_tokens]

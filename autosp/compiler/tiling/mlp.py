@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from autosp.comm.library import op_name
-from autosp.compiler.fx import nodes as fx_nodes
-from autosp.compiler.fx.nodes import DYNAMO, dynamo_value
+from autosp.compiler.fx import DYNAMO, dynamo_value, emit, run_fake
 
 #: fewest tokens per tile: below this a [T, d] x [d, V] matmul stops using the hardware well
 MIN_TILE_TOKENS = 256
@@ -24,7 +23,8 @@ MIN_TILE_TOKENS = 256
 #: ops that act on each token independently (feature-dim matmuls, elementwise): a module made only of these
 #: can run over token tiles with identical results
 _TOKEN_WISE_FUNCTIONS = {
-    torch._C._nn.linear, F.linear, F.silu, F.gelu, F.relu, F.sigmoid, torch.sigmoid, torch.tanh, torch.nn.functional.tanh,
+    torch._C._nn.linear, F.linear, F.silu, F.gelu, F.relu, F.sigmoid, torch.sigmoid, torch.tanh,
+    torch.nn.functional.tanh,
     operator.mul, operator.add, operator.sub, torch.mul, torch.add, torch.sub,
 }
 _TOKEN_WISE_METHODS = {"mul", "add", "sub", "sigmoid", "tanh", "relu"}
@@ -161,24 +161,24 @@ def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -
 def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
     meta = block.result.meta
 
-    def emit(target: Any, args: tuple) -> fx.Node:
-        node = fx_nodes.emit(graph, target, args, key=DYNAMO)
+    def emit_in_block(target: Any, args: tuple) -> fx.Node:
+        node = emit(graph, target, args, key=DYNAMO)
         node.meta["nn_module_stack"] = meta.get("nn_module_stack")
         return node
 
     for weight in block.weights:  # made once, ahead of every tile
         block.nodes[0].prepend(weight)
     with graph.inserting_before(block.nodes[0]):
-        pieces = emit(torch.split, (block.source, size, -2))
+        pieces = emit_in_block(torch.split, (block.source, size, -2))
         outputs = []
         for i in range(len(dynamo_value(pieces))):
-            env = {block.source: emit(operator.getitem, (pieces, i))}
+            env = {block.source: emit_in_block(operator.getitem, (pieces, i))}
             for node in block.nodes:
-                copy = graph.node_copy(node, lambda n: env.get(n, n))
-                copy.meta[DYNAMO] = fx_nodes.run_fake(copy, DYNAMO)
+                copy = graph.node_copy(node, lambda n, env=env: env.get(n, n))
+                copy.meta[DYNAMO] = run_fake(copy, DYNAMO)
                 env[node] = copy
             outputs.append(env[block.result])
-        joined = emit(torch.cat, (outputs, -2))
+        joined = emit_in_block(torch.cat, (outputs, -2))
     block.result.replace_all_uses_with(joined)
     for node in reversed(block.nodes):
         graph.erase_node(node)

@@ -17,10 +17,8 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
-from autosp.compiler.fx import nodes as fx_nodes
+from autosp.compiler.fx import DYNAMO, dynamo_value, eliminate_dead_code, emit, module_path
 from autosp.compiler.tiling import rms_norm_op  # noqa: F401  (defines the op the pass emits)
-from autosp.compiler.fx.nodes import DYNAMO, dynamo_value
-from autosp.compiler.fx.layers import module_path
 from autosp.compiler.tiling.mlp import MIN_TILE_TOKENS
 
 #: chunks per norm when no tile size is given: one chunk's fp32 scratch a sixteenth of the fp32 hidden state
@@ -123,7 +121,8 @@ def _inverse_rms_of(r: fx.Node, x32: fx.Node) -> float | None:
 
 
 def norm_chunk_tokens(num_tokens: int, tile_tokens: int | None) -> int:
-    """Tokens per chunk: the tiling's tile size when given, else a sixteenth of the tokens (at least MIN_TILE_TOKENS)."""
+    """Tokens per chunk: the tiling's tile size when given, else a sixteenth of the tokens (at least
+    MIN_TILE_TOKENS)."""
     if tile_tokens:
         return max(1, min(num_tokens, tile_tokens))
     return max(1, min(num_tokens, max(MIN_TILE_TOKENS, math.ceil(num_tokens / AUTO_CHUNKS))))
@@ -146,14 +145,14 @@ def fuse_rms_norms(gm: fx.GraphModule, tile_tokens: int | None = None, *, upcast
         tokens = math.prod(int(d) for d in value.shape[:-1])
         chunk = norm_chunk_tokens(tokens, tile_tokens)
         with graph.inserting_before(out):
-            call = fx_nodes.emit(graph, op("rms_norm").default, (x, weight, eps, chunk), key=DYNAMO)
-            normed = fx_nodes.emit(graph, operator.getitem, (call, 0), key=DYNAMO)
+            call = emit(graph, op("rms_norm").default, (x, weight, eps, chunk), key=DYNAMO)
+            normed = emit(graph, operator.getitem, (call, 0), key=DYNAMO)
         for node in (call, normed):
             node.meta["nn_module_stack"] = out.meta.get("nn_module_stack")
             node.meta["stack_trace"] = out.meta.get("stack_trace")
         out.replace_all_uses_with(normed)
         fused.append({"module": module_path(out) or "", "tokens": tokens, "chunk_tokens": chunk})
-    fx_nodes.eliminate_dead_code(graph)
+    eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return fused

@@ -38,8 +38,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.library import op_name
-from autosp.compiler.fx.nodes import fake_value, graph_call, node_nbytes
-from autosp.compiler.fx.layers import layer_of_path, module_path
+from autosp.compiler.fx import fake_value, graph_call, layer_of_path, module_path, node_nbytes
 from autosp.errors import SequenceParallelError
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -106,7 +105,7 @@ def bucket_gradient_reduction(
     entries.sort(key=lambda e: e.order)
     buckets = list(_group(entries, reduction))
     issued = [_issue(graph, bucket, reduction) for bucket in buckets]
-    for k, (bucket, (collective, sizes)) in enumerate(zip(buckets, issued)):
+    for k, (bucket, (collective, sizes)) in enumerate(zip(buckets, issued, strict=True)):
         # bucket k is waited for once bucket k+1 is issued: at most two reductions in flight, so their buffers (at
         # stages 2/3 the full gradients) do not pile up until the end of backward
         before = issued[k + 1][0].next if k + 1 < len(buckets) else output
@@ -115,7 +114,8 @@ def bucket_gradient_reduction(
         output.args = (list(output.args[0][:num_fwd_outputs]) + grads, *output.args[1:])
     graph.lint()
     joint_gm.recompile()
-    return [Bucket(tuple(dict.fromkeys(e.layer for e in b)), len(b), sum(node_nbytes(e.full) for e in b)) for b in buckets]
+    return [Bucket(tuple(dict.fromkeys(e.layer for e in b)), len(b), sum(node_nbytes(e.full) for e in b))
+            for b in buckets]
 
 
 def _reduce_scatters_of(grad: fx.Node) -> list[fx.Node]:

@@ -38,8 +38,7 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op_name
-from autosp.compiler.fx.nodes import fake_value, graph_call
-from autosp.compiler.fx.layers import layer_of_path, module_path
+from autosp.compiler.fx import fake_value, graph_call, layer_of_path, module_path
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
@@ -76,7 +75,7 @@ def prefetch_gathers(gm: fx.GraphModule) -> list[GatherBucket]:
         prefetched.append(early)
     graph.lint()
     gm.recompile()
-    return [GatherBucket(layer, len(b), early) for layer, b, early in zip(layers, buckets, prefetched)]
+    return [GatherBucket(layer, len(b), early) for layer, b, early in zip(layers, buckets, prefetched, strict=True)]
 
 
 def _is_fetch(node: fx.Node) -> bool:

@@ -186,7 +186,8 @@ def add_history_parser(subparsers: argparse._SubParsersAction) -> None:
     q = action("plot", "figure (PNG + PDF) and a static HTML dashboard of the history", _cmd_plot)
     q.add_argument("--out", default="figures/history.png", help="PNG path; the PDF goes beside it")
     q.add_argument("--html", default="results/history/index.html", help="the dashboard page")
-    q.add_argument("--base", default=None, help="revision whose median the baseline band surrounds (default: the first)")
+    q.add_argument("--base", default=None,
+                   help="revision whose median the baseline band surrounds (default: the first)")
     stats_flags(q)
 
     action("list", "the recorded commits per machine", _cmd_list)

@@ -28,7 +28,7 @@ from autosp.experiments.history.store import (
     MACHINE_KEY,
     SERIES_KEY,
     TRAINABILITY_METRICS,
-    _git,
+    git_output,
     higher_is_better,
     repo_root,
 )
@@ -55,7 +55,7 @@ def with_points(history: pd.DataFrame) -> pd.DataFrame:
         raise ConfigError("the history store holds no samples; record results first")
     df = history.dropna(subset=["commit_sha"]).copy()
     df["dirty"] = df["dirty"].fillna(0).astype(bool)
-    df["point"] = [Point(c, d).label for c, d in zip(df["commit_sha"], df["dirty"])]
+    df["point"] = [Point(c, d).label for c, d in zip(df["commit_sha"], df["dirty"], strict=True)]
     df["machine"] = df[list(MACHINE_KEY)].fillna("?").astype(str).agg(" / ".join, axis=1)
     key = df[list(SERIES_KEY)].astype(object).where(df[list(SERIES_KEY)].notna(), None)
     df["series"] = [repr(tuple(row)) for row in key.itertuples(index=False)]  # NaN-free, hashable group key
@@ -72,7 +72,7 @@ def resolve(rev: str, df: pd.DataFrame) -> str:
     prefix; `REV+dirty` picks the dirty measurements of that commit."""
     want_dirty = rev.endswith("+dirty")
     rev = rev.removesuffix("+dirty")
-    sha = _git(repo_root(), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    sha = git_output(repo_root(), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
     recorded = df.drop_duplicates("point")
     matches = recorded[recorded["commit_sha"] == sha] if sha else recorded.iloc[0:0]
     if matches.empty:
@@ -235,11 +235,11 @@ def format_table(table: pd.DataFrame) -> str:
 
     shown = pd.DataFrame({
         "series": [series_label(r) for _, r in table.iterrows()],
-        "n": [f"{b}/{h}" for b, h in zip(table["n_base"], table["n_head"])],
+        "n": [f"{b}/{h}" for b, h in zip(table["n_base"], table["n_head"], strict=True)],
         "base": table["base"].map(number), "head": table["head"].map(number),
         "change": table["change"].map(percent),
         "95% CI": [f"[{percent(lo)}, {percent(hi)}]" if not math.isnan(lo) else "-"
-                   for lo, hi in zip(table["ci_low"], table["ci_high"])],
+                   for lo, hi in zip(table["ci_low"], table["ci_high"], strict=True)],
         "p": table["p_value"].map(lambda p: "-" if math.isnan(p) else f"{p:.3g}"),
         "verdict": table["verdict"],
     })

@@ -54,7 +54,7 @@ def draw_history(history: pd.DataFrame, *, threshold: float, alpha: float, base:
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.4 * rows), squeeze=False,
                              constrained_layout=True)
-    for ax, (title, series) in zip(axes.flat, panels):
+    for ax, (title, series) in zip(axes.flat, panels, strict=False):
         walk = [p for p in points if p in set(series["point"])]
         x_of = {p: i for i, p in enumerate(walk)}
         medians = series.groupby("point")["value"].median().reindex(walk)
@@ -76,7 +76,7 @@ def draw_history(history: pd.DataFrame, *, threshold: float, alpha: float, base:
                       rotation=30, fontsize=7)
         ax.set_title(title, fontsize=8)
         handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles))
+        unique = dict(zip(labels, handles, strict=True))
         ax.legend(unique.values(), unique.keys(), fontsize=6, loc="best")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)

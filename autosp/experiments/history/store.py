@@ -94,7 +94,8 @@ def load_history(path: str | os.PathLike) -> pd.DataFrame:
         return pd.read_sql_query("SELECT rowid AS row, * FROM samples ORDER BY rowid", con)
 
 
-def _git(repo: Path, *args: str) -> str | None:
+def git_output(repo: Path, *args: str) -> str | None:
+    """What `git -C repo args` prints, or None where git fails (not a checkout, an unknown commit, no git)."""
     try:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
@@ -111,7 +112,7 @@ def commit_time(commit: str | None, repo: Path | None = None) -> str | None:
     """Committer date of `commit` (ISO 8601, UTC), or None when the commit is not in the repository."""
     if not commit:
         return None
-    text = _git(repo or repo_root(), "show", "-s", "--format=%cI", commit)
+    text = git_output(repo or repo_root(), "show", "-s", "--format=%cI", commit)
     if not text:
         return None
     return datetime.fromisoformat(text).astimezone(timezone.utc).isoformat(timespec="seconds")
@@ -195,7 +196,7 @@ def samples_of_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (record.get("bench_id"), record.get("seq_len"), (record.get("extra") or {}).get("repeat"))
         if key in reference_steps and reference_steps[key][0] != record.get("method"):
             ref, ref_steps = reference_steps[key]  # step i of each: every sample used once, pairs independent
-            add(record, f"{SPEED_RATIO_PREFIX}{ref}", [r / s for r, s in zip(ref_steps, samples) if s])
+            add(record, f"{SPEED_RATIO_PREFIX}{ref}", [r / s for r, s in zip(ref_steps, samples, strict=False) if s])
     return rows
 
 

@@ -17,23 +17,39 @@ Modules: `config` (what is executed), `tracker` (the storage tracker and peaks),
 from __future__ import annotations
 
 from autosp.experiments.simulate import extrapolate, programs
-from autosp.experiments.simulate.adapters import _optimizer_implementation_of
+from autosp.experiments.simulate.adapters import optimizer_implementation_of
 from autosp.experiments.simulate.cli import VALIDATION_KEY, add_simulate_parser, validation_table
-from autosp.experiments.simulate.config import (AFTER_BACKWARD, COMPONENTS, DIRECT_INDUCTOR_BACKEND, EXACT_LAYERS,
-                                                SIMULATED_BACKEND, UNSUPPORTED, SimulationError, simulate_config)
-from autosp.experiments.simulate.extrapolate import (_PREDICTIONS, LAST_RUNG_SAC, NOT_LINEAR_IN_DEPTH, SECOND_PAIR,
-                                                     _extrapolate, predict_peak)
-from autosp.experiments.simulate.lengths import _summary, curve_hint, simulate, simulated_search
-from autosp.experiments.simulate.programs import (_SHARED, SHARED_PROGRAM_METHODS, RankProgram, _rank_peak,
-                                                  shared_rank_programs, simulate_rank)
+from autosp.experiments.simulate.config import (
+    AFTER_BACKWARD,
+    COMPONENTS,
+    DIRECT_INDUCTOR_BACKEND,
+    EXACT_LAYERS,
+    SIMULATED_BACKEND,
+    UNSUPPORTED,
+    SimulationError,
+    simulate_config,
+)
+from autosp.experiments.simulate.extrapolate import (
+    LAST_RUNG_SAC,
+    NOT_LINEAR_IN_DEPTH,
+    SECOND_PAIR,
+    extrapolate_peak,
+    predict_peak,
+)
+from autosp.experiments.simulate.lengths import curve_hint, simulate, simulated_search, summary_line
+from autosp.experiments.simulate.programs import (
+    SHARED_PROGRAM_METHODS,
+    RankProgram,
+    rank_peak,
+    shared_rank_programs,
+    simulate_rank,
+)
 from autosp.experiments.simulate.tracker import LINEAR_TERMS, LiveStorageTracker, PeakMoment, PhasePeak, RankPeak
 from autosp.experiments.simulate.world import fake_world
 
 __all__ = ["AFTER_BACKWARD", "COMPONENTS", "DIRECT_INDUCTOR_BACKEND", "EXACT_LAYERS", "LAST_RUNG_SAC", "LINEAR_TERMS",
            "NOT_LINEAR_IN_DEPTH", "SECOND_PAIR", "SHARED_PROGRAM_METHODS", "SIMULATED_BACKEND", "UNSUPPORTED",
            "VALIDATION_KEY", "LiveStorageTracker", "PeakMoment", "PhasePeak", "RankPeak", "RankProgram",
-           "SimulationError", "add_simulate_parser", "curve_hint", "extrapolate", "fake_world", "predict_peak",
-           "programs", "shared_rank_programs", "simulate", "simulate_config", "simulate_rank", "simulated_search",
-           "validation_table"]
-# also kept for importers and tests: _PREDICTIONS, _SHARED, _extrapolate, _optimizer_implementation_of,
-# _rank_peak, _summary (the underscore names of the single module this package was)
+           "SimulationError", "add_simulate_parser", "curve_hint", "extrapolate", "extrapolate_peak", "fake_world",
+           "optimizer_implementation_of", "predict_peak", "programs", "rank_peak", "shared_rank_programs", "simulate",
+           "simulate_config", "simulate_rank", "simulated_search", "summary_line", "validation_table"]

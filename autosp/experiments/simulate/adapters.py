@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.config import DIRECT_INDUCTOR_BACKEND, SimulationError
+from autosp.experiments.simulate.devices import DeviceModel
+
 
 @contextlib.contextmanager
-def _optimizer_implementation_of(device: DeviceModel) -> Iterator[None]:
+def optimizer_implementation_of(device: DeviceModel) -> Iterator[None]:
     """AdamW as the simulated device runs it. torch picks the implementation by the parameters' device: on a GPU
     the multi-tensor (foreach) step, which holds a temporary as large as all of a rank's parameters in fp32 (the
     square root of the second moments); on CPU, where the fake ranks run, a per-parameter loop with per-parameter
@@ -32,7 +33,7 @@ def _optimizer_implementation_of(device: DeviceModel) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _inductor_compile_unfused() -> Iterator[None]:
+def inductor_compile_unfused() -> Iterator[None]:
     """A method's own direct call of `torch._inductor.compile(gm, inputs)` (DeepSpeed's AutoSP backend) runs the
     graph through `aot_eager_decomp_partition`: inductor's decompositions and min-cut partitioner (so DeepSpeed's
     long-context checkpointing, spliced into that partitioner, decides what is saved), every op unfused, as the
@@ -49,7 +50,7 @@ def _inductor_compile_unfused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
+def deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
     """A shared ds-autosp program compiles DeepSpeed's AutoSP backend per length on its one Dynamo trace
     (`autosp.experiments.simulate.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
     if not shared:
@@ -67,7 +68,7 @@ def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _deepspeed_rank0_answers(rank: int) -> Iterator[None]:
+def deepspeed_rank0_answers(rank: int) -> Iterator[None]:
     """DeepSpeed ZeRO-3's cross-rank consistency checks, answered exactly for the simulated rank 0.
 
     `assert_ints_same_as_other_ranks` broadcasts host ints (parameter ids, the module order) from rank 0 in a tensor
@@ -82,13 +83,14 @@ def _deepspeed_rank0_answers(rank: int) -> Iterator[None]:
         yield
         return
     if rank != 0:
-        raise SimulationError("DeepSpeed's engines are simulated as rank 0 only (their checks broadcast rank 0's lists)")
+        raise SimulationError(
+            "DeepSpeed's engines are simulated as rank 0 only (their checks broadcast rank 0's lists)")
     with mock.patch.object(utils, "get_lst_from_rank0", list), \
             mock.patch.object(utils, "assert_lst_len_same_as_other_ranks", lambda lst: None):
         yield
 
 
-def _identity_move(model: torch.nn.Module):  # noqa: ANN202
+def identity_move(model: torch.nn.Module):  # noqa: ANN202
     """`model.to(device)` onto the device the fake model already lives on: the identity, as it is for real tensors.
 
     torch's `Module._apply` always swaps a FakeTensor parameter for a new one (`torch.utils.swap_tensors`), which
@@ -143,7 +145,7 @@ def real_values() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
+def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
     """The four reads of data in alst's step, answered as the real run would (only once an alst program was set up:
     its setup imports DeepSpeed's `ulysses_sp`):
 
@@ -215,7 +217,7 @@ def _alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Ite
 
 
 @contextlib.contextmanager
-def _deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[None]:
+def deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[None]:
     """DeepSpeed ZeRO-3's `offload_optimizer: cpu` (alst's GPU recipe) with its host memory booked as host.
 
     The fake ranks run on CPU, where DeepSpeed's "device" and its offload target are both `cpu`; on a GPU they
@@ -259,7 +261,7 @@ def _deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[
 
 
 @contextlib.contextmanager
-def _host_optimizer_state(tracker: Any) -> Iterator[None]:
+def host_optimizer_state(tracker: Any) -> Iterator[None]:
     """autosp's optimizer offload (`offload=optimizer`, `autosp.comm.host_optimizer`) booked as host memory: every
     storage it makes inside its `host_region` (master weights, gradient buffers, AdamW's moments and the step's
     temporaries) on any simulated device, as the CPU meter books it in a measured run (the fake ranks run on CPU,

@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-
 from autosp.experiments.simulate.devices import DeviceModel, get_device_model
-from autosp.harness.config import ConfigError, RunConfig
-from autosp.experiments.simulate.lengths import _summary, simulate, simulated_search
+from autosp.experiments.simulate.lengths import simulate, simulated_search, summary_line
 from autosp.experiments.simulate.programs import shared_rank_programs
+from autosp.harness.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -36,7 +35,7 @@ def _simulate_devices(args: argparse.Namespace, cfg: RunConfig, devices: list[De
         record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len, curve=curve) \
             if args.search else simulate(cfg, device)
         append_record(args.out, record)
-        print(_summary(record) + f" -> {args.out}", flush=True)
+        print(summary_line(record) + f" -> {args.out}", flush=True)
         status = max(status, 1 if record["status"] == "error" else 0)
     return status
 
@@ -45,7 +44,7 @@ def _simulate_devices(args: argparse.Namespace, cfg: RunConfig, devices: list[De
 VALIDATION_KEY = ["method", "model", "world_size", "seq_len", "dtype", "batch_size"]
 
 
-def validation_table(records: "pd.DataFrame") -> "pd.DataFrame":
+def validation_table(records: pd.DataFrame) -> pd.DataFrame:
     """Simulated vs measured per-rank peak for every configuration with both (CPU meter vs `cpu` device)."""
     import pandas as pd
 

@@ -2,8 +2,6 @@
 phases and components of a peak, and the error for what cannot be simulated."""
 from __future__ import annotations
 
-
-
 from autosp.harness.config import ConfigError, RunConfig
 
 #: models up to this depth are simulated whole; deeper ones at 2 and 3 layers, extrapolated

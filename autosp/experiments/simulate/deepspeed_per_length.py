@@ -67,7 +67,7 @@ def hinted_at(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, list
         raise RuntimeError(f"Dynamo's graph takes {len(placeholders)} inputs, called with {len(args)}")
     symbols: dict[Any, torch.SymInt] = {}  # Dynamo's symbol -> this length's
     fakes: list[Any] = list(args)
-    for i, (node, arg) in enumerate(zip(placeholders, args)):
+    for i, (node, arg) in enumerate(zip(placeholders, args, strict=True)):
         old = node.meta["example_value"]
         if isinstance(arg, torch.Tensor):
             # symbolic dimensions duck-sized: the sequence's get one symbol, as Dynamo's guards left them
@@ -75,9 +75,9 @@ def hinted_at(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, list
             context = StatelessSymbolicContext(dynamic_sizes=dims, constraint_sizes=[None] * len(dims))
             source = node.meta["grapharg"].source
             fakes[i] = fake = mode.from_tensor(arg, source=source, symbolic_context=context)
-            symbols.update((d.node.expr, n) for d, n in zip(old.shape, fake.shape)
+            symbols.update((d.node.expr, n) for d, n in zip(old.shape, fake.shape, strict=True)
                            if isinstance(d, torch.SymInt))
-    for i, (node, arg) in enumerate(zip(placeholders, args)):
+    for i, (node, arg) in enumerate(zip(placeholders, args, strict=True)):
         old = node.meta["example_value"]
         if isinstance(old, torch.SymInt):
             if old.node.expr not in symbols or symbols[old.node.expr].node.hint != arg:
@@ -87,10 +87,11 @@ def hinted_at(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, list
                 node._rename(str(fakes[i]))
     for node in graph.graph.nodes:  # the rest DeepSpeed's pass propagates itself (Dynamo's: another env's)
         node.meta.pop("example_value", None)
-    for node, fake in zip(placeholders, fakes):
+    for node, fake in zip(placeholders, fakes, strict=True):
         node.meta["example_value"] = fake
     graph.recompile()
-    return graph, [f if isinstance(f, torch.SymInt) else a for f, a in zip(fakes, args)], TracingContext(mode)
+    inputs = [f if isinstance(f, torch.SymInt) else a for f, a in zip(fakes, args, strict=True)]
+    return graph, inputs, TracingContext(mode)
 
 
 def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -102,7 +103,7 @@ def _snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     for name in _DYNAMO_GRAPH_ATTRIBUTES:
         if hasattr(gm, name):
             setattr(graph, name, getattr(gm, name))
-    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.graph.find_nodes(op="placeholder")):
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.graph.find_nodes(op="placeholder"), strict=True):
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
     return graph

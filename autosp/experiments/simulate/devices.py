@@ -76,7 +76,7 @@ class DeviceModel:
         block = self.large_block_bytes if nbytes > LARGE_REQUEST_BYTES else self.small_block_bytes
         return -(-nbytes // block) * block
 
-    def with_budget(self, budget_bytes: int) -> "DeviceModel":
+    def with_budget(self, budget_bytes: int) -> DeviceModel:
         """This device with its memory set to `budget_bytes` (the cpu device's --memory-budget)."""
         from dataclasses import replace
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from autosp.comm.host_optimizer import HostMemoryError
 from autosp.errors import AutoSPError
-from autosp.experiments.simulate.devices import DeviceModel
-from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.config import EXACT_LAYERS, SimulationError, simulate_config
-from autosp.experiments.simulate.programs import _rank_peak
+from autosp.experiments.simulate.devices import DeviceModel
+from autosp.experiments.simulate.programs import rank_peak
 from autosp.experiments.simulate.tracker import LINEAR_TERMS, PhasePeak, RankPeak
+from autosp.harness.config import RunConfig
 
 #: predictions made in this process, by (configuration, allocator blocks): devices that round alike share them
 _PREDICTIONS: dict[tuple[str, int, int], tuple[RankPeak, dict[str, Any]]] = {}
@@ -20,7 +19,7 @@ _PREDICTIONS: dict[tuple[str, int, int], tuple[RankPeak, dict[str, Any]]] = {}
 def predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[str, Any]]:
     """Rank 0's peak at the model's full depth: simulated whole, or at 2 and 3 layers and extrapolated."""
     key = (cfg.config_hash(), device.small_block_bytes, device.large_block_bytes)
-    if _planned(cfg):  # the planner's choices depend on the device's and its node's memory
+    if planned_by_device(cfg):  # the planner's choices depend on the device's and its node's memory
         key += (device.usable_bytes, device.fixed_bytes, device.host_bytes_per_node,
                 device.ranks_per_node(cfg.world_size))
     if key not in _PREDICTIONS:
@@ -35,20 +34,20 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
     depth = get_preset(cfg.model).num_layers
     try:
         if depth <= EXACT_LAYERS:
-            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
-        whole = NOT_LINEAR_IN_DEPTH.get(cfg.method) or _planned(cfg)
+            return rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False}
+        whole = NOT_LINEAR_IN_DEPTH.get(cfg.method) or planned_by_device(cfg)
         if whole:
-            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
+            return rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
                                                  "note": f"{whole}: simulated whole"}
         pair = SECOND_PAIR if _layers_reach_their_neighbours(cfg) else (2, 3)
-        runs = [_rank_peak(run_cfg, device, layers) for layers in pair]
-        peak, note = _extrapolate(*runs, depth)
+        runs = [rank_peak(run_cfg, device, layers) for layers in pair]
+        peak, note = extrapolate_peak(*runs, depth)
         if peak is None and pair != SECOND_PAIR and depth > SECOND_PAIR[1]:
-            runs.append(_rank_peak(run_cfg, device, SECOND_PAIR[1]))
-            peak, later = _extrapolate(*runs[-2:], depth)
+            runs.append(rank_peak(run_cfg, device, SECOND_PAIR[1]))
+            peak, later = extrapolate_peak(*runs[-2:], depth)
             note = f"{note}; extrapolated from 3 and 4 layers" if peak is not None else f"{note}; {later}"
         if peak is None:
-            return _rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
+            return rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
                                                  "note": f"{note}: simulated whole"}
     except (SimulationError, HostMemoryError):  # the latter: over the host budget, as a measured run is (oom)
         raise
@@ -74,7 +73,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
 #: alst (ZeRO-3 too) is extrapolated: each checkpointed layer leaves only its input on the device (offloaded to
 #: host) and its optimizer state on the host, so a layer adds its parameter partition and nothing bucket-sized (its
 #: 2-3 line hit 32 layers simulated whole to the byte, llama-3.1-8b at 65,536 tokens on 8 ranks; hf:tiny at 6
-#: layers in tests/experiments/test_simulate.py); where the line breaks, `_extrapolate` says so and it runs whole
+#: layers in tests/experiments/test_simulate.py); where the line breaks, `extrapolate_peak` says so and it runs whole
 NOT_LINEAR_IN_DEPTH = {"zero3": "DeepSpeed ZeRO-3's peak is not linear in the depth (element-sized buckets)"}
 #: the depths extrapolated from when 2 and 3 layers peak at different ops: a 2-layer model has no inner layer
 SECOND_PAIR = (3, 4)
@@ -90,10 +89,10 @@ FSDP2_SHARDED = {"fsdp": (3,), "ulysses": (3,), "ring": (3,)}
 LAST_RUNG_SAC = "budget=1B"
 
 
-def _planned(cfg: RunConfig) -> str | None:
+def planned_by_device(cfg: RunConfig) -> str | None:
     """Why autosp's memory planner (`--sac auto`) is not linear in depth: it plans each layer against the whole
     device, so 2 and 3 layers keep what 32 would recompute or move. Its last rung (`LAST_RUNG_SAC`) is."""
-    from autosp.compiler.memory.policy import SacPolicy, parse_policy
+    from autosp.compiler.memory import SacPolicy, parse_policy
 
     policy = parse_policy(cfg.sac)
     if cfg.method == "autosp" and policy.kind == SacPolicy.AUTO and policy != parse_policy(LAST_RUNG_SAC):
@@ -108,12 +107,12 @@ def _layers_reach_their_neighbours(cfg: RunConfig) -> bool:
     128 tokens: the 2-3 line said 17,460,224 B, 6 layers simulated 17,368,064, the 3-4 line exact; ring ZeRO-3 on
     llama-2-13b at 18K, mi250-gcd: an `empty_like` at 2, 3 and 4 layers, the 2-3 line 66.8 GiB at 40 layers, the
     3-4 line 43.4): such programs start from 3 and 4."""
-    from baselines.base import get_strategy
+    from autosp.harness.strategy import get_strategy
 
     return get_strategy(cfg.method).zero_stage(cfg) in FSDP2_SHARDED.get(cfg.method, ())
 
 
-def _extrapolate(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | None, str | None]:
+def extrapolate_peak(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPeak | None, str | None]:
     """The peak at `depth` layers from two runs one layer apart, phase by phase, or why that cannot be done.
 
     Layers are identical, so at an op at a fixed place relative to the layers (e.g. the last layer's backward)

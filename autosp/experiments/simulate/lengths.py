@@ -6,15 +6,20 @@ import time
 import uuid
 from typing import Any
 
-
 from autosp.comm.host_optimizer import HostMemoryError
+from autosp.experiments.simulate.config import (
+    COMPONENTS,
+    DIRECT_INDUCTOR_BACKEND,
+    EXACT_LAYERS,
+    SIMULATED_BACKEND,
+    SimulationError,
+)
 from autosp.experiments.simulate.devices import DeviceModel
+from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, planned_by_device, predict_peak
+from autosp.experiments.simulate.programs import shared_rank_programs
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
-from autosp.experiments.simulate.config import (COMPONENTS, DIRECT_INDUCTOR_BACKEND, EXACT_LAYERS, SIMULATED_BACKEND,
-                                                SimulationError)
-from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, _planned, predict_peak
-from autosp.experiments.simulate.programs import shared_rank_programs
+
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     """A `mode: simulated` record of `cfg` on `device`: predicted per-rank peak, status ok/oom/error."""
@@ -41,13 +46,15 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     record.update(status="ok" if total <= device.usable_bytes else "oom", peak_mem_bytes=total,
                   peak_mem_by_rank=[total])
     if record["status"] == "oom":
-        record["error"] = f"predicted peak {format_size(total)} exceeds {device.name}'s {format_size(device.usable_bytes)}"
+        record["error"] = (f"predicted peak {format_size(total)} exceeds {device.name}'s "
+                           f"{format_size(device.usable_bytes)}")
     elif host_budget is not None and node_host > host_budget[0]:
         record.update(status="oom", error=host_over_budget_error(node_host, *host_budget))
         record["extra"]["oom_in"] = "host"
     record["extra"].update(
         simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
-        executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND, assumed_healthy_reads=peak.assumed_healthy_reads,
+        executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND,
+        assumed_healthy_reads=peak.assumed_healthy_reads,
         fusion="none: every intermediate of the partitioned graphs is materialised (as aot_eager runs them)",
         breakdown={**{name: getattr(peak, name) for name in COMPONENTS},
                    "live_tensor_bytes": peak.live_tensor_bytes, "allocator_blocks_bytes": peak.peak_bytes,
@@ -173,7 +180,7 @@ def _last_rung(cfg: RunConfig) -> RunConfig | None:
     """The planner's last rung, where a search runs on it (see `simulated_search`); None where it does not."""
     from autosp.models import get_preset
 
-    if _planned(cfg) and get_preset(cfg.model).num_layers > EXACT_LAYERS:
+    if planned_by_device(cfg) and get_preset(cfg.model).num_layers > EXACT_LAYERS:
         return cfg.replace(sac=LAST_RUNG_SAC)
     return None
 
@@ -189,7 +196,7 @@ def _floor_limit(cfg: RunConfig, budget: int, granularity: int) -> tuple[int | N
     return floor.max_seq_len(budget, granularity), floor.to_dict()
 
 
-def _summary(record: dict[str, Any]) -> str:
+def summary_line(record: dict[str, Any]) -> str:
     head = f"{record['method']} {record['model']} P={record['world_size']} on {record['device']} (simulated)"
     if record["status"] == "error" or (record.get("peak_mem_bytes") is None and record.get("error")):
         return f"{head}: {record['status']}: {record['error']}"

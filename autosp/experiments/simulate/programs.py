@@ -9,16 +9,29 @@ from typing import Any
 
 import torch
 
+from autosp.experiments.simulate.adapters import (
+    RealTwins,
+    alst_data_answers,
+    deepspeed_autosp_per_length,
+    deepspeed_optimizer_offload,
+    deepspeed_rank0_answers,
+    host_optimizer_state,
+    identity_move,
+    inductor_compile_unfused,
+    optimizer_implementation_of,
+)
 from autosp.experiments.simulate.devices import DeviceModel
+from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, local_shard
+from autosp.experiments.simulate.world import (
+    fake_world,
+    install_registrations,
+    keep_deepspeed_splice,
+    keep_hf_registries,
+    process_registrations,
+    registrations_installed,
+)
 from autosp.harness.config import RunConfig
-from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
-                                                  _deepspeed_optimizer_offload, _deepspeed_rank0_answers,
-                                                  _host_optimizer_state,
-                                                  _identity_move, _inductor_compile_unfused,
-                                                  _optimizer_implementation_of)
-from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
-from autosp.experiments.simulate.world import (_keep_deepspeed_splice, fake_world, install_registrations,
-                                               keep_hf_registries, process_registrations, registrations_installed)
+
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
     """The global batch as fake tensors, each with its real twin; its valid-label count (data, not shape) read from
@@ -86,11 +99,11 @@ class RankProgram:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.warmed = False
         self.earlier_inputs: list[int] = []  # serials of the batch of the previous measured length
-        with self.fake_mode, tracker, _deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"), \
-                _deepspeed_optimizer_offload(tracker, device), _host_optimizer_state(tracker):
+        with self.fake_mode, tracker, deepspeed_autosp_per_length(shared and cfg.method == "ds-autosp"), \
+                deepspeed_optimizer_offload(tracker, device), host_optimizer_state(tracker):
             torch.manual_seed(cfg.seed)
             self.model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], num_layers=self.layers)
-            self.model.to = _identity_move(self.model)
+            self.model.to = identity_move(self.model)
             keep_hf_registries()
             # the device's tensor memory is the memory planner's budget (autosp --sac auto), as on a real device,
             # and its node's host memory the host budget, shared by the node's ranks
@@ -104,7 +117,7 @@ class RankProgram:
             # installed around its steps; the next program's setup (another depth or device) starts from before
             self.registrations = process_registrations()
             install_registrations(before)
-        _keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
+        keep_deepspeed_splice()  # the next engine of this cell (another depth) shares this one's splice
 
     def measure(self, cfg: RunConfig) -> RankPeak:
         """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
@@ -121,13 +134,13 @@ class RankProgram:
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
                 stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
             stack.enter_context(registrations_installed(self.registrations))
-            stack.enter_context(_deepspeed_rank0_answers(self.rank))
-            stack.enter_context(_inductor_compile_unfused())
-            stack.enter_context(_optimizer_implementation_of(tracker.device))
-            stack.enter_context(_deepspeed_optimizer_offload(tracker, tracker.device))
-            stack.enter_context(_host_optimizer_state(tracker))
+            stack.enter_context(deepspeed_rank0_answers(self.rank))
+            stack.enter_context(inductor_compile_unfused())
+            stack.enter_context(optimizer_implementation_of(tracker.device))
+            stack.enter_context(deepspeed_optimizer_offload(tracker, tracker.device))
+            stack.enter_context(host_optimizer_state(tracker))
             twins = RealTwins()
-            stack.enter_context(_alst_data_answers(twins, tracker, valid_labels))
+            stack.enter_context(alst_data_answers(twins, tracker, valid_labels))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)
             # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
             # it); a fresh program at this length never had it, so it is not counted
@@ -143,14 +156,14 @@ class RankProgram:
             gradients: set[int] = set()
             saved: set[int] = set()
             hooks = [p.register_post_accumulate_grad_hook(
-                lambda p: gradients.add(tracker.track(_local(p.grad))))
+                lambda p: gradients.add(tracker.track(local_shard(p.grad))))
                 for p in model.parameters() if p.requires_grad]
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 # the step's own tensors only: a shared program compiles a new length inside its measured step,
                 # and aot_autograd's tracing there saves tensors of its own fake mode
-                if getattr(_local(t), "fake_mode", None) is fake_mode:
-                    saved.add(tracker.track(_local(t)))
+                if getattr(local_shard(t), "fake_mode", None) is fake_mode:
+                    saved.add(tracker.track(local_shard(t)))
                 return t
 
             tracker.phase = "forward"
@@ -194,7 +207,7 @@ class RankProgram:
 #: DeepSpeed's engines (zero3, ds-autosp) qualify too: what they keep across steps (ZeRO-3's partitions, its
 #: gradient buckets and the prefetch trace of the module order, recorded in the warm-up step; ds-autosp's one
 #: Dynamo trace of a sequence dimension it marks dynamic itself, compiled by DeepSpeed's backend per length:
-#: `_deepspeed_autosp_per_length`) is sized by the parameters, not by the length; alst's too (ZeRO-3, and Ulysses
+#: `deepspeed_autosp_per_length`) is sized by the parameters, not by the length; alst's too (ZeRO-3, and Ulysses
 #: registered for a variable length).
 SHARED_PROGRAM_METHODS = ("autosp", "ulysses", "ring", "fsdp", "zero3", "ds-autosp", "alst")
 #: the batch's sequence dimension, traced symbolically by a shared compiled program (`torch.compiler.config`)
@@ -246,7 +259,7 @@ def shared_rank_programs() -> Iterator[None]:
         _SHARED.pop().close()
 
 
-def _rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -> RankPeak:
+def rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -> RankPeak:
     """`simulate_rank`, or a shared program's next measured step inside `shared_rank_programs`."""
     from autosp.models import get_preset
 

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autosp.harness.config import ConfigError, RunConfig
 
@@ -95,8 +95,8 @@ def search_cell(label: str, cfg: RunConfig, device_names: list[str], granularity
     """One configuration's search rows, one per device type, sharing one peak-vs-length curve; a spec with options
     of its own labels its rows (`method_spec`, as `autosp bench` does), so that they stand as a column of their
     own."""
-    from autosp.experiments.simulate.devices import get_device_model
     from autosp.experiments.simulate import shared_rank_programs, simulated_search
+    from autosp.experiments.simulate.devices import get_device_model
 
     curve: dict[int, int] = {}
     started = time.process_time()
@@ -137,7 +137,7 @@ def cell_order(configs: list[tuple[str, RunConfig]]) -> list[tuple[str, RunConfi
 def simulate_table(configs: list[tuple[str, RunConfig]], device_names: list[str], *, jobs: int, out: str,
                    granularity: int | None = None, max_len: int = 1 << 22) -> list[dict]:
     """Every cell's search rows, appended to `out` as each cell finishes (a stopped run keeps what it did)."""
-    from autosp.experiments.simulate import _summary
+    from autosp.experiments.simulate import summary_line
     from autosp.harness.records import append_record
 
     rows: list[dict] = []
@@ -145,7 +145,7 @@ def simulate_table(configs: list[tuple[str, RunConfig]], device_names: list[str]
     def keep(cell_rows: list[dict]) -> None:
         for row in cell_rows:
             append_record(out, row)
-            print(_summary(row), flush=True)
+            print(summary_line(row), flush=True)
         rows.extend(cell_rows)
 
     # the longest cells first, so that the workers finish together (longest-processing-time-first scheduling); any
@@ -162,7 +162,7 @@ def simulate_table(configs: list[tuple[str, RunConfig]], device_names: list[str]
     return rows
 
 
-def _length(row: "pd.Series") -> str:
+def _length(row: pd.Series) -> str:
     import pandas as pd
 
     n = row["max_seq_len"]
@@ -180,7 +180,7 @@ def _ratio(ours: float, theirs: float, lower_bound: bool = False) -> str:
     return (">=" if lower_bound else "") + f"{ours / theirs:.2f}x" if theirs else "only autosp trains"
 
 
-def markdown_table(table: "pd.DataFrame") -> str:
+def markdown_table(table: pd.DataFrame) -> str:
     """Max length per cell (columns method zZeRO-stage) and AutoSP's best over its stages vs each baseline's best,
     beside the paper's claimed ratio for the device's vendor; each autosp method spec's best vs alst's."""
     from autosp.experiments.simulate.devices import get_device_model
@@ -213,7 +213,7 @@ def markdown_table(table: "pd.DataFrame") -> str:
                           if ref in best else "-")
         ratios += [_ratio(best.get(spec, 0.0), best[SPEC_RATIO], spec in bounded)
                    if spec in best and SPEC_RATIO in best else "-" for spec in specs]
-        lines.append("| " + " | ".join([model, device, *(by_label.get(l, "") for l in labels), *ratios]) + " |")
+        lines.append("| " + " | ".join([model, device, *(by_label.get(label, "") for label in labels), *ratios]) + " |")
     return "\n".join(lines)
 
 
@@ -232,7 +232,7 @@ def rendered_rows(paths: list[str]) -> list[dict]:
         if str(path).endswith(".md"):
             table = simulated_table_rows(path)
             table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
-                              for m, method in zip(table["model"], table["method"])]
+                              for m, method in zip(table["model"], table["method"], strict=True)]
             found = table.to_dict("records")
         else:
             records = read_records(path)
@@ -287,8 +287,8 @@ def _setting(rows: list[dict]) -> str:
 def _cmd_simulate_table(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from autosp.experiments.simulate.devices import get_device_model
     from autosp.experiments.plots import check_figure_path, trainability_figure
+    from autosp.experiments.simulate.devices import get_device_model
     from autosp.experiments.tables import trainability_table
     from autosp.harness.method_spec import split_methods
     from autosp.harness.records import check_writable
@@ -335,8 +335,9 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
     p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
     p.add_argument("--methods", default=",".join(PAPER_METHODS + DEFAULT_PRACTICAL),
-                   help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. autosp:0,autosp:3,ring,fsdp; a "
-                        "method spec sets its own options, e.g. 'autosp[sac=auto,offload=auto+optimizer]:3'")
+                   help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. "
+                        "autosp:0,autosp:3,ring,fsdp; a method spec sets its own options, e.g. "
+                        "'autosp[sac=auto,offload=auto+optimizer]:3'")
     p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")

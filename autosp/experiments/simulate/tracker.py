@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
-from autosp.experiments.simulate.devices import DeviceModel
-from autosp.compiler.memory.offload import OFFLOAD_OP
+from autosp.compiler.memory import OFFLOAD_OP
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
+from autosp.experiments.simulate.devices import DeviceModel
+
 
 class LiveStorageTracker(TorchDispatchMode):
     """Live tensor storage bytes over the executed op sequence, raw and in device allocator blocks.
@@ -27,11 +28,11 @@ class LiveStorageTracker(TorchDispatchMode):
     size is re-read at every op, so storages resized in place (FSDP2 frees gathered parameters that way)
     are followed. Since `reset_peak()` each phase of the step (forward, backward, after backward, optimizer) keeps
     its own peak of the device-charged total (`moments`), with the storages live at that moment (for the breakdown)
-    and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
+    and the op that reached it: the layer extrapolation follows each phase's peak on its own (`extrapolate_peak`);
     `peak()` is the highest.
 
-    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.memory.offload`) and of
-    `autosp_sp::gradient_to_host` (gradients streamed to host memory, `autosp.comm.host_params`) and
+    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.memory`) and
+    of `autosp_sp::gradient_to_host` (gradients streamed to host memory, `autosp.comm.host_params`) and
     the storages a program makes inside `host_allocations()` (an adapter's call sites that allocate on the host,
     e.g. DeepSpeed's optimizer offload) live in host memory, so they are kept out of the device total; `host_peak`
     is their most bytes alive at once.
@@ -129,8 +130,8 @@ class LiveStorageTracker(TorchDispatchMode):
         (`complete_grad_norm_calculation_for_cpu_offload`: `float(total_norm)`); a healthy step's norm is finite, and
         which finite number does not change what is allocated (no gradient clipping in these configs), so a numeric
         read of a fake tensor without a value answers 1.0 (a real tensor, or a fake one that keeps its constant such as
-        AdamW's step count, is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g. `.item()` of a
-        length), and the count of assumed answers goes to the record."""
+        AdamW's step count, is read as it is). Only in optimizer steps; any other read still fails the simulation (e.g.
+        `.item()` of a length), and the count of assumed answers goes to the record."""
         self.healthy = True
         try:
             yield
@@ -226,7 +227,7 @@ class PhasePeak:
     peak_op: str
 
 
-#: the terms of a peak that grow by the same bytes per layer (`_extrapolate`)
+#: the terms of a peak that grow by the same bytes per layer (`extrapolate_peak`)
 LINEAR_TERMS = ("peak_bytes", "live_tensor_bytes", *COMPONENTS)
 
 
@@ -255,6 +256,6 @@ def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2 parameters/gradients), else the tensor."""
     return getattr(t, "_local_tensor", t)

@@ -90,10 +90,10 @@ def install_registrations(state: list[tuple]) -> None:
     for owner, *values in state:
         if owner == _SP_STATE:  # ALST's SP groups
             if (sp := sys.modules.get(_SP_STATE)) is not None:
-                for name, value in zip(_SP_GROUPS, values):
+                for name, value in zip(_SP_GROUPS, values, strict=True):
                     setattr(sp, name, value)
         else:  # a transformers registry: its class-wide and its own mapping
-            for mapping, before in zip((type(owner)._global_mapping, owner._local_mapping), values):
+            for mapping, before in zip((type(owner)._global_mapping, owner._local_mapping), values, strict=True):
                 mapping.clear()
                 mapping.update(before)
 
@@ -121,10 +121,10 @@ def _forget_deepspeed_groups() -> None:
         importlib.reload(sequence_parallel)  # ALST's SP groups (`UlyssesSPAttentionHF.register_with_transformers`)
     if (registry := sys.modules.get("deepspeed.compile.custom_ops.sp_dp_registry")) is not None:
         registry.GROUP_REGISTRY.clear()
-    _keep_deepspeed_splice()
+    keep_deepspeed_splice()
 
 
-def _keep_deepspeed_splice() -> None:
+def keep_deepspeed_splice() -> None:
     """DeepSpeed's AutoSP splices its long-context checkpointing into torch's min-cut partitioner from the
     partitioner's source (process-wide, once: a second splice finds no source, `OSError: could not get source
     code`); the splice made by the first engine stays, and a later engine (another depth of the same cell, or

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
-from autosp.compiler.sp.attention import hybrid
+from autosp.compiler.fx import SDPA_PARAMS, attention_args
 from autosp.compiler.sp import padding
-from autosp.compiler.fx.sdpa import SDPA_PARAMS, attention_args
+from autosp.compiler.sp.attention import hybrid
 from autosp.compiler.sp.spec import ShardSpec, SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 

@@ -12,7 +12,7 @@ chunk's first head), so `score_mod`/`mask_mod` that read the head index (alibi, 
 copy reading `h + offset`, and a block mask with a head dimension is cut to the HOP's heads. A padded
 sequence (S not divisible by P) is cut back to S positions for the HOP, and its output padded with zeros, so the
 block mask keeps its length and padded positions stay inert. Training on CPU under Inductor is refused
-(`check_lowering`): torch's CPU flex kernel there is inference-only.
+(`check_flex_lowering`): torch's CPU flex kernel there is inference-only.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from autosp.compiler.sp.attention import communicate
 from autosp.compiler.sp import padding
+from autosp.compiler.sp.attention import communicate
 from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
@@ -44,7 +44,7 @@ def is_output(node: fx.Node) -> bool:
         isinstance(node.args[0], fx.Node) and is_flex_attention(node.args[0])
 
 
-def check_lowering(gm: fx.GraphModule, backend: str) -> None:
+def check_flex_lowering(gm: fx.GraphModule, backend: str) -> None:
     """Refuse Inductor for a flex graph that trains on CPU: torch's CPU flex_attention kernel is inference-only (it
     neither returns the logsumexp backward needs nor has a backward), and fails deep in Inductor otherwise."""
     for node in gm.graph.nodes if backend == "inductor" else ():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import warnings
+from itertools import pairwise
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,7 @@ from torch._functorch import predispatch
 from torch._functorch.vmap import lazy_load_decompositions
 
 from autosp.comm.library import custom_op, op
-from autosp.compiler.fx.nodes import VMAP_LEVELS
+from autosp.compiler.fx import VMAP_LEVELS
 from autosp.compiler.sp.attention.masks import RANDOM
 from autosp.compiler.sp.spec import node_label
 
@@ -196,7 +197,7 @@ def _erase_empty_vmap_levels(gm: fx.GraphModule) -> None:
     while changed:
         changed = False
         levels = [n for n in gm.graph.nodes if n.target in VMAP_LEVELS]
-        for enter, leave in zip(levels, levels[1:]):
+        for enter, leave in pairwise(levels):
             if enter.target is VMAP_LEVELS[0] and leave.target is VMAP_LEVELS[1] and \
                     all(n.target is lazy_load_decompositions
                         for n in _between(enter, leave)) and not enter.users and not leave.users:

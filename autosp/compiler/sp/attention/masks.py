@@ -36,8 +36,8 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
+from autosp.compiler.fx import attention_args, is_attention
 from autosp.compiler.sp.attention import masked_attention  # noqa: F401  (registers autosp_sp::masked_attention)
-from autosp.compiler.fx.sdpa import attention_args, is_attention
 from autosp.compiler.sp.spec import node_label
 
 _COMPARISONS = {operator.le: torch.le, operator.lt: torch.lt, operator.ge: torch.ge, operator.gt: torch.gt,
