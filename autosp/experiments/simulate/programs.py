@@ -13,7 +13,7 @@ from autosp.experiments.devices import DeviceModel
 from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
                                                   _deepspeed_optimizer_offload, _deepspeed_rank0_answers,
-                                                  _host_optimizer_state,
+                                                  _host_optimizer_state, hf_packed_sequences_answered,
                                                   _identity_move, _inductor_compile_unfused,
                                                   _optimizer_implementation_of)
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, _local
@@ -128,6 +128,7 @@ class RankProgram:
             stack.enter_context(_host_optimizer_state(tracker))
             twins = RealTwins()
             stack.enter_context(_alst_data_answers(twins, tracker, valid_labels))
+            stack.enter_context(hf_packed_sequences_answered(twins))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)
             # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
             # it); a fresh program at this length never had it, so it is not counted
