@@ -93,35 +93,35 @@ class SequenceParallelModule(torch.nn.Module):
     @property
     def tiling(self) -> str:
         """One line: what the compiler tiled (loss tiles) in each graph so far, and why anything was left whole."""
-        from autosp.compiler.tiling import describe
+        from autosp.compiler.tiling.loss import describe
 
         return describe(self._compilation.tiling_reports)
 
     @property
     def tiling_reports(self) -> list:
-        """One `autosp.compiler.tiling.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
+        """One `autosp.compiler.tiling.loss.TilingReport` per compiled graph: what was tiled, in tiles of how many tokens."""
         return list(self._compilation.tiling_reports)
 
     @property
     def partition_records(self) -> list:
-        """One `autosp.compiler.sac.PartitionRecord` per compiled graph: what forward saves for backward."""
+        """One `autosp.compiler.memory.partitioner.PartitionRecord` per compiled graph: what forward saves for backward."""
         return list(self._compilation.partition_fn.records)
 
     @property
     def offload_reports(self) -> list:
-        """One `autosp.compiler.offload.OffloadReport` per compiled graph: the layer-boundary values kept in host
+        """One `autosp.compiler.memory.offload.OffloadReport` per compiled graph: the layer-boundary values kept in host
         memory between forward and backward, and their bytes (empty without offload)."""
         return [g.offload_reports[-1] for g in self._compilation.graphs if g.offload_reports]
 
     @property
     def gradient_buckets(self) -> list:
-        """The `autosp.compiler.grad_buckets.Bucket`s of the last compiled graph: one gradient collective each."""
+        """The `autosp.compiler.zero.grad_buckets.Bucket`s of the last compiled graph: one gradient collective each."""
         graphs = self._compilation.graphs
         return list(graphs[-1].buckets) if graphs else []
 
     @property
     def gather_buckets(self) -> tuple[list, list]:
-        """ZeRO 2/3: the `autosp.compiler.prefetch.GatherBucket`s (forward, backward) of the last compiled graph:
+        """ZeRO 2/3: the `autosp.compiler.zero.prefetch.GatherBucket`s (forward, backward) of the last compiled graph:
         one parameter all-gather each."""
         graphs = self._compilation.graphs
         return graphs[-1].gather_buckets if graphs else ([], [])

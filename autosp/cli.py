@@ -29,13 +29,13 @@ SUBCOMMANDS = (
     ("autosp.experiments.tables", "add_table_parser"),
     ("autosp.experiments.plots", "add_plot_parser"),
     ("autosp.experiments.flops", "add_flops_parser"),
-    ("autosp.experiments.history_cli", "add_history_parser"),
+    ("autosp.experiments.history.cli", "add_history_parser"),
     ("autosp.experiments.floor", "add_floor_parser"),
     ("autosp.experiments.model_state", "add_model_state_parser"),
     ("autosp.experiments.activations", "add_activations_parser"),
     ("autosp.experiments.levers", "add_levers_parser"),
     ("autosp.experiments.simulate", "add_simulate_parser"),
-    ("autosp.experiments.simulate_table", "add_simulate_table_parser"),
+    ("autosp.experiments.simulate.table", "add_simulate_table_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}

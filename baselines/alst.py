@@ -12,7 +12,7 @@ ulysses_sp`):
   all-gathered differentiably over the SP group (ArcticTraining's `SFTTrainer.loss`).
 - Per-layer activation checkpointing (reentrant) with each layer's checkpointed input in host memory: on CUDA HF's
   own `activation_checkpointing_enable(offload=True)` (torch's `save_on_cpu`, pinned); on CPU the device *is* host
-  memory, so the copy goes through `autosp.compiler.offload.offload`, which the CPU meter books as host memory —
+  memory, so the copy goes through `autosp.compiler.memory.offload.offload`, which the CPU meter books as host memory —
   one host copy per layer either way, the same bytes ALST moves.
 - DeepSpeed ZeRO-3, every parameter partitioned, `offload_optimizer: cpu` (fp32 master partitions, fp32 gradient
   partitions and the optimizer's moments in host memory; the step runs on the host): on CUDA with DeepSpeed's CPU
@@ -102,7 +102,7 @@ def no_valid_labels(labels: torch.Tensor) -> bool:
 
 def host_booked_checkpoint(function, *args, **kwargs):
     """Reentrant checkpoint whose saved input waits in (emulated) host memory: the CPU twin of HF's offload."""
-    from autosp.compiler.offload import offload
+    from autosp.compiler.memory.offload import offload
 
     def to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
         return tensor.device, offload(tensor)

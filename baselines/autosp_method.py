@@ -15,11 +15,11 @@ from torch import nn
 
 import autosp
 from autosp.comm.host_optimizer import iter_pairs
-from autosp.compiler.offload import offload_optimizer, offload_params, parse_offload
+from autosp.compiler.memory.offload import offload_optimizer, offload_params, parse_offload
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
-from autosp.compiler.sac_policy import Policy, SacPolicy, parse_policy
-from autosp.compiler.tiling import parse_tiling
+from autosp.compiler.memory.saved_report import compiled_breakdown, peak_working_set, quadratic_saved_values, tiles_of
+from autosp.compiler.memory.policy import Policy, SacPolicy, parse_policy
+from autosp.compiler.tiling.loss import parse_tiling
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import current_device

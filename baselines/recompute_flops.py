@@ -1,5 +1,5 @@
 """FLOPs of the forward ops an eager method re-runs in backward (per-layer activation checkpointing, DeepSpeed's
-TiledMLP), counted as the memory planner counts its own recompute (`autosp.compiler.sac_auto.recompute_flops`):
+TiledMLP), counted as the memory planner counts its own recompute (`autosp.compiler.memory.planner.recompute_flops`):
 torch's flop formulas per op, attention as 4·B·H·S_q·S_k·D (not halved for a causal mask), so that a record of
 `alst` and one of `autosp --sac auto` compare by the same rule. Element-wise ops count nothing here (the planner
 counts one per element where torch has no formula), which leaves this count the lower of the two for the same ops.

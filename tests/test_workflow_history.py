@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autosp.experiments.history_store import record_files
+from autosp.experiments.history.store import record_files
 from autosp.harness.records import append_record
 from tests.experiments.test_history import STEP, bench, noisy
 

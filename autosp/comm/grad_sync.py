@@ -1,4 +1,4 @@
-"""Backend `eager` only (no joint graph to put gradient buckets into, `autosp.compiler.grad_buckets`): each
+"""Backend `eager` only (no joint graph to put gradient buckets into, `autosp.compiler.zero.grad_buckets`): each
 parameter's gradient summed over the ranks sharing it in a tensor hook, before autograd accumulates it into
 `.grad`, and divided by the data-parallel degree. A debugging path: one blocking collective per parameter."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Device -> host copies that overlap compute: one side stream per device, pinned host buffers.
 
-Shared by the activation offload (`autosp.compiler.offload`) and the gradients sent to host memory
+Shared by the activation offload (`autosp.compiler.memory.offload`) and the gradients sent to host memory
 (`autosp.comm.host_params`). On CPU the "device" is host memory and the copy is a plain one."""
 from __future__ import annotations
 

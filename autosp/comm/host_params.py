@@ -1,7 +1,7 @@
 """Parameters in host memory (ZeRO-Infinity's `offload_param`, `offload="...,params"`): each parameter this rank
 stores (its flat ZeRO-3 shard; at one rank the whole parameter, a "shard" of one) lives in host memory; the compiled
 graph fetches it to the device where the model uses it, in forward and again in backward (the fetch is re-run in
-backward as ZeRO 3's gather is, `autosp.compiler.sac_tags.is_regather`), and its gradient goes back to host memory
+backward as ZeRO 3's gather is, `autosp.compiler.memory.tags.is_regather`), and its gradient goes back to host memory
 as soon as backward has made it (after the gather's reduce-scatter at P > 1), its device copy then freed. So the
 device never holds more than the layers in use of parameters or gradients.
 

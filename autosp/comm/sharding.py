@@ -40,7 +40,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 #: stage passes `autosp check` alike; README "Model state at scale" has the measured searches and peaks).
 DEFAULT_STAGE = 3
 #: Backends without the collectives stages 2/3 put into the graph: torch's ProcessGroupMPI and ProcessGroupUCC
-#: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.compiler.prefetch`).
+#: implement no `allgather_into_tensor_coalesced` (a layer's gather bucket, `autosp.compiler.zero.prefetch`).
 NO_COALESCED_GATHER = ("mpi", "ucc")
 #: gloo has the coalesced gather for CPU tensors only: given CUDA tensors it copies from their device pointers as if
 #: they were host memory and the rank dies with SIGSEGV (pytorch/pytorch#152645, `AsyncAllgatherCoalescedWork`; the

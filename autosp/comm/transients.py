@@ -1,6 +1,6 @@
 """Bytes an opaque op allocates and frees inside itself: the scratch a graph's liveness replay cannot see.
 
-The budgeted SAC planner (``autosp.compiler.sac_auto``) estimates a step's peak by replaying the partitioned
+The budgeted SAC planner (``autosp.compiler.memory.planner``) estimates a step's peak by replaying the partitioned
 graphs node by node from the fake values' shapes. A custom op is one node whose output is all the replay sees,
 but its kernel may hold more while it runs: the all-to-all's send and receive buffers, one loss tile's logits
 and their log-softmax. Measured on the CPU profiler (2 ranks, tiny, 512 tokens, tiled loss), those buffers

@@ -1,4 +1,4 @@
 """The AutoSP compiler: the paper's SP pipeline over Dynamo's Torch-IR graph, one module per step.
 
-analysis -> (shard, resize, communicate, indices, loss: applied in one walk by `sp_pass`) -> backend lowering.
+analysis -> (shard, resize, communicate, indices, loss: applied in one walk by `sp.walk`) -> backend lowering.
 """

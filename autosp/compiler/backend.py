@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autosp.comm.grad_sync import sync_gradients
-from autosp.compiler.hybrid import subgroups
+from autosp.compiler.sp.attention.hybrid import subgroups
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static, reduction_over
 from autosp.compiler.specialize import is_symbolic, per_length
@@ -39,7 +39,7 @@ def make_backend(
 
     `reduce_group` (default: `sp_group`) holds every rank that shares the parameters (SP x DP); their gradients
     are summed over it and divided by `dp_size` inside the backward graph, one collective per bucket of gradients
-    (`autosp.compiler.grad_buckets`): all-reduced at ZeRO stages 0/1, reduce-scattered at stages 2/3 (the
+    (`autosp.compiler.zero.grad_buckets`): all-reduced at ZeRO stages 0/1, reduce-scattered at stages 2/3 (the
     parameters are shards, `autosp.comm.sharding`). `zero` is the stage that runs (resolved by the caller).
     `model`, when given, gets HF's output-capturing hooks now (`tracing.install_output_hooks`: without them an HF
     model asked for router logits or hidden states breaks the graph).

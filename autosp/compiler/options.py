@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from autosp.comm.sharding import check_stage
-from autosp.compiler.offload import offload_mode, offload_optimizer, offload_params, parse_offload
-from autosp.compiler.sac_policy import Policy, parse_policy
-from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
+from autosp.compiler.memory.offload import offload_mode, offload_optimizer, offload_params, parse_offload
+from autosp.compiler.memory.policy import Policy, parse_policy
+from autosp.compiler.tiling.loss import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
 
 #: the torch.compile backends that lower the graphs after the SP pass (`compile_with_partitioner`); the one list
@@ -34,7 +34,7 @@ class CompileOptions:
     """The compiler's options (the SP group itself is chosen by `sp_size`/`process_group`, not here)."""
 
     #: what backward's values cost: off | sac | full | auto | budget=<fraction in [0, 1]> | budget=<bytes, e.g.
-    #: 32MiB> (`autosp.compiler.sac`). Default auto, the memory planner: one decision per layer over the three
+    #: 32MiB> (`autosp.compiler.memory.partitioner`). Default auto, the memory planner: one decision per layer over the three
     #: levers (keep on the device, move to host memory, recompute) against the device budget (budget=<bytes>, or
     #: the device's free memory at compile time; no limit on CPU) and `host_budget`, least added step time first.
     #: It stays the `sac` option (with `offload`) rather than a new `memory` switch so that every explicit policy
@@ -53,16 +53,16 @@ class CompileOptions:
     #: off | auto | some of loss,mlp,norm, optionally :<tokens per tile>: the LM head + cross-entropy (and token-wise
     #: blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as one kernel
     #: holding their fp32 values for a chunk of tokens at a time (`norm`); auto: all three; exact
-    #: (`autosp.compiler.tiling`); default off
+    #: (`autosp.compiler.tiling.loss`); default off
     tiling: str | Tiling = "off"
     #: all | loss: `loss` returns None for every output but the loss (a model returning logits has its loss tiled
     #: only then); default all
     outputs: str = "all"
     #: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention across them; None: the
-    #: largest size the heads and the node allow (`autosp.compiler.hybrid`)
+    #: largest size the heads and the node allow (`autosp.compiler.sp.attention.hybrid`)
     ulysses_size: int | None = None
     #: off | activations | auto: layer-boundary values wait in host memory between forward and backward
-    #: (`autosp.compiler.offload`); activations needs backend aot_eager or inductor. Default auto: the planner
+    #: (`autosp.compiler.memory.offload`); activations needs backend aot_eager or inductor. Default auto: the planner
     #: (sac auto) moves them where the device budget needs it; under any other policy auto is off. An `optimizer`
     #: item (`optimizer`, `activations,optimizer`, `auto,optimizer`; `optimizer:torch|deepspeed` picks the host
     #: AdamW) keeps the fp32 master weights and the optimizer's moments in host memory, the step on the CPU
@@ -76,7 +76,7 @@ class CompileOptions:
     host_budget: int | None = None
     #: each attention's Ulysses region (all-to-alls of q, k, v, attention, all-to-all back) in this many chunks of
     #: its heads, so one layer's full-length attention tensors exist for one chunk at a time, forward and backward
-    #: (`autosp.compiler.communicate.HeadChunks`); must divide the query heads per rank. Default 1 (no chunks)
+    #: (`autosp.compiler.sp.attention.communicate.HeadChunks`); must divide the query heads per rank. Default 1 (no chunks)
     attention_chunks: int = 1
 
     policy: Policy = field(init=False, repr=False, compare=False)

@@ -2,11 +2,11 @@
 one-line contract (what it requires, what it guarantees), run in this order by `compile_static` and `Partitioner`.
 
   graph passes        on Dynamo's Torch-IR graph of one rank (static shapes), before aot_autograd:
-    sequence_parallel   the SP rewrite (analysis, causal masks, the walk of `sp_pass`, structured masks)
+    sequence_parallel   the SP rewrite (analysis, causal masks, the walk of `sp.walk`, structured masks)
     tiling              LM head + loss (and token-wise blocks) over tiles of the local tokens
   joint passes        on aot_autograd's joint forward+backward graph, before it is partitioned:
     gradient_buckets    gradient collectives in buckets inside backward
-  partition           SAC/planner tags + torch's min-cut partitioner (`autosp.compiler.sac`): forward, backward
+  partition           SAC/planner tags + torch's min-cut partitioner (`autosp.compiler.memory.partitioner`): forward, backward
   partitioned passes  on the partitioned forward and backward graphs:
     gather_prefetch     ZeRO 2/3 parameter gathers bucketed per layer, issued one layer ahead
     offload             layer-boundary values kept in host memory between forward and backward
@@ -29,15 +29,17 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from autosp.compiler import flex, grad_buckets, offload, prefetch
-from autosp.compiler.grad_buckets import Bucket, GradientReduction, bucket_gradient_reduction
-from autosp.compiler.offload import OffloadReport, offload_boundaries
+from autosp.compiler.sp.attention import flex
+from autosp.compiler.zero import grad_buckets, prefetch
+from autosp.compiler.memory import offload
+from autosp.compiler.zero.grad_buckets import Bucket, GradientReduction, bucket_gradient_reduction
+from autosp.compiler.memory.offload import OffloadReport, offload_boundaries
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.prefetch import GatherBucket, prefetch_gathers
+from autosp.compiler.zero.prefetch import GatherBucket, prefetch_gathers
 from autosp.compiler.lowering import compile_with_partitioner
-from autosp.compiler.sac import SacPartitioner, make_partition_fn
-from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.compiler.tiling import TilingReport, apply_tiling
+from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
+from autosp.compiler.sp.walk import sequence_parallel_pass
+from autosp.compiler.tiling.loss import TilingReport, apply_tiling
 
 DUMP_ENV = "AUTOSP_DUMP_GRAPHS"
 

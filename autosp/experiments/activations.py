@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from autosp.harness.config import ConfigError
-from autosp.compiler.saved_report import CATEGORIES, UNATTRIBUTED, category_of_module
+from autosp.compiler.memory.saved_report import CATEGORIES, UNATTRIBUTED, category_of_module
 
 def working_set_table(working: dict[str, Any]) -> pd.DataFrame:
     """Rows: categories, parameter gradients, scratch inside the running op, total; columns: saved and

@@ -30,7 +30,7 @@ from dataclasses import dataclass, asdict
 
 import torch
 
-from autosp.compiler.offload import DEVICE_WINDOW
+from autosp.compiler.memory.offload import DEVICE_WINDOW
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.precision import precision_of
 from autosp.models.presets import ModelPreset
@@ -230,8 +230,8 @@ def run_floor(cfg: RunConfig) -> MemoryFloor:
     """The floor of the run `cfg` configures: at the ZeRO stage its strategy really runs (`Strategy.zero_stage`,
     e.g. ds-autosp's 1 under mixed bf16), with autosp's tiled loss and offload as set (what a search starts
     from and judges its answer against)."""
-    from autosp.compiler.offload import offload_optimizer, offload_params, parse_offload
-    from autosp.compiler.tiling import parse_tiling
+    from autosp.compiler.memory.offload import offload_optimizer, offload_params, parse_offload
+    from autosp.compiler.tiling.loss import parse_tiling
     from baselines.base import get_strategy
 
     autosp = cfg.method == "autosp"

@@ -41,7 +41,7 @@ simulated.guide_name = "simulate"  # the search row's `guide` entry
 
 def device_model(cfg: RunConfig):  # noqa: ANN201 - a DeviceModel
     """The simulator's model of the device `cfg` is measured on: the CPU meter's, or the catalogue's GPU."""
-    from autosp.experiments.devices import device_catalogue, get_device_model
+    from autosp.experiments.simulate.devices import device_catalogue, get_device_model
 
     if cfg.device == "cpu":
         return get_device_model("cpu", cfg.memory_budget)

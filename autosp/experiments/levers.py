@@ -10,7 +10,7 @@ counted from the model's shape for what each configuration keeps at the peak of 
 - the working set of the layer being recomputed: its MLP intermediates (4I elements per token) unless tiled;
 - the loss's working set: logits in the model dtype, their fp32 copy and fp32 gradient (V x (e + 8) bytes per
   token) unless tiled;
-- offload (`--offload activations`, `autosp.compiler.offload`) moves what is kept at the layer boundaries, the
+- offload (`--offload activations`, `autosp.compiler.memory.offload`) moves what is kept at the layer boundaries, the
   residual stream (d elements per token per layer), to host memory but for `DEVICE_WINDOW` layers' (the one in
   backward and the one being fetched): the floor's model (`floor.memory_floor(offload=True)`). The rest of what
   SAC saves inside a layer (attention's inputs and output) stays on the device. Host bytes are reported per rank.

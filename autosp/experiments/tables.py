@@ -213,7 +213,7 @@ SPEC_RATIO = "alst"
 
 
 def autosp_specs(methods: Iterable[str]) -> list[str]:
-    """The autosp columns run with options of their own (`autosp[...]`, `simulate_table.cell_configs`)."""
+    """The autosp columns run with options of their own (`autosp[...]`, `simulate.table.cell_configs`)."""
     return sorted({m for m in methods if m.startswith("autosp[")})
 
 

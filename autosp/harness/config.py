@@ -46,7 +46,7 @@ class RunConfig:
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
-    tiling: str = "off"  # autosp only: off | auto | loss,mlp,norm, optionally :<tokens per tile> (autosp.compiler.tiling)
+    tiling: str = "off"  # autosp only: off | auto | loss,mlp,norm, optionally :<tokens per tile> (autosp.compiler.tiling.loss)
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
     offload: str = "off"  # autosp only: off | activations | auto (layer-boundary activations in host memory; auto: the
     # --sac auto planner decides), optionally with an `optimizer` item (master weights + AdamW moments in host memory)

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from autosp.compiler.sizes import parse_size  # noqa: F401  (the harness's sizes are read here)
+from autosp.compiler.fx.sizes import parse_size  # noqa: F401  (the harness's sizes are read here)
 
 T = TypeVar("T")
 
@@ -228,7 +228,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     """Replay the profiled CPU allocation stream; peak of live bytes inside the `mark` region.
 
     Host memory apart: on CPU the emulated device and the host are the same memory, so what the offload op
-    allocates (`autosp.compiler.offload`: the host copies of offloaded activations), and its later free at the
+    allocates (`autosp.compiler.memory.offload`: the host copies of offloaded activations), and its later free at the
     same address, are booked to a separate host pool, not to the device peak; the record gets the host pool's
     peak in the step as `host_offloaded_bytes`. So is what the optimizer offload allocates inside its host region
     (`autosp.comm.host_optimizer.HOST_REGION`: master weights, gradient buffers, AdamW moments and the step's
@@ -236,7 +236,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`)."""
     from autosp.comm.host_optimizer import HOST_REGION
     from autosp.comm.host_params import GRADIENT_TO_HOST_NAME
-    from autosp.compiler.offload import OFFLOAD_OP_NAME
+    from autosp.compiler.memory.offload import OFFLOAD_OP_NAME
 
     allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
     windows: list[tuple[int, int]] = []

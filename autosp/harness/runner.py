@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.sac_policy import parse_policy
+from autosp.compiler.memory.policy import parse_policy
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import check_device, current_device, existing_job, launch
 from autosp.harness.measure import (apply_device_budget, format_sizes_apart, host_over_budget_error, memory_meter,

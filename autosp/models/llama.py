@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autosp.compiler import masked_attention  # the `autosp_sp::masked_attention` op
+from autosp.compiler.sp.attention import masked_attention  # the `autosp_sp::masked_attention` op
 from autosp.models.presets import ModelPreset
 
 IGNORE_INDEX = -100

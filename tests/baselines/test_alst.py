@@ -43,7 +43,7 @@ def test_alst_refuses_a_tied_lm_head_at_setup_which_deepspeed_zero3_fails_on(mon
     two-rank CPU run gives). When this stops failing, DeepSpeed trains tied heads under ALST: lift the refusal."""
     import baselines.alst as alst
     from autosp.experiments import simulate as sim
-    from autosp.experiments.devices import get_device_model
+    from autosp.experiments.simulate.devices import get_device_model
 
     cfg = sim.simulate_config(RunConfig("alst", "hf:tiny-tied", 256, world_size=2, dtype="bfloat16"))
     device = get_device_model("cpu", 1 << 30)

@@ -45,7 +45,7 @@ def test_project_llama_matches_single_process(model, world_size, options):
 
 
 def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
-    from autosp.compiler.sac import Policy
+    from autosp.compiler.memory.partitioner import Policy
     from autosp.experiments.floor import floor_for
     from baselines.autosp_method import sac_policy
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autosp.comm.host_params import fetch_parameter, gradient_to_host, place_on_host
-from autosp.compiler.offload import offload_mode, offload_optimizer, offload_params
+from autosp.compiler.memory.offload import offload_mode, offload_optimizer, offload_params
 from autosp.compiler.options import CompileOptions
 from autosp.errors import ConfigError
 

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from autosp.compiler import flex_masks
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.attention import flex_masks
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
 from tests.compiler.graphs import capture, partitioned
 from tests.compiler.hf_models import build_hf_flex

@@ -10,10 +10,10 @@ import dataclasses
 
 
 def plant(first_rank: int = 1) -> None:
-    """Patch `autosp.compiler.shard.localize_partners` in this process (a rank: call before compiling): ranks
+    """Patch `autosp.compiler.sp.shard.localize_partners` in this process (a rank: call before compiling): ranks
     from `first_rank` on take their rotary rows one position early."""
-    from autosp.compiler import indices, shard
-    from autosp.compiler.spec import ShardSpec
+    from autosp.compiler.sp import indices, shard
+    from autosp.compiler.sp.spec import ShardSpec
 
     correct = shard.localize_partners
 

@@ -1,5 +1,5 @@
 """Attention in chunks of heads bounds one layer's full-length attention working set in backward: the liveness
-replay of the partitioned backward graph (the planner's, `sac_auto.live_at_peak`, on fake tensors: byte counts)
+replay of the partitioned backward graph (the planner's, `memory.planner.live_at_peak`, on fake tensors: byte counts)
 peaks lower with chunks than without, at a length where attention binds, and backward runs the chunks one after
 another. One rank's rewrite, no communication (exactness: tests/baselines/test_autosp_method.py)."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from autosp.compiler.sac import make_partition_fn
-from autosp.compiler.sac_auto import backward_inputs, live_at_peak
-from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.compiler.tiling import apply_tiling, parse_tiling
+from autosp.compiler.memory.partitioner import make_partition_fn
+from autosp.compiler.memory.planner import backward_inputs, live_at_peak
+from autosp.compiler.sp.walk import sequence_parallel_pass
+from autosp.compiler.tiling.loss import apply_tiling, parse_tiling
 from tests.compiler.test_sp_pass import A2A, _llama_graph
 
 #: MLP and loss in tiles of 256 tokens, so that what binds in backward is attention, not a token-wise block

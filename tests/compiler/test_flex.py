@@ -1,4 +1,4 @@
-"""FlexAttention under AutoSP (`autosp/compiler/flex.py`, issue 27): unmodified HF models with
+"""FlexAttention under AutoSP (`autosp/compiler/sp/attention/flex.py`, issue 27): unmodified HF models with
 attn_implementation="flex_attention" (block mask built in the graph from positions: causal, Mistral's sliding
 window, packed documents, a padding attention_mask) and a decoder whose score_mod and mask_mod read the head
 index (and whose sinks read flex's logsumexp), against single-process training (loss, every gradient, parameters
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autosp.compiler.communicate import ALL_TO_ALL
-from autosp.compiler.flex import FLEX_ATTENTION, check_lowering
-from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.compiler.tiling import apply_tiling, parse_tiling
+from autosp.compiler.sp.attention.communicate import ALL_TO_ALL
+from autosp.compiler.sp.attention.flex import FLEX_ATTENTION, check_lowering
+from autosp.compiler.sp.walk import sequence_parallel_pass
+from autosp.compiler.tiling.loss import apply_tiling, parse_tiling
 from autosp.compiler.tracing import tracing_config
 from autosp.errors import SequenceParallelError
 from tests.compiler.exactness import ExactnessRuns, exact_case

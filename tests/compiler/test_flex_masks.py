@@ -1,4 +1,4 @@
-"""Flex attention's block mask built by rows (`autosp/compiler/flex_masks.py`, issue 27): the same block tensors
+"""Flex attention's block mask built by rows (`autosp/compiler/sp/attention/flex_masks.py`, issue 27): the same block tensors
 as HF's dense path, and no [S, S] tensor left in the graph for it."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autosp.compiler.flex import FLEX_ATTENTION
-from autosp.compiler.flex_masks import build_block_masks_by_rows
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.attention.flex import FLEX_ATTENTION
+from autosp.compiler.sp.attention.flex_masks import build_block_masks_by_rows
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.compiler.tracing import tracing_config
 from tests.compiler.graphs import capture, partitioned
 from tests.compiler.hf_models import build_hf_flex

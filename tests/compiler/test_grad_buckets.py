@@ -1,10 +1,10 @@
-"""How gradients are grouped into buckets (`autosp.compiler.grad_buckets._group`), on graph nodes carrying only the
+"""How gradients are grouped into buckets (`autosp.compiler.zero.grad_buckets._group`), on graph nodes carrying only the
 gradients' sizes: the multi-rank run in test_sharding.py checks the collectives themselves."""
 import pytest
 import torch
 import torch.fx as fx
 
-from autosp.compiler.grad_buckets import GradientReduction, _Entry, _group
+from autosp.compiler.zero.grad_buckets import GradientReduction, _Entry, _group
 
 KIB = 1024
 

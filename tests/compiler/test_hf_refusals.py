@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import autosp.comm  # noqa: F401
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.compiler.tracing import install_output_hooks
 from autosp.errors import SequenceParallelError
 from tests.compiler.graphs import capture

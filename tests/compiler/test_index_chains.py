@@ -10,8 +10,8 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 import autosp.comm  # noqa: F401
-from autosp.compiler import index_chains
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp import index_chains
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch

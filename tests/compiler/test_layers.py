@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from autosp.compiler.layers import global_callee, layer_of_path, module_path
-from autosp.compiler.spec import node_label
+from autosp.compiler.fx.layers import global_callee, layer_of_path, module_path
+from autosp.compiler.sp.spec import node_label
 from tests.compiler.graphs import capture
 
 

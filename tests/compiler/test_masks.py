@@ -11,10 +11,10 @@ from torch import nn
 import json
 
 
-from autosp.compiler import masked_attention
-from autosp.compiler.sdpa import attention_args, is_attention
-from autosp.compiler.masks import express_structured_masks, recognise_causal_masks
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.attention import masked_attention
+from autosp.compiler.fx.sdpa import attention_args, is_attention
+from autosp.compiler.sp.attention.masks import express_structured_masks, recognise_causal_masks
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from autosp.compiler.offload import parse_offload
+from autosp.compiler.memory.offload import parse_offload
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static
 from autosp.harness.config import ConfigError
@@ -68,7 +68,7 @@ def test_unknown_offload_value_is_refused_in_one_line():
 
 
 def test_the_optimizer_item_rides_beside_the_activations_mode():
-    from autosp.compiler.offload import offload_mode, offload_optimizer
+    from autosp.compiler.memory.offload import offload_mode, offload_optimizer
 
     cases = {"optimizer": ("off", "auto"), "activations,optimizer": ("activations", "auto"),
              "auto, optimizer:torch": ("auto", "torch"), "optimizer:deepspeed,off": ("off", "deepspeed"),

@@ -8,8 +8,8 @@ import torch
 
 import autosp
 from autosp.compiler.options import COMPILE_BACKENDS, CompileOptions
-from autosp.compiler.sac import Policy, SacPolicy
-from autosp.compiler.sizes import parse_size
+from autosp.compiler.memory.partitioner import Policy, SacPolicy
+from autosp.compiler.fx.sizes import parse_size
 from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
 
 

@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autosp.comm.ops  # noqa: F401  (registers autosp_sp::all_gather_shard)
-from autosp.compiler.prefetch import GatherBucket, prefetch_gathers
+from autosp.compiler.zero.prefetch import GatherBucket, prefetch_gathers
 
 
 def _two_layer_graph(late_shard: bool = False) -> fx.GraphModule:
@@ -79,7 +79,7 @@ def test_a_parameters_layer_is_found_in_a_walk_that_visits_each_node_once():
     every path took minutes)."""
     import time
 
-    from autosp.compiler.grad_buckets import _layer_of
+    from autosp.compiler.zero.grad_buckets import _layer_of
 
     graph = fx.Graph()
     weight = node = graph.placeholder("w")

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autosp.compiler.sac import (
+from autosp.compiler.memory.partitioner import (
     AUTOSP_ATTENTION_OPS,
     AUTOSP_COLLECTIVE_OPS,
     AUTOSP_HOST_PARAM_OPS,
@@ -26,7 +26,7 @@ from autosp.compiler.sac import (
     sac_backend,
     tag_joint_graph,
 )
-from autosp.compiler.sac_auto import estimated_peak
+from autosp.compiler.memory.planner import estimated_peak
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
@@ -160,7 +160,7 @@ def _auto_plan(budget: int | None, **planner) -> tuple[PartitionRecord, dict]:
 
 def _recomputed_categories(record: PartitionRecord) -> set[str]:
     """What backward re-runs: "sdpa" for an attention kernel, else the module category of a recomputed matmul."""
-    from autosp.compiler.saved_report import category_of_node
+    from autosp.compiler.memory.saved_report import category_of_node
 
     return {"sdpa" if is_attention_forward(n) else category_of_node(n) for n in record.bw_module.graph.nodes
             if is_attention_forward(n) or (n.meta.get("partitioner_tag") == "is_forward"
@@ -321,7 +321,7 @@ class _OpaqueOpsModel(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        import autosp.compiler.tiled_loss_op  # noqa: F401 - registers autosp_sp::linear_cross_entropy
+        import autosp.compiler.tiling.loss_op  # noqa: F401 - registers autosp_sp::linear_cross_entropy
         from autosp.comm.ops import all_to_all
 
         h = all_to_all(self.proj(x).unsqueeze(0), 1, 2, 1, dist.group.WORLD.group_name).squeeze(0)
@@ -366,13 +366,13 @@ def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
 def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeypatch) -> None:
     """Inductor's buffer reuse keeps a freed buffer alive until a later one of its size takes it over, judged
     against a peak estimate blind to opaque ops' scratch: on tiny, P=2, S=15,360 it held 9.9 MiB of layer 1's MLP
-    backward buffers through its attention backward (peak 46.60 MiB, 39.99 without; autosp.compiler.sac). The
+    backward buffers through its attention backward (peak 46.60 MiB, 39.99 without; autosp.compiler.memory.partitioner). The
     setting must reach compile_fx as config_patches, which it re-applies when it lowers the backward graph at the
     first backward call (a scope around the call would have ended by then), and leave the caller's config alone."""
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
-    from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
+    from autosp.compiler.memory.partitioner import compile_with_partitioner, make_partition_fn
 
     seen = {}
 
@@ -411,7 +411,7 @@ def test_a_record_keeps_its_graphs_metadata_through_the_compile_cache_and_induct
 
 
 def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> None:
-    import autosp.comm.host_params, autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.flex_masks, autosp.compiler.masked_attention, autosp.compiler.offload, autosp.compiler.tiling  # noqa: F401,E401,E501
+    import autosp.comm.host_params, autosp.comm.ops, autosp.comm.ring_attention, autosp.compiler.sp.attention.flex_masks, autosp.compiler.sp.attention.masked_attention, autosp.compiler.memory.offload, autosp.compiler.tiling.loss  # noqa: F401,E401,E501
     from autosp.comm.library import registered_names
 
     assert registered_names() == (AUTOSP_COLLECTIVE_OPS | AUTOSP_ATTENTION_OPS | AUTOSP_OPAQUE_OPS
@@ -459,7 +459,7 @@ def test_replay_keeps_a_split_base_alive_until_its_last_tile_dies() -> None:
     a recomputed tiled MLP, 3.7% above the planner's estimate before this was modelled, at 20K tokens on tiny)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autosp.compiler.sac_auto import live_at_peak
+    from autosp.compiler.memory.planner import live_at_peak
     from autosp.harness.measure import CpuAllocationMeter
 
     x = torch.randn(1024, 64)
@@ -479,8 +479,8 @@ def test_recompute_flops_count_attention_recomputed_in_its_rng_wrapper() -> None
     """Attention recomputed in backward runs inside the partitioner's RNG wrapper (`run_with_rng_state`, no
     partitioner tag): its FLOPs are in the plan's `recompute_flops` (they were missing: 1.5 GFLOP recorded where
     attention alone re-ran 189 GFLOP, tiny at 27K tokens)."""
-    from autosp.compiler.node_kinds import is_attention_forward
-    from autosp.compiler.sac_auto import _attention_flops, recompute_flops
+    from autosp.compiler.fx.node_kinds import is_attention_forward
+    from autosp.compiler.memory.planner import _attention_flops, recompute_flops
     from tests.compiler.test_attention_chunks import _backward
 
     full, _ = _backward("tiny-mha", 256, 1, "full")

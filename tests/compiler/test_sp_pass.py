@@ -8,7 +8,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 import autosp.comm  # noqa: F401
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.harness.config import DataConfig
 from autosp.errors import SequenceParallelError
 from autosp.models import build_model, get_preset

@@ -5,7 +5,7 @@ import torch
 
 import autosp
 from autosp.compiler.specialize import bind_sizes, is_symbolic
-from autosp.compiler.sp_pass import sequence_parallel_pass
+from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.harness.config import DataConfig
 from autosp.harness.launch import launch
 from autosp.models import build_model

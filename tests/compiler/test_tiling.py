@@ -8,15 +8,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autosp.compiler.sac import compile_with_partitioner, make_partition_fn
-from autosp.compiler.tiling import (
+from autosp.compiler.memory.partitioner import compile_with_partitioner, make_partition_fn
+from autosp.compiler.tiling.loss import (
     MIN_TILE_TOKENS,
     TilingReport,
     apply_tiling,
     auto_tile_tokens,
     parse_tiling,
 )
-from autosp.compiler.tiled_loss_op import tiled_cross_entropy
+from autosp.compiler.tiling.loss_op import tiled_cross_entropy
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
 
@@ -204,7 +204,7 @@ def test_dead_code_elimination_keeps_in_place_writes_into_a_buffer_read_later() 
     MLA's key buffer stayed uninitialised after the tiling pass; the compiler's elimination keeps it."""
     import torch.fx as fx
 
-    from autosp.compiler import fx_nodes
+    from autosp.compiler.fx import nodes as fx_nodes
 
     def fill(x):
         buf = x.new_empty(4)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from autosp.compiler.rms_norm_op import rms_norm
-from autosp.compiler.sac import make_partition_fn
-from autosp.compiler.sac_auto import backward_inputs, live_at_peak
-from autosp.compiler.sp_pass import sequence_parallel_pass
-from autosp.compiler.tiling import apply_tiling, parse_tiling
+from autosp.compiler.tiling.rms_norm_op import rms_norm
+from autosp.compiler.memory.partitioner import make_partition_fn
+from autosp.compiler.memory.planner import backward_inputs, live_at_peak
+from autosp.compiler.sp.walk import sequence_parallel_pass
+from autosp.compiler.tiling.loss import apply_tiling, parse_tiling
 from autosp.models import build_model, get_preset
 from autosp.models.data import DataConfig, make_batch
 from autosp.models.llama import LlamaRMSNorm

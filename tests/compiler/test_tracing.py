@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from autosp.compiler.flex import FLEX_ATTENTION
+from autosp.compiler.sp.attention.flex import FLEX_ATTENTION
 from autosp.compiler.tracing import breaking_module, tracing_config
 from tests.compiler.graphs import capture, count
 from tests.compiler.hf_models import build_hf_flex

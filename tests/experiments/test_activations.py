@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autosp.compiler.saved_report import (
+from autosp.compiler.memory.saved_report import (
     UNATTRIBUTED,
     category_of_module,
     compiled_breakdown,
@@ -14,9 +14,9 @@ from autosp.compiler.saved_report import (
     tiles_of,
 )
 from autosp.experiments.activations import SavedActivationRecorder, breakdown_table, working_set_table
-from autosp.compiler.sac import sac_backend
-from autosp.compiler.sac_auto import estimated_peak
-from autosp.compiler.tiling import TilingReport
+from autosp.compiler.memory.partitioner import sac_backend
+from autosp.compiler.memory.planner import estimated_peak
+from autosp.compiler.tiling.loss import TilingReport
 from autosp.harness.config import ConfigError
 from autosp.models import build_model
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from autosp.cli import main
-from autosp.experiments.history import REGRESSION, UNCHANGED, bisect_hint, compare
-from autosp.experiments.history_store import load_history, record_files
+from autosp.experiments.history.compare import REGRESSION, UNCHANGED, bisect_hint, compare
+from autosp.experiments.history.store import load_history, record_files
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.records import append_record, new_record
 

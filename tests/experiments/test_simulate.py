@@ -9,7 +9,7 @@ import torch
 
 from autosp.cli import main
 from autosp.experiments import simulate as sim
-from autosp.experiments.devices import LARGE_REQUEST_BYTES, MIB, get_device_model
+from autosp.experiments.simulate.devices import LARGE_REQUEST_BYTES, MIB, get_device_model
 from autosp.experiments.tables import trainability_table
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.runner import run
@@ -205,7 +205,7 @@ def test_a_shared_rank_program_predicts_every_length_as_a_fresh_one_does(method,
     one engine, its ZeRO optimizer under mixed bf16) gives the peaks and breakdowns of a fresh program at a length
     it did not start at, and back at the length it started at gives that first step's again. One program serves
     every length, past Dynamo's recompile limit (2 here): ds-autosp too, whose DeepSpeed pass guards its compile on
-    the length (`deepspeed_per_length`: one Dynamo trace, DeepSpeed's backend per length)."""
+    the length (`simulate.deepspeed_per_length`: one Dynamo trace, DeepSpeed's backend per length)."""
     cfg = sim.simulate_config(RunConfig(method=method, model=model, seq_len=1, world_size=2, zero=zero, dtype=dtype))
     lengths = (256, 512, 768, 256)
     fresh = sim.simulate_rank(cfg.replace(seq_len=512), CPU)

@@ -7,7 +7,7 @@ import pandas as pd
 
 from autosp.cli import main
 from autosp.experiments import simulate as sim
-from autosp.experiments.simulate_table import PAPER_METHODS, markdown_table
+from autosp.experiments.simulate.table import PAPER_METHODS, markdown_table
 from autosp.harness.config import RunConfig
 
 
@@ -120,7 +120,7 @@ def test_the_costliest_cells_start_first():
     """Longest-processing-time first so the workers finish together: DeepSpeed's AutoSP, ZeRO-3 (whole depth,
     deepest first), then autosp's compiled cells, then the eager baselines (the table's cells at c4116db: 110-145 /
     36-124 / 30-41 / 3-20 CPU-s)."""
-    from autosp.experiments.simulate_table import cell_configs, cell_order
+    from autosp.experiments.simulate.table import cell_configs, cell_order
 
     configs = cell_configs(["llama-3.2-1b", "llama-2-13b"], ["ulysses:0", "autosp:3", "zero3", "ds-autosp"],
                            world_size=8, dtype="bfloat16")
@@ -134,7 +134,7 @@ def test_a_method_spec_sets_its_own_options_and_is_a_column_of_its_own_against_a
     """`autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]:3`: the planner's levers as one column beside
     plain autosp (never in its place), its stage after the brackets, `+` for a list value, its ratio to alst; the
     column reads back from the Markdown table and a later file's cell replaces it, not plain autosp's."""
-    from autosp.experiments.simulate_table import cell_configs, parse_method, search_cell
+    from autosp.experiments.simulate.table import cell_configs, parse_method, search_cell
     from autosp.experiments.tables import trainability_table
 
     spec = "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]"
@@ -171,7 +171,7 @@ def test_a_method_spec_sets_its_own_options_and_is_a_column_of_its_own_against_a
 
 
 def test_a_searched_cells_rows_carry_the_specs_label_only_where_it_has_options_of_its_own(monkeypatch):
-    from autosp.experiments import simulate_table
+    from autosp.experiments.simulate import table as simulate_table
 
     monkeypatch.setattr(sim, "simulated_search", lambda cfg, device, **kw: {"extra": {}, "device": device.name})
     (spec, cfg), (variant, checkpointed) = simulate_table.cell_configs(

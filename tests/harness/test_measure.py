@@ -89,8 +89,8 @@ def test_sizes_compared_in_one_message_read_differently() -> None:
 
 def test_cpu_meter_books_offloaded_copies_as_host_memory() -> None:
     """On CPU the device is host memory: what `autosp_sp::offload` allocates (and its free at that address)
-    is booked apart from the emulated device's peak (autosp.compiler.offload)."""
-    from autosp.compiler import offload  # noqa: F401  (registers the ops)
+    is booked apart from the emulated device's peak (autosp.compiler.memory.offload)."""
+    from autosp.compiler.memory import offload  # noqa: F401  (registers the ops)
 
     meter = CpuAllocationMeter()
     with meter.session(), meter.measured_step():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from autosp.harness.config import DataConfig
 from autosp.models import build_model, get_preset
 from autosp.models.data import make_batch
-from autosp.compiler.masked_attention import run_program
+from autosp.compiler.sp.attention.masked_attention import run_program
 from autosp.models.llama import (
     ATTENTION_MASK_PROGRAM,
     LlamaForCausalLM,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autosp.experiments.devices import DeviceModel
+from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.config import DIRECT_INDUCTOR_BACKEND, SimulationError
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def _inductor_compile_unfused() -> Iterator[None]:
 @contextlib.contextmanager
 def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
     """A shared ds-autosp program compiles DeepSpeed's AutoSP backend per length on its one Dynamo trace
-    (`autosp.experiments.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
+    (`autosp.experiments.simulate.deepspeed_per_length`): the engine set up here gets it from `init_autosp`."""
     if not shared:
         yield
         return
@@ -59,7 +59,7 @@ def _deepspeed_autosp_per_length(shared: bool) -> Iterator[None]:
 
     from deepspeed.compile import init_sp
 
-    from autosp.experiments.deepspeed_per_length import per_length
+    from autosp.experiments.simulate.deepspeed_per_length import per_length
 
     backend_of = init_sp.init_autosp
     with mock.patch.object(init_sp, "init_autosp", lambda config: per_length(backend_of(config))):

@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 
-from autosp.experiments.devices import DeviceModel, get_device_model
+from autosp.experiments.simulate.devices import DeviceModel, get_device_model
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.experiments.simulate.lengths import _summary, simulate, simulated_search
 from autosp.experiments.simulate.programs import shared_rank_programs
@@ -109,6 +109,6 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _catalogue_names() -> list[str]:
-    from autosp.experiments.devices import device_catalogue
+    from autosp.experiments.simulate.devices import device_catalogue
 
     return list(device_catalogue())

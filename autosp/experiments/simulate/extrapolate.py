@@ -7,7 +7,7 @@ from typing import Any
 
 from autosp.comm.host_optimizer import HostMemoryError
 from autosp.errors import AutoSPError
-from autosp.experiments.devices import DeviceModel
+from autosp.experiments.simulate.devices import DeviceModel
 from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.config import EXACT_LAYERS, SimulationError, simulate_config
 from autosp.experiments.simulate.programs import _rank_peak
@@ -93,7 +93,7 @@ LAST_RUNG_SAC = "budget=1B"
 def _planned(cfg: RunConfig) -> str | None:
     """Why autosp's memory planner (`--sac auto`) is not linear in depth: it plans each layer against the whole
     device, so 2 and 3 layers keep what 32 would recompute or move. Its last rung (`LAST_RUNG_SAC`) is."""
-    from autosp.compiler.sac_policy import SacPolicy, parse_policy
+    from autosp.compiler.memory.policy import SacPolicy, parse_policy
 
     policy = parse_policy(cfg.sac)
     if cfg.method == "autosp" and policy.kind == SacPolicy.AUTO and policy != parse_policy(LAST_RUNG_SAC):

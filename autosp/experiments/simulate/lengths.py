@@ -8,7 +8,7 @@ from typing import Any
 
 
 from autosp.comm.host_optimizer import HostMemoryError
-from autosp.experiments.devices import DeviceModel
+from autosp.experiments.simulate.devices import DeviceModel
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
 from autosp.experiments.simulate.config import (COMPONENTS, DIRECT_INDUCTOR_BACKEND, EXACT_LAYERS, SIMULATED_BACKEND,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from autosp.experiments.devices import DeviceModel
+from autosp.experiments.simulate.devices import DeviceModel
 from autosp.harness.config import RunConfig
 from autosp.experiments.simulate.adapters import (RealTwins, _alst_data_answers, _deepspeed_autosp_per_length,
                                                   _deepspeed_optimizer_offload, _deepspeed_rank0_answers,

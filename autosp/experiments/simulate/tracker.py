@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
-from autosp.experiments.devices import DeviceModel
-from autosp.compiler.offload import OFFLOAD_OP
+from autosp.experiments.simulate.devices import DeviceModel
+from autosp.compiler.memory.offload import OFFLOAD_OP
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -30,7 +30,7 @@ class LiveStorageTracker(TorchDispatchMode):
     and the op that reached it: the layer extrapolation follows each phase's peak on its own (`_extrapolate`);
     `peak()` is the highest.
 
-    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.offload`) and of
+    Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.memory.offload`) and of
     `autosp_sp::gradient_to_host` (gradients streamed to host memory, `autosp.comm.host_params`) and
     the storages a program makes inside `host_allocations()` (an adapter's call sites that allocate on the host,
     e.g. DeepSpeed's optimizer offload) live in host memory, so they are kept out of the device total; `host_peak`

@@ -1,0 +1,362 @@
+"""The memory planner (``--sac auto`` / ``budget=<bytes>``, the compiler's default): per compiled graph, the least
+added step time that fits the device.
+
+Each value backward needs is kept on the device, moved to host memory, or recomputed. Recomputing costs time;
+a move to host memory costs none where its copy hides behind the compute (a side stream on GPUs,
+`autosp.compiler.memory.offload`) but holds host memory. So the planner walks a ladder of plans ordered by recompute
+cost and takes the first whose estimated peak fits the per-rank byte budget (given, or the device's free memory
+at compile time; no limit on CPU unless given):
+
+1. save everything (attention and collectives pinned, the rest left to torch's min-cut, which only re-runs
+   what is free to re-run) — no layer is recomputed;
+2. recompute the token-wise ops (linear/MLP, norms, rotary, elementwise) of the first k decoder layers, k = 1..N:
+   the ``sac`` policy in k layers. Their FLOPs grow linearly in the sequence, attention's quadratically;
+3. also recompute attention in the first k layers, k = 1..N (``full`` in k layers) — only when 2. with all N
+   layers does not fit. The plan then says ``recomputes_attention`` (records carry it in ``extra.sac_auto``);
+4. also re-run the all-to-alls of the first k layers, k = 1..N: the whole layer recomputed from its input, as
+   per-layer activation checkpointing does (ALST, ``ulysses[ac=layer]``) — only when 3. with all N layers does
+   not fit: its cost is communication, and it frees what no other rung can (the all-to-alls' full-length
+   outputs, pinned on every other rung). The plan says ``recomputes_collectives``.
+
+On every rung that does not fit as it is, saved values move to host memory before the next rung is tried
+(``offload=auto``), if their bytes fit the host budget — first the layer-boundary values
+(`offload.boundary_values`), then every saved value made inside a layer: host memory is spent before recompute.
+``offload=activations`` moves the boundaries on every rung, ``off`` never. With room to spare the first rung fits:
+nothing recomputed, nothing moved.
+
+ZeRO-3 parameter gathers are re-run in backward under every policy. Within a phase the saved bytes fall as k
+grows, so the smallest fitting k is found by bisection: a graph is partitioned about 1 + 3 log2(N) times at most
+(each on a copy of the joint graph); the host-memory variants of a rung reuse its partition.
+
+Cost model, from the graph alone (no run):
+* memory: the peak of a liveness replay of the partitioned forward and backward graphs in their node order —
+  every non-view value allocates its bytes (shape x dtype from its fake value) and is freed after its last user;
+  views share their base; graph outputs (saved values, gradients) are never freed within their graph; backward
+  starts with the saved activations and tangents alive. Graph inputs (parameters, the batch) are resident model
+  state that the caller subtracts from the budget. Buffers inside opaque kernels (the all-to-all's send and
+  receive buffers, a tiled loss's tile) are added while their node runs, as each op declares them
+  (``autosp.comm.transients``), and so are a multi-output op's outputs. It does not see Inductor's fusion
+  and buffer reuse (which lower the real peak), nor anything outside the graph (the optimizer step). Measured
+  against the CPU profiler replay of the same step (aot_eager, 2 ranks, tiny, tiled loss and MLP): 0.999-1.000
+  of the step's peak increase at 512, 1K and 2K tokens.
+* time: the recomputed forward ops in backward, in FLOPs from torch's flop counter (matmuls, attention) plus
+  one per output element for the others (memory-bound ops), and the bytes moved to host memory (each way, per
+  step), reported for the chosen plan; values in host memory are not device bytes in the replay.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autosp.compiler.fx.layers import assign_layers, forward_nodes
+from autosp.compiler.fx.node_kinds import (_getitem_parent, _is_view, is_attention_forward, is_attention_value,
+                                       is_collective_value, is_pinned_value)
+from autosp.comm.host_params import GRADIENT_TO_HOST_OP
+from autosp.compiler.memory.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
+from autosp.compiler.memory.records import saved_values
+from autosp.compiler.memory.tags import _regather_parameters, _tag, _tag_layers
+from autosp.comm.transients import nbytes, transient_bytes
+from autosp.compiler.fx.nodes import node_nbytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner chose for one graph and what it costs per step (the record's ``extra.sac_auto`` entries)."""
+
+    budget_bytes: int | None
+    host_budget_bytes: int | None
+    estimated_peak_bytes: int
+    saved_activation_bytes: int  # on the device, from forward to backward
+    layers: int
+    tokenwise_recompute_layers: int  # layers whose token-wise ops are recomputed
+    attention_recompute_layers: int  # of those, layers whose attention is recomputed too
+    collective_recompute_layers: int  # of those, layers whose all-to-alls are re-run too (the whole layer)
+    recompute_flops: int
+    offloaded_bytes: int  # saved values moved to host memory in forward and back in backward (each way, per step)
+    offload_scope: str | None  # `offload.OFFLOAD_SCOPES`: the boundaries only, or every saved value of a layer
+    fits: bool
+    partitions_tried: int
+
+    @property
+    def recomputes_attention(self) -> bool:
+        return self.attention_recompute_layers > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recomputes_attention": self.recomputes_attention,
+                "recomputes_collectives": self.collective_recompute_layers > 0, "offloads": self.offloaded_bytes > 0}
+
+
+def default_budget(joint_inputs: Sequence[Any]) -> int | None:
+    """Free memory of the device the graph runs on, at compile time (model state already resident); None on CPU."""
+    devices = {t.device for t in _flat_tensors(joint_inputs)}
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    free, _total = torch.cuda.mem_get_info(cuda[0])
+    return int(free)
+
+
+def _flat_tensors(values: Any) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _flat_tensors(v)]
+    return []
+
+
+# --------------------------------------------------------------------------------------------- the ladder
+
+
+def _copy(joint_gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy to tag and partition (nodes' meta dicts copied shallowly: the fake values are shared)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in joint_gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph._codegen = joint_gm.graph._codegen
+    return fx.GraphModule(joint_gm, graph)
+
+
+def layer_order(joint_gm: fx.GraphModule) -> list[str]:
+    """The decoder layers of a joint graph in forward order."""
+    layers = assign_layers(joint_gm.graph, forward_nodes(joint_gm.graph))
+    return list(dict.fromkeys(layer for layer in layers.values() if layer is not None))
+
+
+def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequence[str],
+             collectives: Sequence[str] = ()) -> None:
+    """Tag one rung: opaque kernels always pinned, collectives pinned outside `collectives`, attention pinned
+    outside `attention`, the token-wise ops of the layers in `tokenwise` (attention too in `attention`, and its
+    all-to-alls in `collectives`: the whole layer, as per-layer checkpointing re-runs it) recomputed, layer outputs
+    pinned when any layer is."""
+    graph = joint_gm.graph
+    forward = forward_nodes(graph)
+    layers = assign_layers(graph, forward)
+    for node in graph.nodes:
+        if node not in forward:
+            continue
+        rerun_collective = is_collective_value(node) and layers.get(node) in collectives
+        if (is_pinned_value(node) and not rerun_collective) or (
+                is_attention_value(node) and layers.get(node) not in attention):
+            _tag(node, CheckpointPolicy.MUST_SAVE)
+    _regather_parameters(graph, forward)
+    if tokenwise:
+        _tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
+
+
+@dataclass
+class _Trial:
+    tokenwise: int
+    attention: int
+    collectives: int
+    fw_module: fx.GraphModule
+    bw_module: fx.GraphModule
+    peak: int
+    saved: int
+    offload: OffloadReport | None
+    scope: str | None
+
+
+def plan_partition(
+    joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
+    offload: str = "auto", host_budget_bytes: int | None = None, **kwargs: Any,
+) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
+    """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
+    `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
+    does not fit without it and its host bytes fit `host_budget_bytes` (None: no limit) — the layer boundaries
+    first, then every saved value of a layer; `activations` the boundaries on every rung, `off` never. Returns
+    (forward, backward, the plan as a dict, what was offloaded or None). Nothing fits: the last rung (every layer
+    recomputed whole, collectives included)."""
+    budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
+    order = layer_order(joint_gm)
+    trials: list[_Trial] = []
+    partitions = 0
+
+    def fits(t: _Trial) -> bool:
+        host_ok = t.offload is None or host_budget_bytes is None or t.offload.nbytes <= host_budget_bytes
+        return host_ok and (budget is None or t.peak <= budget)
+
+    def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None) -> _Trial:
+        """The partitioned rung with the saved values of `scope` in host memory (None: all on the device)."""
+        if scope is not None:
+            fw, bw = _copy(fw), _copy(bw)  # the partition is reused by the next scope
+        report = offload_boundaries(fw, bw, num_fwd_outputs, scope) if scope else None
+        peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
+        trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
+        return trials[-1]
+
+    def trial(tokenwise: int, attention: int, collectives: int = 0) -> _Trial:
+        """One rung: kept on the device, else (offload auto) its boundaries in host memory, else all its layers'
+        saved values; the first that fits, or the last tried."""
+        nonlocal partitions
+        rung = (tokenwise, attention, collectives)
+        gm = _copy(joint_gm)
+        tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        partitions += 1
+        if offload == "activations":
+            return variant(rung, fw, bw, "boundaries")
+        t = variant(rung, fw, bw, None)
+        if offload != "auto":
+            return t
+        for scope in OFFLOAD_SCOPES:
+            if fits(t):
+                break
+            moved = variant(rung, fw, bw, scope)
+            if moved.offload.nbytes > (t.offload.nbytes if t.offload else 0):
+                t = moved
+        return t
+
+    def smallest_fitting(make: Any, count: int) -> _Trial | None:
+        """Bisection over k = 1..count of make(k), assuming the peak falls as k grows."""
+        top = make(count)
+        if not fits(top):
+            return None
+        low, high, best = 1, count - 1, top
+        while low <= high:
+            mid = (low + high) // 2
+            t = make(mid)
+            if fits(t):
+                best, high = t, mid - 1
+            else:
+                low = mid + 1
+        return best
+
+    n = len(order)
+    forward = forward_nodes(joint_gm.graph)
+    layers_of = assign_layers(joint_gm.graph, forward)
+    # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
+    c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
+    chosen = trial(0, 0)
+    if not fits(chosen) and n:
+        chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
+                  or (smallest_fitting(lambda k: trial(n, n, k), c) if c else None)
+                  or next(t for t in reversed(trials) if (t.tokenwise, t.attention, t.collectives) == (n, n, c)))
+    plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
+                saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,
+                attention_recompute_layers=chosen.attention, collective_recompute_layers=chosen.collectives,
+                recompute_flops=recompute_flops(chosen.bw_module),
+                offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, offload_scope=chosen.scope,
+                fits=fits(chosen), partitions_tried=partitions)
+    return chosen.fw_module, chosen.bw_module, plan.to_dict(), chosen.offload
+
+
+# ------------------------------------------------------------------------------------------- cost model
+
+
+def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node whose allocation `node`'s value lives in: a view's base, and so for each piece a multi-output view
+    op returns (split's, unbind's: the base lives until its last piece dies); itself otherwise."""
+    if _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        return owners[node.args[0]]
+    parent = _getitem_parent(node)
+    if parent is not None and _is_view(parent):
+        return owners[parent]
+    return node
+
+
+def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, list[fx.Node]]:
+    """(peak of the bytes alive while `gm` runs node by node, the values holding them at that moment; see the
+    module doc): placeholders count only when named in `counted_inputs`; outputs are never freed. While a node
+    runs, the scratch its op declares (``autosp.comm.transients``) and a multi-output op's outputs are alive
+    too: the peak minus the values' bytes is those bytes (booked as the running op's)."""
+    nodes = list(gm.graph.nodes)
+    owners: dict[fx.Node, fx.Node] = {}
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        owners[node] = _owner(node, owners)
+        for arg in node.all_input_nodes:
+            last_use[owners[arg]] = len(nodes) if node.op == "output" else i
+    frees: dict[int, list[fx.Node]] = {}
+    for owner, i in last_use.items():
+        frees.setdefault(i, []).append(owner)
+    size = {n: node_nbytes(n) for n in nodes
+            if owners[n] is n and not _on_host(n) and (n.op != "placeholder" or n.name in counted_inputs)}
+    alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
+    live = sum(size[n] for n in alive)
+    peak, at_peak = live, set(alive)
+    for i, node in enumerate(nodes):
+        if node.op != "placeholder" and size.get(node):
+            alive.add(node)
+            live += size[node]
+        if live + (scratch := _running_bytes(node)) > peak:
+            peak, at_peak = live + scratch, set(alive)
+        for owner in frees.get(i, ()):
+            if owner in alive:
+                alive.discard(owner)
+                live -= size[owner]
+    return peak, [n for n in nodes if n in at_peak]
+
+
+def _running_bytes(node: fx.Node) -> int:
+    """Bytes alive only while `node` runs: its op's declared scratch, and for a multi-output op all its outputs
+    (allocated by the op; the replay books each again at the getitem that takes it, and frees unused ones)."""
+    val = node.meta.get("val")
+    allocates = isinstance(val, (tuple, list)) and not _is_view(node)  # a split's pieces are views of its input
+    outputs = sum(nbytes(v) for v in val if isinstance(v, torch.Tensor)) if allocates else 0
+    return transient_bytes(node) + outputs
+
+
+def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
+    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes on the device)."""
+    activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder" and not _on_host(n)]
+    saved = sum(node_nbytes(n) for n in activations)
+    return max(live_at_peak(fw, set())[0], live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs))[0]), saved
+
+
+def _on_host(node: fx.Node) -> bool:
+    """A value in host memory: an offload's output (`autosp.compiler.memory.offload`), or backward's input of it; a
+    gradient streamed to host memory (`autosp.comm.host_params`)."""
+    return node.target in (OFFLOAD_OP, GRADIENT_TO_HOST_OP) or (
+        node.op == "placeholder" and any(u.target is RELOAD_OP for u in node.users))
+
+
+def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """Names of the backward graph's inputs that are this step's device memory: saved activations (not those
+    waiting in host memory) and tangents."""
+    host = {n.name for n in bw.graph.nodes if _on_host(n)}
+    activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"} - host
+    return activations | {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+
+
+def recompute_flops(bw: fx.GraphModule) -> int:
+    """FLOPs of the forward ops `bw` re-runs: torch's flop counter where it has a formula, else one per element."""
+    from torch._inductor.fx_utils import count_flops_fx
+
+    total = 0
+    for node in bw.graph.nodes:
+        # a random op recomputed in backward (attention with dropout's RNG state, under every recompute policy)
+        # runs in the partitioner's RNG wrapper, a node of its own that carries no partitioner tag
+        rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
+        if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
+            continue
+        if node.target is operator.getitem or _getitem_parent(node) is not None:
+            continue
+        flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
+        total += flops if flops else node_nbytes(node) // max(1, _itemsize(node))
+    return total
+
+
+def _attention_flops(node: fx.Node) -> int:
+    """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
+    wrapper = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}  # leading (op) or (RNG state tensor, op)
+    args = node.args[wrapper.get(getattr(node.target, "__name__", ""), 0):]
+    query, key = [a.meta["val"] for a in args
+                  if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
+    *batch_heads_sq, head_dim = query.shape
+    numel = 1
+    for d in batch_heads_sq:
+        numel *= int(d)
+    return 4 * numel * int(key.shape[-2]) * int(head_dim)
+
+
+def _itemsize(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.element_size() if isinstance(val, torch.Tensor) else 1
