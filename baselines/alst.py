@@ -55,9 +55,23 @@ def alst_config(cfg: RunConfig, num_params: int) -> dict[str, Any]:
     """ZeRO-3 as `zero3` tunes it, plus ALST's optimizer offload to host (pinned on GPUs; on CPU a no-op pin)."""
     config = zero3_config(cfg, num_params)
     config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.device != "cpu"}
-    if cfg.device == "cpu":
-        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW as the host optimizer (no CPU Adam build)
     return config
+
+
+def host_optimizer(model: nn.Module, cfg: RunConfig) -> tuple[torch.optim.Optimizer, str]:
+    """ALST's host optimizer and its name for the record: DeepSpeed's CPU Adam on a GPU (ALST's `cpu_adam`), built at
+    first use; torch's AdamW on the CPU, and on a GPU where the op cannot build (no compiler, a DeepSpeed wheel made
+    with DS_BUILD_OPS=0 on a machine without one): the same two fp32 moments, a slower step."""
+    if cfg.device != "cpu":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, adamw_mode=True), "deepspeed"
+        except Exception as exc:  # noqa: BLE001 - any failure to build or load the op: ALST's step runs on torch's
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            print(f"alst: DeepSpeed's CPU Adam is not available ({reason}); torch's AdamW steps on the host",
+                  flush=True)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr), "torch"
 
 
 def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, recompute: RecomputeCounter | None = None) -> torch.Tensor:
@@ -171,13 +185,11 @@ class AlstStep(DeepSpeedZeroStep):
         for layer in model.model.layers:  # HF checkpoints each layer through its `_gradient_checkpointing_func`
             layer._gradient_checkpointing_func = counted_checkpoint(layer._gradient_checkpointing_func, self.recompute)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        if cfg.device != "cpu":
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, adamw_mode=True)
-        self.engine, *_ = self.deepspeed.initialize(
-            model=model, optimizer=optimizer, config=alst_config(cfg, parameter_count(cfg.model)), mpu=mpu)
+        optimizer, self.host_adam = host_optimizer(model, cfg)
+        config = alst_config(cfg, parameter_count(cfg.model))
+        if self.host_adam != "deepspeed":
+            config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW as the host optimizer
+        self.engine, *_ = self.deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
@@ -222,7 +234,7 @@ class AlstStep(DeepSpeedZeroStep):
 
     def metrics(self) -> dict[str, Any]:
         """The last step's recomputed FLOPs on this rank (`baselines.recompute_flops`)."""
-        return {"recompute_flops": self.recompute.flops}
+        return {"recompute_flops": self.recompute.flops, "host_adam": self.host_adam}
 
 
 

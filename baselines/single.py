@@ -9,6 +9,7 @@ from torch import nn
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.strategy import Strategy, TrainStep, register
 from baselines.base import ReplicatedTrainStep, compute_in_precision
+from baselines.checkpointing import apply_activation_checkpointing
 
 if TYPE_CHECKING:
     from autosp.harness.parallel import ParallelContext
@@ -32,8 +33,10 @@ class SingleTrainStep(ReplicatedTrainStep):
 @register
 class Single(Strategy):
     name = "single"
-    description = "one process, the whole batch and sequence: the correctness reference (world size 1)"
+    description = ("one process, the whole batch and sequence: the correctness reference (world size 1); "
+                   "single[ac=layer]: with per-layer activation checkpointing, as HF's gradient checkpointing")
     distributed = False
+    options = frozenset({"ac"})
 
     def validate(self, cfg: RunConfig, num_heads: int, num_kv_heads: int) -> None:
         if cfg.world_size != 1:
@@ -43,4 +46,7 @@ class Single(Strategy):
 
     def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         compute_in_precision(model, cfg)
-        return SingleTrainStep(model, ctx.device, cfg.lr)
+        checkpointed = apply_activation_checkpointing(model, cfg)
+        step = SingleTrainStep(model, ctx.device, cfg.lr)
+        step.implementation += checkpointed
+        return step

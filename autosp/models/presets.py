@@ -47,6 +47,9 @@ _PRESETS: dict[str, ModelPreset] = {
         ModelPreset("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256, 500000.0, True, 131072),
         ModelPreset("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 500000.0, False, 131072),
         ModelPreset("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 10000.0, False, 4096),
+        # TinyLlama-1.1B (TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T): a 1B-class Llama whose LM head is
+        # untied, which alst needs (tests/gpu/peer_check.sh compares the methods on one GPU with it)
+        ModelPreset("tinyllama-1.1b", 2048, 22, 32, 4, 5632, 32000, 10000.0, False, 2048),
         # CPU presets: same architecture (GQA, several layers), small enough that a step takes milliseconds.
         ModelPreset("tiny", 64, 2, 4, 2, 176, 512, 10000.0, False, 131072),
         ModelPreset("tiny-mha", 64, 2, 4, 4, 176, 512, 10000.0, False, 131072),

@@ -1,5 +1,6 @@
 """ALST is a peer: the adapter runs DeepSpeed's ALST components as ArcticTraining does and reports what happens."""
 import pytest
+import torch
 
 from autosp.harness.check import check
 from autosp.harness.config import ConfigError, RunConfig
@@ -51,3 +52,27 @@ def test_alst_refuses_a_tied_lm_head_at_setup_which_deepspeed_zero3_fails_on(mon
     monkeypatch.setattr(alst, "refuse_a_tied_lm_head", lambda model, name: None)
     with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'numel'"):
         sim.simulate_rank(cfg, device)
+
+
+def test_alsts_host_optimizer_is_cpu_adam_on_a_gpu_and_torchs_adamw_where_the_op_cannot_build(monkeypatch) -> None:
+    import deepspeed.ops.adam
+
+    from baselines.alst import host_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    cpu = RunConfig("alst", "hf:tiny", 64)
+    assert host_optimizer(model, cpu)[1] == "torch"
+
+    class Built(torch.optim.AdamW):
+        def __init__(self, params, lr, adamw_mode):
+            super().__init__(params, lr=lr)
+
+    def cannot_build(*args, **kwargs):
+        raise RuntimeError("Error building extension 'cpu_adam'\nninja: build stopped")
+
+    gpu = cpu.replace(device="cuda")
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", Built)
+    assert host_optimizer(model, gpu)[1] == "deepspeed"
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", cannot_build)
+    optimizer, name = host_optimizer(model, gpu)
+    assert name == "torch" and type(optimizer) is torch.optim.AdamW

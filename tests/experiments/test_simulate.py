@@ -54,6 +54,17 @@ def test_simulated_peak_matches_the_measured_one_for_a_compiled_method():
     assert breakdown["saved_activation_bytes"] > 0 and breakdown["model_state_bytes"] > 0
 
 
+@pytest.mark.parametrize("ac", ["off", "layer"])
+def test_an_eager_hf_model_is_simulated_with_the_causal_attention_it_runs(ac):
+    """HF's packed-sequence test cannot read fake position ids and would build a [B, 1, S, S] mask (SDPA's math
+    path, S x S weights per head); the simulator answers it as the real run does: single and single[ac=layer] on
+    hf:tiny within 1% of the meter (they were 1.9x and 2.2x high)."""
+    cfg = RunConfig(method="single", model="hf:tiny", seq_len=1024, ac=ac, steps=1)
+    measured, simulated = run(cfg), sim.simulate(cfg, CPU)
+    assert measured["status"] == simulated["status"] == "ok", simulated.get("error")
+    assert simulated["peak_mem_bytes"] == pytest.approx(measured["peak_mem_bytes"], rel=0.01)
+
+
 def test_zero3_stand_ins_are_configured_as_the_real_model_and_extrapolate_exactly_at_cpu_size(monkeypatch):
     """A 4-layer model predicted from its 2- and 3-layer programs gives the full-depth bytes exactly. zero3: its
     reduce bucket (allocated whole) is capped between the 3- and 4-layer parameter counts, as DeepSpeed's 5e8
@@ -393,10 +404,11 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
     incoming gradient); on fake tensors each is answered as the real run would: the shard count from the shapes,
     the label test by alst's own function on the real labels behind the fake tile (any rank, any tile)."""
     import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401 - as an alst program's setup imports it
+    import transformers.masking_utils as masking  # as building an HF model imports it
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import baselines.alst as alst
-    from autosp.experiments.simulate.adapters import RealTwins, alst_data_answers
+    from autosp.experiments.simulate.adapters import RealTwins, alst_data_answers, hf_packed_sequences_answered
     from autosp.models.data import Batch
 
     # shifted: [6, 7, 8, 9, -100, -100, -100, -100]: rank 0's half has labels, rank 1's has none
@@ -406,14 +418,14 @@ def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():
         fake = Batch(**{name: mode.from_tensor(t) for name, t in real.model_kwargs().items()})
         for name, t in fake.model_kwargs().items():
             twins.add(t, getattr(real, name))
-        with alst_data_answers(twins, sim.LiveStorageTracker(CPU), valid_labels=4):
+        with alst_data_answers(twins, sim.LiveStorageTracker(CPU), valid_labels=4), \
+                hf_packed_sequences_answered(twins):
             answers = []
             for rank in (0, 1):
                 labels = alst.shard_like_the_adapter(fake.rows(0, 1), rank, 2)["shift_labels"]
                 answers.append([alst.no_valid_labels(tile) for tile in torch.chunk(labels.reshape(-1), 2)])
             assert alst.agreed_mlp_shards(torch.empty(1, 300, 64)) == 5  # ceil(300 / 64)
             # one sequence per row: HF builds no [B, 1, S, S] mask (on the fake tensor alone it says "packed")
-            import transformers.masking_utils as masking
             positions = alst.shard_like_the_adapter(fake.rows(0, 1), 0, 1)["position_ids"]
             assert masking.find_packed_sequence_indices(positions) is None
         assert masking.find_packed_sequence_indices(positions) is not None

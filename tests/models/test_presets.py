@@ -9,6 +9,7 @@ PUBLISHED_PARAMETERS = {
     "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248,
     "llama-2-13b": 13_015_864_320,
+    "tinyllama-1.1b": 1_100_048_384,
 }
 
 

@@ -145,8 +145,41 @@ def real_values() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
+def hf_packed_sequences_answered(twins: RealTwins) -> Iterator[None]:
+    """HF's `find_packed_sequence_indices` (are the position ids several packed sequences?) answered from the real
+    position ids, for every HF model the simulator runs (`single`, `single[ac=layer]`, alst, ...).
+
+    On a fake tensor HF says "tracing, cannot tell" and builds the full [B, 1, S, S] causal mask, so SDPA runs
+    with an explicit mask (the math path, S x S attention weights saved per head); on the real position ids of the
+    batch (one sequence per row) it answers None and SDPA runs causal without a mask, as on the device. (This
+    decides alst's one-rank recipe: at 32K tokens a 2 GiB mask.) Position ids that are no view of the batch were
+    made by the model from the length (HF's `cache_position`, an arange): one sequence per row, None. Inside a
+    compiled method's trace HF answers itself."""
+    import sys
+    from unittest import mock
+
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        yield
+        return
+    find_packed = masking.find_packed_sequence_indices
+
+    def packed_from_real(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if torch.compiler.is_compiling():  # a compiled method's trace: its masks are its own (autosp: `masks`)
+            return find_packed(position_ids)
+        if not twins.has(position_ids):  # made by the model from the sequence length (cache_position): one sequence
+            return None
+        with real_values():
+            packed = find_packed(twins.real(position_ids))
+        return None if packed is None else find_packed(position_ids)
+
+    with mock.patch.object(masking, "find_packed_sequence_indices", packed_from_real):
+        yield
+
+
+@contextlib.contextmanager
 def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iterator[None]:
-    """The four reads of data in alst's step, answered as the real run would (only once an alst program was set up:
+    """The reads of data in alst's step, answered as the real run would (only once an alst program was set up:
     its setup imports DeepSpeed's `ulysses_sp`):
 
     - `agreed_mlp_shards` (TiledMLP's shard count, ceil(S_local / hidden) all-reduced to the maximum over ranks
@@ -160,11 +193,7 @@ def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iter
       gradient, in place): the gradient reaching alst's summed loss is 1 / (valid labels of the SP group's
       sequence), so the answer is True unless exactly one label of the whole batch is valid (a data-parallel
       replica's own count is not read). Either answer allocates nothing (an in-place multiply).
-    - HF's `find_packed_sequence_indices` (are the position ids several packed sequences?), which on a fake tensor
-      says "tracing, cannot tell" and so makes HF build the full [B, 1, S, S] causal mask: on the real position
-      ids of the batch (alst passes them, one sequence per row) it answers None, and SDPA runs causal without a
-      mask, as on the device. (Under SP > 1 alst registers no mask at all; this decides its one-rank recipe: at
-      32K tokens a 2 GiB mask.) Position ids that are no view of the batch keep HF's own answer."""
+    - HF's `find_packed_sequence_indices`: `hf_packed_sequences_answered` (every HF model's)."""
     import sys
     from unittest import mock
 
@@ -197,19 +226,7 @@ def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iter
         with tracker.known_boolean_reads(valid_labels != 1):
             return loss_backward(ctx, *grads)
 
-    import transformers.masking_utils as masking
-
-    find_packed = masking.find_packed_sequence_indices
-
-    def packed_from_real(position_ids: torch.Tensor) -> torch.Tensor | None:
-        if not twins.has(position_ids):
-            return find_packed(position_ids)
-        with real_values():
-            packed = find_packed(twins.real(position_ids))
-        return None if packed is None else find_packed(position_ids)
-
     with mock.patch.object(alst, "agreed_mlp_shards", lambda x: -(-x.shape[-2] // x.shape[-1])), \
-            mock.patch.object(masking, "find_packed_sequence_indices", packed_from_real), \
             mock.patch.object(alst, "no_valid_labels", no_valid_real), \
             mock.patch.object(alst, "shard_like_the_adapter", shard_with_twins), \
             mock.patch.object(TiledFusedLogitsLoss, "backward", staticmethod(loss_backward_answered)):

@@ -15,6 +15,7 @@ from autosp.experiments.simulate.adapters import (
     deepspeed_autosp_per_length,
     deepspeed_optimizer_offload,
     deepspeed_rank0_answers,
+    hf_packed_sequences_answered,
     host_optimizer_state,
     identity_move,
     inductor_compile_unfused,
@@ -141,6 +142,7 @@ class RankProgram:
             stack.enter_context(host_optimizer_state(tracker))
             twins = RealTwins()
             stack.enter_context(alst_data_answers(twins, tracker, valid_labels))
+            stack.enter_context(hf_packed_sequences_answered(twins))
             batch = _fake_batch(real_batch, valid_labels, fake_mode, tracker, twins)
             # an earlier length's batch can outlive its step (an earlier specialisation's compile still refers to
             # it); a fresh program at this length never had it, so it is not counted
