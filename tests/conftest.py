@@ -62,18 +62,60 @@ def _cpu_seconds() -> float:
 
 
 _CPU_COSTS: dict[str, tuple[float, float]] = {}
+_STARTED: dict[str, tuple[float, float]] = {}
+_CSV: list[str] = []  # --cpu-durations-file, where this process writes it (not on an xdist worker)
+
+
+def _is_worker(config) -> bool:
+    """An xdist worker (`-n 2`): its reports and its counts go to the controller, which prints the summary."""
+    return hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    cpu, wall = _cpu_seconds(), time.perf_counter()
+    _STARTED[item.nodeid] = (_cpu_seconds(), time.perf_counter())
     yield
-    cost = (_cpu_seconds() - cpu, time.perf_counter() - wall)
-    _CPU_COSTS[item.nodeid] = cost
-    path = item.config.getoption("--cpu-durations-file")
-    if path:
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The test's cost (setup to teardown, this process and its reaped children) rides on its teardown report, so
+    it reaches the controller of an xdist run as it reaches the terminal of a plain one."""
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _STARTED:
+        cpu, wall = _STARTED.pop(item.nodeid)
+        outcome.get_result().user_properties.append(
+            ("cost", (_cpu_seconds() - cpu, time.perf_counter() - wall)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "teardown":
+        return
+    cost = dict(report.user_properties).get("cost")
+    if cost is None:
+        return
+    _CPU_COSTS[report.nodeid] = cost
+    for path in _CSV:
         with open(path, "a") as f:
-            f.write(f"{item.nodeid},{cost[0]:.1f},{cost[1]:.1f}\n")
+            f.write(f"{report.nodeid},{cost[0]:.1f},{cost[1]:.1f}\n")
+
+
+def pytest_configure(config):
+    path = config.getoption("--cpu-durations-file")
+    if path and not _is_worker(config):
+        _CSV.append(path)
+
+
+def pytest_sessionfinish(session):
+    if _is_worker(session.config):  # every worker collects the whole selection: each counts the same long tests
+        session.config.workeroutput["long_deselected"] = getattr(session.config, "_autosp_long_deselected", 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller collects nothing itself: the long profile's count comes from its workers."""
+    count = getattr(node, "workeroutput", {}).get("long_deselected", 0)
+    node.config._autosp_long_deselected = max(count, getattr(node.config, "_autosp_long_deselected", 0))
 
 
 def pytest_terminal_summary(terminalreporter, config):

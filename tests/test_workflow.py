@@ -122,8 +122,8 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     main job, the suite collected): a fresh clone runs the same two commands (see .ci/run)."""
     first, second = _quick_start()
     assert first == "bin/autosp-env snakemake --cores all figure_trainability"
-    assert second == "bin/autosp-env python -m pytest -q"
-    assert "bin/autosp-env python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+    assert second == "bin/autosp-env python -m pytest -q -n 2"
+    assert f"{second}\n" in (ROOT / ".ci" / "run").read_text()
     venv = tmp_path / "venv"  # a ready environment: this interpreter, installed as of now
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
