@@ -67,3 +67,10 @@ def test_the_compilers_top_level_holds_the_driver_only(tmp_path: Path) -> None:
     out = " ".join(result.stdout.split())
     assert result.returncode != 0
     assert "The following modules are not listed as layers: - autosp.compiler.helpers" in out
+
+
+def test_no_compiler_module_is_over_400_lines() -> None:
+    """Small modules with one job (issue 42): a compiler module past 400 lines is split by what it does."""
+    sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+             for path in (ROOT / "autosp" / "compiler").rglob("*.py")}
+    assert sizes and not {path: n for path, n in sizes.items() if n > 400}
