@@ -321,7 +321,9 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
             ready = graph.call_function(op("wait").default, (loaded,))
-        meta = {k: v for k, v in placeholder.meta.items() if k != "partitioner_tag"}  # no recomputed forward op
+        # no recomputed forward op (partitioner_tag), and not the saved op's eager inputs: a custom op's (an
+        # all-to-all's) `eager_input_vals` made Inductor normalise reload's arguments against them and fail
+        meta = {k: v for k, v in placeholder.meta.items() if k not in ("partitioner_tag", "eager_input_vals")}
         loaded.meta.update(meta)
         ready.meta.update(meta)
         placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives
