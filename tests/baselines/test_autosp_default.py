@@ -70,7 +70,7 @@ def _library_plan(cfg_dict: dict, budget: int) -> tuple[list, list]:
     from autosp.models import build_model
 
     cfg = RunConfig.from_dict(cfg_dict)
-    compiled = autosp.compile(build_model(cfg.model, seed=cfg.seed), sac=f"budget={budget}",
+    compiled = autosp.compile(build_model(cfg.model, seed=cfg.seed), sac=f"budget={budget}B",
                               backend=cfg.compile_backend, outputs="loss")
     compiled(**global_batch(cfg, cfg.world_size).model_kwargs()).loss.backward()
     return [r.plan for r in compiled.partition_records], tiles_of(compiled.tiling_reports)
