@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.harness.config import DataConfig, RunConfig
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.measure import parse_size
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
@@ -104,9 +104,15 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   ac=args.ac, host_memory_budget=host_budget, attention_chunks=args.attention_chunks)
     fields = {**fields, **varied}
     method = str(fields["method"] or "")
-    if "[" not in method:
-        return RunConfig(**fields)
-    from autosp.harness.method_spec import parse_method_spec
+    if "[" in method:
+        from autosp.harness.method_spec import parse_method_spec
 
-    spec = parse_method_spec(method)  # `autosp[paper]`: the spec's options over the flags
-    return spec.config(RunConfig(**{**fields, "method": spec.method}))
+        spec = parse_method_spec(method)  # `autosp[paper]`: the spec's options over the flags
+        return spec.config(RunConfig(**{**fields, "method": spec.method}))
+    from autosp.harness.strategy import get_strategy
+
+    cfg = RunConfig(**fields)
+    try:  # the options the method does not read as its records hold them (searches keyed by them resume)
+        return get_strategy(method).own_config(cfg)
+    except ConfigError:
+        return cfg  # an unknown method: refused where it is run, with the list of methods
