@@ -553,8 +553,9 @@ def test_a_simulated_node_that_offloads_more_than_its_host_memory_is_oom_naming_
 def test_each_simulated_device_gets_its_own_plan_and_the_record_carries_it():
     """The planner's choice depends on the device's memory: two devices in one process each get their own plan (a
     prediction cached without the device's size gave the second device the first one's), in `extra.sac_auto`."""
+    # untiled, the activations' offload only: the recompute ladder (the default tiles first where it is tight)
     cfg = RunConfig(method="autosp", model="tiny", seq_len=2048, world_size=2, compile_backend="aot_eager",
-                    sac="auto", offload="auto")
+                    sac="auto", offload="activations=auto", tiling="off")
     small, large = (sim.simulate(cfg, get_device_model("cpu", mib * MIB))["extra"]["sac_auto"] for mib in (12, 16))
     assert small[0]["budget_bytes"] < large[0]["budget_bytes"]
     assert small[0]["tokenwise_recompute_layers"] > large[0]["tokenwise_recompute_layers"] == 0
