@@ -1,6 +1,7 @@
 """Public entry points: `autosp.compile(model, ...)` and `autosp.backend(...)`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ from autosp.comm.host_params import place_on_host
 from autosp.comm.precision import cast_parameters
 from autosp.comm.sharding import full_state, resolve_stage, shard_parameters
 from autosp.compiler.backend import make_backend
+from autosp.compiler.memory import OffloadPlan, SacPolicy, check_params_offload
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.tracing import breaking_module, data_dependent_shape_error, tracing_config
 from autosp.errors import SequenceParallelError
@@ -209,9 +211,8 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     device_type = next(model.parameters(), torch.empty(0)).device.type
     group_size = dist.get_world_size(reduce_group)
     zero = resolve_stage(options.zero, group_size, dist.get_backend(reduce_group), device_type)
-    if options.host_params and zero != 3 and group_size > 1:
-        raise SequenceParallelError(f"offload=params keeps ZeRO-3 shards in host memory, but this run is at ZeRO "
-                                    f"stage {zero} over {group_size} ranks: use zero=3 (or drop params from offload)")
+    options = CompileOptions.of(options, offload=state_offload(options, model, zero=zero, group_size=group_size))
+    check_params_offload(options.offload_plan, zero, group_size)
     if (zero >= 2 and group_size > 1) or options.host_params:  # params: one rank's "shard" is the whole parameter
         shard_parameters(model, reduce_group, dp_size=dp_size, regather=zero == 3,
                          compute_dtype=options.compute_dtype, fetch=options.host_params)
@@ -236,6 +237,31 @@ def compile(  # noqa: A001  (mirrors torch.compile)
     compiled = torch.compile(model, backend=sp_backend, fullgraph=True, dynamic=None)
     return SequenceParallelModule(model, compiled, sp_group, sp_backend, reduce_group=reduce_group, zero=zero,
                                   host_masters=masters, host_adam=options.host_adam)
+
+
+def state_offload(options: CompileOptions, model: torch.nn.Module, *, zero: int, group_size: int,
+                  device_bytes: int | None = None) -> OffloadPlan:
+    """`options.offload_plan` with the optimizer's and the parameters' `auto` decided for `model` at this ZeRO stage
+    (`OffloadPlan.resolve_state`): against `device_bytes` (this rank's device memory for the model state; None: the
+    device's free memory plus the parameters already on it on CUDA, no limit on CPU); off under any policy but the
+    planner's."""
+    plan = options.offload_plan
+    if "auto" not in (plan.optimizer, plan.params):
+        return plan
+    if options.policy.kind != SacPolicy.AUTO:
+        return dataclasses.replace(plan, optimizer=plan.optimizer.replace("auto", "off"),
+                                   params=plan.params.replace("auto", "off"))
+    params = [p for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
+    numel = sum(p.numel() for p in params)
+    master = params[0].element_size() if params else 4
+    compute = torch.empty((), dtype=options.compute_dtype).element_size() if options.compute_dtype else master
+    stored = -(-numel // group_size) if zero >= 2 else numel  # parameters (and gradients) this rank keeps
+    stepped = -(-numel // group_size) if zero >= 1 else numel  # parameters whose AdamW moments this rank keeps
+    if device_bytes is None and params and params[0].device.type == "cuda":
+        device_bytes = torch.cuda.mem_get_info(params[0].device)[0] + numel * master
+    return plan.resolve_state(device_bytes=device_bytes, state_bytes=2 * stored * master,
+                              optimizer_bytes=2 * stepped * master, compute_state_bytes=2 * stored * compute,
+                              params_allowed=zero == 3 or group_size == 1)
 
 
 def backend(

@@ -14,21 +14,21 @@ import torch.distributed as dist
 from torch import nn
 
 import autosp
+from autosp.api import state_offload
 from autosp.comm.host_optimizer import iter_pairs
 from autosp.compiler.memory import (
+    OffloadPlan,
     Policy,
     SacPolicy,
+    check_params_offload,
     compiled_breakdown,
-    offload_optimizer,
-    offload_params,
-    parse_offload,
     parse_policy,
     peak_working_set,
     quadratic_saved_values,
     tiles_of,
 )
-from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.compiler.tiling import parse_tiling
+from autosp.compiler.options import CompileOptions
+from autosp.errors import SequenceParallelError
 from autosp.experiments.floor import floor_for
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.launch import current_device
@@ -45,19 +45,13 @@ class AutoSPTrainStep(ReplicatedTrainStep):
     def __init__(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig, zero: int = 0):
         self.model = model
         self.ctx = ctx
-        # the step reads only the loss: with tiling on, the logits need not be returned (nor exist whole)
-        tiled = parse_tiling(cfg.tiling).enabled
-        self.compiled = autosp.compile(model, process_group=ctx.sp_group, sac=sac_policy(cfg, zero),
-                                       backend=cfg.compile_backend,
-                                       zero=zero, tiling=cfg.tiling, outputs="loss" if tiled else "all",
-                                       ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg),
-                                       offload=cfg.offload, host_budget=_host_budget_per_rank(cfg),
-                                       attention_chunks=cfg.attention_chunks)
+        options = run_options(cfg, zero, model)
+        self.compiled = autosp.compile(model, process_group=ctx.sp_group, options=options)
         self.optimizer = self.compiled.make_optimizer(torch.optim.AdamW, lr=cfg.lr)
-        offloads = (["activations"] * parse_offload(cfg.offload) + ["optimizer"] * bool(offload_optimizer(cfg.offload))
-                    + ["params"] * offload_params(cfg.offload))
+        tiling = options.tiling_options
+        offloads = options.offload_plan.items
         self.implementation = (f"autosp-{cfg.compile_backend}-sac:{cfg.sac}-zero{zero}"
-                               + (f"-tiling:{cfg.tiling}" if tiled else "")
+                               + (f"-tiling:{cfg.tiling}" if tiling.enabled or tiling.planned else "")
                                + (f"-offload:{','.join(offloads)}" if offloads else "")
                                + (f"-chunks:{cfg.attention_chunks}" if cfg.attention_chunks > 1 else ""))
         self.seq_len = cfg.seq_len
@@ -103,19 +97,42 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                     "offloaded_values": sum(len(r.values) for r in offloads)} if offloads else {})}
 
 
-def sac_policy(cfg: RunConfig, zero: int) -> Policy:
+def compile_options(cfg: RunConfig, zero: int) -> CompileOptions:
+    """The compiler's options of run `cfg` at ZeRO stage `zero`, as written (the policy and the offload plan not
+    yet resolved against the budgets: `run_options`). The step reads only the loss, so the logits need not be
+    returned (nor exist whole) wherever a graph may be tiled."""
+    from autosp.compiler.tiling import parse_tiling
+
+    tiling = parse_tiling(cfg.tiling)
+    return CompileOptions(sac=cfg.sac, backend=cfg.compile_backend, zero=zero, tiling=tiling,
+                          outputs="loss" if tiling.enabled or tiling.planned else "all",
+                          ulysses_size=cfg.ulysses_size, compute_dtype=compute_dtype(cfg), offload=cfg.offload,
+                          host_budget=cfg.host_memory_budget, attention_chunks=cfg.attention_chunks)
+
+
+def run_options(cfg: RunConfig, zero: int, model: nn.Module) -> CompileOptions:
+    """`compile_options` with the budgets applied: the optimizer's and the parameters' `offload` decided against
+    `--memory-budget` (`autosp.api.state_offload`, as `autosp.compile` decides it against the device's free
+    memory), the planner's graph budget (`sac_policy`) and the host budget per rank."""
+    options = compile_options(cfg, zero)
+    plan = state_offload(options, model, zero=zero, group_size=cfg.world_size, device_bytes=cfg.memory_budget)
+    return CompileOptions.of(options, offload=plan, sac=sac_policy(cfg, zero, plan),
+                             host_budget=_host_budget_per_rank(cfg))
+
+
+def sac_policy(cfg: RunConfig, zero: int, plan: OffloadPlan | None = None) -> Policy:
     """`--sac auto` with `--memory-budget`: the graph's byte budget is the run's budget less what the memory
-    meter finds resident when the step starts: parameters, AdamW moments (none on the device with --offload
-    optimizer), gathered parameters (the floor's arithmetic) and the global batch every rank holds. The gradients
-    are made in backward and the planner counts them itself."""
+    meter finds resident when the step starts: parameters, AdamW moments (none on the device with the optimizer
+    state in host memory: `plan`, default `--offload` as written), gathered parameters (the floor's arithmetic) and
+    the global batch every rank holds. The gradients are made in backward and the planner counts them itself."""
     from autosp.harness.runner import global_batch
 
     policy = parse_policy(cfg.sac)
     if policy.kind != SacPolicy.AUTO or policy.budget_bytes is not None or cfg.memory_budget is None:
         return policy
+    plan = plan or OffloadPlan.parse(cfg.offload)
     state = floor_for("autosp", cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
-                      zero=zero, optimizer_offload=offload_optimizer(cfg.offload) is not None,
-                      params_offload=offload_params(cfg.offload))
+                      zero=zero, optimizer_offload=plan.optimizer == "on", params_offload=plan.params == "on")
     batch = global_batch(cfg, cfg.sp_size or cfg.world_size).model_kwargs().values()
     resident = (state.params_bytes + state.optimizer_bytes + state.gathered_unit_bytes
                 + sum(t.numel() * t.element_size() for t in batch))
@@ -131,6 +148,9 @@ class AutoSP(Strategy):
     zero_stages = (3, 0, 1, 2)  # 3 by default: the longest trainable length (README, "Model state at scale")
     pads_sequence = True
     options = frozenset({"sac", "compile_backend", "tiling", "ulysses_size", "offload", "attention_chunks"})
+    #: the paper's setting (sequence-aware checkpointing, nothing tiled or offloaded): the SAC figure's and the
+    #: paper-reproduction rows' autosp; the default is the planner's (sac, tiling and offload all decided by it)
+    presets = {"paper": {"sac": "sac", "tiling": "off", "offload": "off"}}
 
     def zero_stage(self, cfg: RunConfig) -> int:
         """One rank shares nothing: stage 0 is what runs there, whatever was asked (`resolve_stage`)."""
@@ -150,15 +170,11 @@ class AutoSP(Strategy):
             raise ConfigError(f"--attention-chunks {cfg.attention_chunks} must divide the {per_rank} query heads each "
                               f"rank attends ({num_heads} over {u or sp}); valid: "
                               f"{[d for d in range(1, per_rank + 1) if per_rank % d == 0]}")
-        parse_tiling(cfg.tiling)  # a bad value fails here, before any rank starts
-        if parse_offload(cfg.offload) and cfg.compile_backend == "eager":
-            raise ConfigError("--offload activations rewrites the partitioned forward/backward graphs: use "
-                              "--compile-backend aot_eager or inductor")
-        if offload_params(cfg.offload) and cfg.world_size > 1 and self.zero_stage(cfg) != 3:
-            raise ConfigError(f"--offload {cfg.offload}: params keeps ZeRO-3 shards in host memory, not ZeRO "
-                              f"{self.zero_stage(cfg)} state: use --zero 3 (or one rank)")
-        if cfg.compile_backend not in COMPILE_BACKENDS:
-            raise ConfigError(f"--compile-backend {cfg.compile_backend!r}: choose {', '.join(COMPILE_BACKENDS)}")
+        try:  # the compiler's own checks, before any rank starts: one error type for the harness
+            options = compile_options(cfg, self.zero_stage(cfg))
+            check_params_offload(options.offload_plan, self.zero_stage(cfg), cfg.world_size)
+        except SequenceParallelError as e:
+            raise ConfigError(f"--method {cfg.method}: {e}") from None
 
     def setup(self, model: nn.Module, ctx: ParallelContext, cfg: RunConfig) -> TrainStep:
         return AutoSPTrainStep(model, ctx, cfg, zero=self.zero_stage(cfg))

@@ -85,9 +85,10 @@ def test_local_default_plans_one_job_per_cell(tmp_path: Path) -> None:
     assert {(model, budget) for _, model, _, budget in searches} == {("tiny", "48MiB"), ("hf:tiny", "48MiB")}
     assert "cell autosp tiny P=2 cpu: searching [2 cores, 0 GPUs x 1 nodes]" in plan  # a core per rank
     assert "autosp check --method ds-autosp --model hf:tiny" in plan  # gradient correctness beside its number
-    # autosp tiles its loss and MLPs as users train it (searched and checked so); no other method is given --tiling
+    # autosp runs its default, the planner tiling where a graph does not fit untiled (searched and checked so); no
+    # other method is given --tiling
     commands = re.findall(r"Shell command: autosp (search|check) --method (\S+) (.*)", plan)
-    tiled = {method for _, method, flags in commands if "--tiling auto" in flags}
+    tiled = {method for _, method, flags in commands if "--tiling plan" in flags}
     assert tiled == {"autosp"} and all("--tiling" not in flags for _, m, flags in commands if m != "autosp")
     assert {kind for kind, method, _ in commands if method == "autosp"} == {"search", "check"}
     assert "llama3-mini" not in plan and "small" not in plan  # only `all` measures them (the quick start's time)

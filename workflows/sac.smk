@@ -1,6 +1,8 @@
 # SAC's price and payoff per policy: its max trainable length (a search cell) and its step time at one
-# length (a bench), both against policy `off` (the SP pass alone), as the paper's ~7% / 1.66x.
+# length (a bench), both against policy `off` (the SP pass alone), as the paper's ~7% / 1.66x. Each policy in the
+# paper's setting (`autosp[paper]`: nothing offloaded) with the loss and MLPs tiled, as these cells always ran.
 SAC = config["sac"]
+SAC_FLAGS = "--tiling auto --offload off"
 
 
 rule sac_search:
@@ -17,8 +19,9 @@ rule sac_search:
         gpu=GPUS,
         nodes=NODES,
     params:
-        command=lambda w, output: search_command("autosp", w.model, output[0], f"--sac {w.policy} --no-fail-on-error"),
-        record_failure=lambda w, output: search_command("autosp", w.model, output[0], f"--sac {w.policy}"),
+        command=lambda w, output: search_command("autosp", w.model, output[0],
+                                                 f"--sac {w.policy} {SAC_FLAGS} --no-fail-on-error"),
+        record_failure=lambda w, output: search_command("autosp", w.model, output[0], f"--sac {w.policy} {SAC_FLAGS}"),
     shell:
         "{params.command} > {log} 2>&1"
         " || {{ " + INTERRUPTED_FAILS + " reason=\"search exited with status $rc: $(grep -v '^USDT' {log} | tail -n 1 || true)\";"
@@ -41,19 +44,13 @@ rule sac_bench:
     params:
         flags=common_flags("autosp"),
     shell:
-        "{config[autosp]} bench --methods autosp --sac {wildcards.policy} --model {wildcards.model}"
+        "{config[autosp]} bench --methods autosp --sac {wildcards.policy} {SAC_FLAGS} --model {wildcards.model}"
         " --seq-lens {SAC[seq_len]} --repeats {SAC[repeats]} {params.flags} --timeout {config[probe_timeout_s]}"
         " --out {output} > {log} 2>&1" + KEEP_WRITTEN_RESULT
 
 
-def sac_search_result(policy):
-    """The trainability cell itself for the default policy (autosp runs with sac=sac there): no second search."""
-    if policy == "sac" and SAC["model"] in config["models"] and "autosp" in config["methods"]:
-        return setting(f"results/trainability/{{device_type}}/P{{world_size}}/{SAC['model']}/autosp.jsonl")
-    return setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/search-{policy}.jsonl")
-
-
-SAC_RESULTS = [sac_search_result(policy) for policy in SAC["policies"]] + [
+SAC_RESULTS = [setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/search-{policy}.jsonl")
+               for policy in SAC["policies"]] + [
     setting(f"results/sac/{{device_type}}/P{{world_size}}/{SAC['model']}/bench-{policy}.jsonl")
     for policy in SAC["policies"]
 ]

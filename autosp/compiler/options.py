@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from autosp.comm.sharding import check_stage
-from autosp.compiler.memory import Policy, offload_mode, offload_optimizer, offload_params, parse_offload, parse_policy
+from autosp.compiler.memory import OffloadPlan, Policy, parse_policy
 from autosp.compiler.tiling import Tiling, check_outputs, parse_tiling
 from autosp.errors import SequenceParallelError
 
@@ -49,27 +49,29 @@ class CompileOptions:
     #: `autosp.comm.precision`), activations and all-to-alls in that dtype, gradients (and their reduction) and
     #: optimizer state in the master dtype; None: the parameters' own dtype
     compute_dtype: torch.dtype | None = None
-    #: off | auto | some of loss,mlp,norm, optionally :<tokens per tile>: the LM head + cross-entropy (and token-wise
-    #: blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as one kernel
-    #: holding their fp32 values for a chunk of tokens at a time (`norm`); auto: all three; exact
-    #: (`autosp.compiler.tiling.loss`); default off
-    tiling: str | Tiling = "off"
+    #: plan | off | auto | some of loss,mlp,norm, optionally :<tokens per tile>: the LM head + cross-entropy (and
+    #: token-wise blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as one
+    #: kernel holding their fp32 values for a chunk of tokens at a time (`norm`); auto: all three; exact
+    #: (`autosp.compiler.tiling.loss`). Default plan: under the planner (sac auto) a graph is tiled as `auto` (tile
+    #: size chosen per graph) only where it does not fit the budget untiled with everything kept; under any other
+    #: policy plan is off
+    tiling: str | Tiling = "plan"
     #: all | loss: `loss` returns None for every output but the loss (a model returning logits has its loss tiled
     #: only then); default all
     outputs: str = "all"
     #: Ulysses all-to-alls inside groups of this many consecutive ranks, ring attention across them; None: the
     #: largest size the heads and the node allow (`autosp.compiler.sp.attention.hybrid`)
     ulysses_size: int | None = None
-    #: off | activations | auto: layer-boundary values wait in host memory between forward and backward
-    #: (`autosp.compiler.memory.offload`); activations needs backend aot_eager or inductor. Default auto: the planner
-    #: (sac auto) moves them where the device budget needs it; under any other policy auto is off. An `optimizer`
-    #: item (`optimizer`, `activations,optimizer`, `auto,optimizer`; `optimizer:torch|deepspeed` picks the host
-    #: AdamW) keeps the fp32 master weights and the optimizer's moments in host memory, the step on the CPU
-    #: (`autosp.comm.host_optimizer`; build the optimizer with `make_optimizer`); named alone, activations are off.
-    #: A `params` item beside it (`auto,optimizer,params`) keeps the parameters (ZeRO-3 shards, or the whole
-    #: parameters at one rank) in host memory too, fetched to the device at each use and their gradients sent back
-    #: to host memory as backward makes them (`autosp.comm.host_params`; ZeRO 3, or one rank)
-    offload: str = "auto"
+    #: what may live in host memory (`autosp.compiler.memory.OffloadPlan`, or its text): the layer-boundary
+    #: activations (waiting between forward and backward; needs backend aot_eager or inductor), the optimizer state
+    #: (fp32 masters and AdamW moments, the step on the CPU: `autosp.comm.host_optimizer`; build the optimizer with
+    #: `make_optimizer`; `optimizer:torch|deepspeed` picks the host AdamW) and the parameters (ZeRO-3 shards, or the
+    #: whole parameters at one rank, fetched at each use, gradients streamed back: `autosp.comm.host_params`; ZeRO 3
+    #: or one rank), each off, on or auto. Default `auto`: under the planner (sac auto) the activations move where
+    #: the device budget needs it, and the optimizer state (then the parameters) where the device cannot hold the
+    #: model state (`OffloadPlan.resolve_state`: nothing moves on CPU without a budget); under any other policy auto
+    #: is off. Text: `off | activations | auto[,optimizer[:torch|deepspeed]][,params]` (`OffloadPlan.parse`)
+    offload: str | OffloadPlan = "auto"
     #: bytes of host memory this rank may hold for the offloads (None: no limit): the optimizer state's first, the
     #: planner's activations in the rest
     host_budget: int | None = None
@@ -81,10 +83,7 @@ class CompileOptions:
 
     policy: Policy = field(init=False, repr=False, compare=False)
     tiling_options: Tiling = field(init=False, repr=False, compare=False)
-    offloads: bool = field(init=False, repr=False, compare=False)  # the offload pass runs (offload=activations)
-    offload_mode: str = field(init=False, repr=False, compare=False)  # off | activations | auto
-    host_adam: str | None = field(init=False, repr=False, compare=False)  # optimizer offload: auto|torch|deepspeed
-    host_params: bool = field(init=False, repr=False, compare=False)  # parameter offload (the params item)
+    offload_plan: OffloadPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -99,10 +98,7 @@ class CompileOptions:
         object.__setattr__(self, "policy", parse_policy(self.sac))
         object.__setattr__(self, "tiling_options", parse_tiling(self.tiling))
         check_outputs(self.outputs)
-        object.__setattr__(self, "offloads", parse_offload(self.offload))
-        object.__setattr__(self, "offload_mode", offload_mode(self.offload))
-        object.__setattr__(self, "host_adam", offload_optimizer(self.offload))
-        object.__setattr__(self, "host_params", offload_params(self.offload))
+        object.__setattr__(self, "offload_plan", OffloadPlan.parse(self.offload))
         if self.host_budget is not None and (not isinstance(self.host_budget, int) or self.host_budget < 0):
             raise SequenceParallelError(f"host_budget={self.host_budget!r}: give bytes of host memory (an int >= 0) "
                                         "or None")
@@ -113,6 +109,27 @@ class CompileOptions:
         if self.offloads and self.backend == "eager":
             raise SequenceParallelError("offload=activations rewrites the partitioned forward/backward graphs; "
                                         "use backend aot_eager or inductor, not eager")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the offload pass runs on every graph (the activations always in host memory)."""
+        return self.offload_plan.activations == "on"
+
+    @property
+    def offload_mode(self) -> str:
+        """The activations' mode, `off | activations | auto` (`OffloadPlan.activation_mode`)."""
+        return self.offload_plan.activation_mode
+
+    @property
+    def host_adam(self) -> str | None:
+        """The host AdamW (auto | torch | deepspeed) where the optimizer state is in host memory, else None (also
+        while it is still `auto`: `autosp.compile` decides it, `OffloadPlan.resolve_state`)."""
+        return self.offload_plan.host_adam if self.offload_plan.optimizer == "on" else None
+
+    @property
+    def host_params(self) -> bool:
+        """Whether the parameters are in host memory (decided: `on`)."""
+        return self.offload_plan.params == "on"
 
     @classmethod
     def of(cls, options: CompileOptions | None = None, **changes: Any) -> CompileOptions:

@@ -32,10 +32,10 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 
 from autosp.compiler import memory, zero
 from autosp.compiler.lowering import compile_with_partitioner
-from autosp.compiler.memory import OffloadReport, SacPartitioner, make_partition_fn, offload_boundaries
+from autosp.compiler.memory import OffloadReport, SacPartitioner, TileFirst, make_partition_fn, offload_boundaries
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.sp import check_flex_lowering, sequence_parallel_pass
-from autosp.compiler.tiling import TilingReport, apply_tiling
+from autosp.compiler.tiling import Tiling, TilingReport, apply_tiling
 from autosp.compiler.zero import Bucket, GatherBucket, GradientReduction, bucket_gradient_reduction, prefetch_gathers
 
 DUMP_ENV = "AUTOSP_DUMP_GRAPHS"
@@ -74,6 +74,9 @@ class Compilation:
     partition_fn: SacPartitioner = None  # type: ignore[assignment]
     tiling_reports: list[TilingReport] = field(default_factory=list)
     graphs: list[GraphRecord] = field(default_factory=list)
+    #: what the tiling pass tiles in the graph being compiled: the option, or under `tiling="plan"` nothing first
+    #: and `Tiling.when_tight` where the planner finds it does not fit untiled (`compile_static`)
+    graph_tiling: Tiling = field(default_factory=Tiling)
 
     def __post_init__(self) -> None:
         if self.partition_fn is None:
@@ -96,7 +99,7 @@ def sequence_parallel(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def tiling(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
-    c.tiling_reports.append(apply_tiling(gm, c.options.tiling_options, loss_only=c.options.outputs == "loss"))
+    c.tiling_reports.append(apply_tiling(gm, c.graph_tiling, loss_only=c.options.outputs == "loss"))
     return gm
 
 
@@ -185,9 +188,11 @@ def _sources(*stages: ModuleType) -> tuple[str, ...]:
 class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one graph: `JOINT_PASSES`, the SAC partition, `PARTITIONED_PASSES`."""
 
-    def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None) -> None:
+    def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None, *,
+                 tile_first: bool = False) -> None:
         self.c, self.record, self.dump = c, record, dump or _Dump()
         self.cacheable = c.partition_fn.cacheable
+        self.tile_first = tile_first  # `tiling="plan"`'s untiled try: the planner raises TileFirst where it is tight
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -196,6 +201,8 @@ class Partitioner(CustomPartitionerFn):
             step.run(self.c, self.record, joint_gm, num_fwd_outputs)
             self.dump(step.name, "after", [("", joint_gm)])
         self.dump("partition", "before", [("", joint_gm)])
+        if self.tile_first:
+            kwargs["tile_first"] = True
         fw, bw = self.c.partition_fn(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.dump("partition", "after", [("-forward", fw), ("-backward", bw)])
         for step in PARTITIONED_PASSES:
@@ -211,27 +218,63 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions,
-                self.c.options.offload_mode,
+                self.c.options.offload_mode, self.tile_first,
                 get_hash_for_files((__file__, *_sources(zero, memory))))
 
 
 def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
     """One static Dynamo graph through the pipeline: `GRAPH_PASSES`, then (unless the backend is eager) lowered
     with `Partitioner` as aot_autograd's partition function (refused first where the backend cannot lower it:
-    `check_flex_lowering`)."""
+    `check_flex_lowering`). Under `tiling="plan"` with the planner the graph is lowered untiled first; where the
+    planner finds it does not fit so (`TileFirst`), the tiling pass runs as `Tiling.when_tight` on the graph as it
+    was before it, and that is lowered instead (its records only)."""
     check_flex_lowering(gm, c.options.backend)
+    option = c.options.tiling_options
+    planned = option.planned and c.partition_fn.plans_offload and c.options.backend != "eager"
+    c.graph_tiling = Tiling() if option.planned else option
     dump = _Dump()
+    untiled = None
     for step in GRAPH_PASSES:
+        if step.name == "tiling" and planned:
+            untiled = _copy_graph(gm)
         dump(step.name, "before", [("", gm)])
         gm = step.run(c, gm)
         dump(step.name, "after", [("", gm)])
     if c.options.backend == "eager":  # autograd runs through the custom ops' formulas; nothing is partitioned
         return gm.forward
+    if untiled is None:
+        return _lower(c, gm, example_inputs, dump)
+    try:
+        return _lower(c, gm, example_inputs, dump, tile_first=True)
+    except TileFirst:
+        c.graphs.pop()
+        c.tiling_reports.pop()
+        c.graph_tiling = option.when_tight()
+        dump("tiling", "before", [("", untiled)])
+        gm = tiling(c, untiled)
+        dump("tiling", "after", [("", gm)])
+        return _lower(c, gm, example_inputs, dump)
+
+
+def _lower(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any], dump: _Dump, *,
+           tile_first: bool = False) -> Callable:
+    """aot_autograd and the backend's compiler over `gm`, `Partitioner` deciding the joint graph's split."""
     positions = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad)
     record = GraphRecord(param_positions=positions if c.reduction is not None else ())
     c.graphs.append(record)
-    return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(c, record, dump),
+    return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(c, record, dump,
+                                                                                 tile_first=tile_first),
                                     inner=c.options.backend)
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose passes leave `gm` as it is (nodes' meta copied shallowly: fake values shared)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph)
 
 
 def reduction_over(group: dist.ProcessGroup, dp_size: int, zero: int) -> GradientReduction | None:

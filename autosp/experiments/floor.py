@@ -236,16 +236,16 @@ def run_floor(cfg: RunConfig) -> MemoryFloor:
     """The floor of the run `cfg` configures: at the ZeRO stage its strategy really runs (`Strategy.zero_stage`,
     e.g. ds-autosp's 1 under mixed bf16), with autosp's tiled loss and offload as set (what a search starts
     from and judges its answer against)."""
-    from autosp.compiler.memory import offload_optimizer, offload_params, parse_offload
+    from autosp.compiler.memory import OffloadPlan
     from autosp.compiler.tiling import parse_tiling
     from autosp.harness.strategy import get_strategy
 
     autosp = cfg.method == "autosp"
+    plan = OffloadPlan.parse(cfg.offload) if autosp else OffloadPlan.parse("off")
     return floor_for(cfg.method, cfg.model, world_size=cfg.world_size, batch_size=cfg.batch_size, dtype=cfg.dtype,
                      zero=get_strategy(cfg.method).zero_stage(cfg), tiled_loss=autosp and parse_tiling(cfg.tiling).loss,
-                     offload=autosp and parse_offload(cfg.offload),
-                     optimizer_offload=autosp and offload_optimizer(cfg.offload) is not None,
-                     params_offload=autosp and offload_params(cfg.offload))
+                     offload=plan.activations == "on", optimizer_offload=plan.optimizer == "on",
+                     params_offload=plan.params == "on")
 
 
 # ------------------------------------------------------------------------------------------ `autosp floor`

@@ -46,10 +46,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.records import RunStatus
 from autosp.harness.supervisor import INTERRUPTED_EXIT_CODE
 
-#: probe statuses the runner reports; only OOM bounds the length, the others after OK stop the search
-OK, OOM, ERROR, TIMEOUT, INTERRUPTED = "ok", "oom", "error", "timeout", "interrupted"
+#: probe statuses the runner reports (`RunStatus`); only OOM bounds the length, the others after OK stop the search
+OK, OOM, ERROR, TIMEOUT, INTERRUPTED = (RunStatus.OK, RunStatus.OOM, RunStatus.ERROR, RunStatus.TIMEOUT,
+                                        RunStatus.INTERRUPTED)
 STOPPING = (ERROR, TIMEOUT, INTERRUPTED)
 #: how far past the longest ok length a search jumps while its peaks are flat (length-independent work, e.g. an
 #: optimizer step, hides the length's share): doubling would take a probe per factor 2

@@ -44,6 +44,18 @@ def alst_published() -> pd.DataFrame:
     return pd.read_csv(io.StringIO(text))
 
 
+def peers_published() -> pd.DataFrame:
+    """Every published peer anchor, one row each with its source: ALST's headline lengths (`alst_published.csv`)
+    and the rest (`autosp/reference/peers_published.csv`: ALST on one H200, UPipe, torchtitan's context-parallel
+    throughput). Claims, never measurements: `autosp table peers` prints them."""
+    alst = alst_published().query("kind == 'headline'").assign(peer="alst", tokens_per_s_per_gpu=None)
+    text = resources.files("autosp").joinpath("reference/peers_published.csv").read_text()
+    columns = ["peer", "model", "device", "world_size", "seq_len", "tokens_per_s_per_gpu", "recipe", "source"]
+    table = pd.concat([alst[columns], pd.read_csv(io.StringIO(text))[columns]], ignore_index=True)
+    table["tokens_per_s_per_gpu"] = table["tokens_per_s_per_gpu"].astype("Int64")
+    return table.sort_values(["model", "peer", "device", "world_size"], ignore_index=True)
+
+
 def alst_table(records: pd.DataFrame) -> pd.DataFrame:
     """ALST's published lengths (headline rows) beside the alst records of the same model, device type and world
     size: a search's longest length and its ratio to the published one; a run at the published length (its status
@@ -434,9 +446,9 @@ def format_table(table: pd.DataFrame) -> str:
         return shown.to_string(index=False)
 
 
-def add_records_arguments(parser: argparse.ArgumentParser) -> None:
+def add_records_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """--in and --skip-bad-lines: the record files a reporting command reads (`table`, `plot`)."""
-    parser.add_argument("--in", dest="inputs", nargs="+", required=True, help="JSONL record files")
+    parser.add_argument("--in", dest="inputs", nargs="+", required=required, help="JSONL record files")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="leave out lines that are not records (each one reported) instead of failing")
 
@@ -466,6 +478,14 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
     if args.out:
         check_writable(args.out)
+    if args.kind == "peers":  # published numbers only: no records
+        table = peers_published()
+        print(format_table(table))
+        if args.out:
+            write_table_files(table, args.out)
+        return 0
+    if not args.inputs:
+        raise ConfigError(f"autosp table {args.kind} needs --in FILES (the records to tabulate)")
     if args.kind == "headline":
         table = headline_table(_trainability_inputs(args), args.devices.split(",") if args.devices else None)
         print(markdown(table), end="")
@@ -490,14 +510,16 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def add_table_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp table trainability|throughput|memory|sac|headline|alst --in FILES... [--out table.csv]`."""
+    """`autosp table trainability|throughput|memory|sac|headline|alst --in FILES... [--out table.csv]`; `autosp
+    table peers`: the published peers' lengths and throughput, each with its source."""
     p = subparsers.add_parser("table",
                               help="tables (trainability, throughput, memory, sac, headline, alst) from records",
                               epilog="headline: --in takes search records (.jsonl) and `autosp simulate-table` "
                                      "tables (.md) together, e.g. --in results/simulated_table.md; alst: ALST's "
-                                     "published lengths (arXiv 2506.13996) beside the alst records")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline", "alst"])
-    add_records_arguments(p)
+                                     "published lengths (arXiv 2506.13996) beside the alst records; peers: every "
+                                     "published peer anchor (ALST, UPipe, torchtitan) with its source, no --in")
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "headline", "alst", "peers"])
+    add_records_arguments(p, required=False)
     p.add_argument("--out", help="write the table as CSV here, and as Markdown (.md) and LaTeX (.tex) beside it")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method for the speed ratio")
     p.add_argument("--checks", nargs="*", default=[], help="trainability: `autosp check --json-out` reports to show")

@@ -15,11 +15,14 @@ from typing import Any
 from autosp.errors import ConfigError
 from autosp.models.data import DataConfig
 
-__all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "RunConfig"]
+__all__ = ["ConfigError", "DataConfig", "METHOD_OPTIONS", "UNREAD_OPTIONS", "RunConfig"]
 
 #: RunConfig fields only some methods read; each method declares its own (`strategy.Strategy.options`) and
 #: neither receives nor records the others (they stay at their defaults: `Strategy.own_config`)
 METHOD_OPTIONS = ("sac", "compile_backend", "zero", "tiling", "ulysses_size", "offload", "ac", "attention_chunks")
+#: what a method that does not read an option records for it (`Strategy.own_config`): autosp's options as they were
+#: before its defaults became the planner's, so that every other method's records keep their `config_hash`
+UNREAD_OPTIONS = {"sac": "sac", "tiling": "off", "offload": "off"}
 #: `--ac`: the baselines' per-layer activation checkpointing (`baselines.checkpointing`)
 ACTIVATION_CHECKPOINTING = ("off", "layer")
 
@@ -40,17 +43,17 @@ class RunConfig:
     lr: float = 1e-3
     steps: int = 3  # timed steps after the measured one; 0: measure the peak only (a search probe)
     warmup: int = 1
-    sac: str = "sac"  # autosp only: off | sac | full | budget=<fraction> | auto | budget=<bytes>
+    sac: str = "auto"  # autosp only: auto (the planner) | off | sac | full | budget=<fraction> | budget=<bytes>
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (for methods that compile)
     memory_budget: int | None = None  # bytes; on CPU a peak above it ends the run as `oom`
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
-    tiling: str = "off"  # autosp only: off | auto | loss,mlp,norm, optionally :<tokens per tile> (compiler.tiling)
+    tiling: str = "plan"  # autosp only: plan | off | auto | loss,mlp,norm, optionally :<tokens per tile> (tiling)
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
-    offload: str = "off"  # autosp only: off | activations | auto (layer-boundary activations in host memory; auto: the
-    # --sac auto planner decides), optionally with an `optimizer` item (master weights + AdamW moments in host memory)
-    # and a `params` item (the parameters in host memory too, `autosp.comm.host_params`)
+    offload: str = "auto"  # autosp only: `autosp.compiler.memory.OffloadPlan`'s text: auto (the --sac auto planner
+    # decides the activations, optimizer state and parameters) | off | activations | auto, optionally with an
+    # `optimizer` item (master weights + AdamW moments in host memory) and a `params` item (the parameters too)
     ac: str = "off"  # ulysses, ring, zero3, fsdp: off | layer (per-layer activation checkpointing)
     host_memory_budget: int | None = None  # bytes of host memory per node; more offloaded there ends the run as `oom`
     attention_chunks: int = 1  # autosp only: each attention's all-to-alls and kernel in chunks of heads (1: none)

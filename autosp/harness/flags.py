@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from autosp.compiler.options import COMPILE_BACKENDS
-from autosp.harness.config import DataConfig, RunConfig
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.measure import parse_size
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
@@ -22,7 +22,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     d = _DEFAULTS
     g = parser.add_argument_group("run configuration")
     if "method" not in varied:
-        g.add_argument("--method", required=True, help="training method (see `autosp methods`), e.g. single, autosp")
+        g.add_argument("--method", required=True, help="training method (see `autosp methods`), e.g. single, autosp, "
+                       "or a method spec with its options, e.g. autosp[paper] (the paper's setting), "
+                       "ulysses[ac=layer]")
     g.add_argument("--model", required=True, help="model preset, e.g. tiny, small, llama-3.2-1b, hf:tiny")
     if "seq_len" not in varied:
         g.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
@@ -38,12 +40,15 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="timed steps after the measured one (0: measure the peak only)")
     g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed steps before measuring")
     g.add_argument("--sac", default=d["sac"],
-                   help="autosp checkpointing: off | sac | full | budget=<fraction> | auto (the memory planner: the "
-                   "least added step time that fits --memory-budget, or the GPU's free memory, over keeping, host "
-                   "memory with --offload auto, and recompute) | budget=<bytes>, e.g. budget=32MiB")
+                   help="autosp checkpointing: auto (default, the memory planner: the least added step time that fits "
+                   "--memory-budget, or the GPU's free memory, per rank, over keeping, tiling (--tiling plan), host "
+                   "memory (--offload auto) and recompute) | off | sac | full | budget=<fraction> | budget=<bytes> "
+                   "(per rank, for the compiled graphs beyond the model state), e.g. budget=32MiB; the paper's "
+                   "setting is --method autosp[paper] (sac, no tiling, no offload)")
     g.add_argument("--compile-backend", default=d["compile_backend"], help=" | ".join(COMPILE_BACKENDS))
     g.add_argument("--memory-budget", default=None,
-                   help="emulated device size, e.g. 512MiB or 2GiB: a higher peak ends the run as oom")
+                   help="emulated device size per rank, e.g. 512MiB or 2GiB: a higher peak ends the run as oom (and "
+                   "what autosp's planner plans within)")
     g.add_argument("--timeout", "--timeout-s", dest="timeout_s", type=float, default=d["timeout_s"],
                    help="seconds before the whole run is ended as timeout")
     g.add_argument("--data-ignore-fraction", type=float, default=_DATA_DEFAULTS.ignore_fraction,
@@ -56,8 +61,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
                    help="ZeRO stage of the model state (0 replicated .. 3 parameters sharded); default: the method's "
                    "longest-length stage (3 for autosp, ulysses, ring, zero3, fsdp; `autosp methods` lists each)")
     g.add_argument("--tiling", default=d["tiling"],
-                   help="autosp: off | auto | some of loss,mlp,norm [:<tokens per tile>]: LM head + loss and MLPs over "
-                   "token tiles, RMSNorms' fp32 values a chunk of tokens at a time (exact; auto: all three)")
+                   help="autosp: plan (default: as auto where --sac auto finds a graph does not fit untiled) | off | "
+                   "auto | some of loss,mlp,norm [:<tokens per tile>]: LM head + loss and MLPs over token tiles, "
+                   "RMSNorms' fp32 values a chunk of tokens at a time (exact; auto: all three)")
     g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
                    help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
     g.add_argument("--attention-chunks", type=int, default=d["attention_chunks"],
@@ -68,8 +74,10 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--pad-side", choices=("right", "left"), default=_DATA_DEFAULTS.pad_side,
                    help="where the padding of --pad-fraction goes")
     g.add_argument("--offload", default=d["offload"],
-                   help="autosp: off | activations | auto: the layer-boundary activations wait in host memory for "
-                   "backward (auto: where --sac auto, the memory planner, needs the room); an `optimizer` item "
+                   help="autosp: auto (default: --sac auto's planner decides all three below: activations where the "
+                   "--memory-budget needs the room, the optimizer state then the parameters where it cannot hold the "
+                   "model state) | off | activations | auto,...: the layer-boundary activations wait in host memory "
+                   "for backward (auto in a list: the activations only, by the planner); an `optimizer` item "
                    "(optimizer, activations,optimizer, auto,optimizer; optimizer:torch|deepspeed picks the host AdamW) "
                    "keeps the master weights and AdamW moments in host memory, the step on the CPU; a `params` item "
                    "beside it (auto,optimizer,params) keeps the parameters there too, fetched at each use, gradients "
@@ -77,8 +85,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--ac", default=d["ac"], help="ulysses, ring, zero3, fsdp: off | layer (per-layer activation "
                    "checkpointing, as practitioners run them at long context)")
     g.add_argument("--host-memory-budget", default=None,
-                   help="host memory of a node, e.g. 2TiB: more offloaded to host by the node's ranks ends the run "
-                   "as oom (default: unbounded)")
+                   help="host memory per node (shared by its ranks; autosp's planner gets an even share per rank), "
+                   "e.g. 2TiB: more offloaded to host by the node's ranks ends the run as oom (default: unbounded)")
 
 
 def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfig:
@@ -94,4 +102,17 @@ def run_config_from_args(args: argparse.Namespace, **varied: object) -> RunConfi
                   compile_backend=args.compile_backend, memory_budget=budget, timeout_s=args.timeout_s, data=data,
                   zero=args.zero, tiling=args.tiling, ulysses_size=args.ulysses_size, offload=args.offload,
                   ac=args.ac, host_memory_budget=host_budget, attention_chunks=args.attention_chunks)
-    return RunConfig(**{**fields, **varied})
+    fields = {**fields, **varied}
+    method = str(fields["method"] or "")
+    if "[" in method:
+        from autosp.harness.method_spec import parse_method_spec
+
+        spec = parse_method_spec(method)  # `autosp[paper]`: the spec's options over the flags
+        return spec.config(RunConfig(**{**fields, "method": spec.method}))
+    from autosp.harness.strategy import get_strategy
+
+    cfg = RunConfig(**fields)
+    try:  # the options the method does not read as its records hold them (searches keyed by them resume)
+        return get_strategy(method).own_config(cfg)
+    except ConfigError:
+        return cfg  # an unknown method: refused where it is run, with the list of methods

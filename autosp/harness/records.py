@@ -10,6 +10,7 @@ unwritable `--out`; a write that fails midway (a full disk) is taken back, and t
 """
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import json
@@ -32,7 +33,23 @@ if TYPE_CHECKING:
     import pandas as pd
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "timeout", "error", "interrupted")
+
+
+class RunStatus(str, enum.Enum):
+    """How a run (or a search probe) ended, as its record's `status` says: a `str`, so a status read back from a
+    record compares equal to its member (`RunStatus.OK == "ok"`)."""
+
+    OK = "ok"
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATUSES = tuple(status.value for status in RunStatus)
 #: every record has these keys (None where not applicable); `extra` holds method-specific metrics
 FIELDS = (
     "schema_version", "run_id", "method", "implementation", "model", "seq_len", "batch_size", "world_size",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from autosp.harness.config import METHOD_OPTIONS, ConfigError, RunConfig
+from autosp.harness.config import METHOD_OPTIONS, UNREAD_OPTIONS, ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from autosp.harness.parallel import ParallelContext
@@ -95,6 +95,8 @@ class Strategy(ABC):
     #: the method-specific RunConfig fields (`METHOD_OPTIONS`) it reads, besides `zero`, which a method honours
     #: when it runs more than one stage; the others never reach it nor its record (`own_config`)
     options: ClassVar[frozenset[str]] = frozenset()
+    #: named settings of those options, written as a bare word in a method spec (`autosp[paper]`, `method_spec`)
+    presets: ClassVar[dict[str, dict[str, object]]] = {}
 
     def honoured_options(self) -> frozenset[str]:
         return self.options | (frozenset({"zero"}) if len(self.zero_stages) > 1 else frozenset())
@@ -105,7 +107,8 @@ class Strategy(ABC):
         it nor appear in its record."""
         honoured = self.honoured_options()
         defaults = RunConfig(method=cfg.method, model=cfg.model, seq_len=cfg.seq_len)
-        return cfg.replace(**{name: getattr(defaults, name) for name in METHOD_OPTIONS if name not in honoured})
+        return cfg.replace(**{name: UNREAD_OPTIONS.get(name, getattr(defaults, name)) for name in METHOD_OPTIONS
+                              if name not in honoured})
 
     def zero_stage(self, cfg: RunConfig) -> int:
         """The ZeRO stage of the model state this method runs under `cfg` (recorded with every run)."""

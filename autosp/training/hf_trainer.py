@@ -25,6 +25,7 @@ than the world (a DP x SP mesh: the Trainer's data split would have to follow th
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ class AutoSPMixin:
         if options.host_adam is not None:
             raise SequenceParallelError("AutoSPTrainer: offload=optimizer needs the optimizer make_optimizer builds "
                                         "(host masters), not the Trainer's; drop the optimizer item of offload")
+        plan = options.offload_plan  # the Trainer builds its own optimizer: the state stays where it puts it
+        options = CompileOptions.of(options, offload=dataclasses.replace(
+            plan, optimizer=plan.optimizer.replace("auto", "off"), params=plan.params.replace("auto", "off")))
         # the ranks of one SP group share their batch: counting its labels on each would count them P times
         self.args.average_tokens_across_devices = False
         self.sp_model = autosp.compile(self.model, options=options)

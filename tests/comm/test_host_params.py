@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from autosp.comm.host_params import fetch_parameter, gradient_to_host, place_on_host
-from autosp.compiler.memory.offload import offload_mode, offload_optimizer, offload_params
+from autosp.compiler.memory import OffloadPlan
 from autosp.compiler.options import CompileOptions
 from autosp.errors import ConfigError
 
@@ -46,15 +46,15 @@ def test_the_host_budget_counts_the_parameters_and_their_gradients_beside_the_ad
 
 
 def test_the_params_item_sits_beside_the_others_and_needs_the_optimizer_item():
-    assert (offload_mode("auto,optimizer,params"), offload_optimizer("auto,optimizer,params"),
-            offload_params("auto,optimizer,params")) == ("auto", "auto", True)
-    assert offload_params("params,optimizer:torch") and not offload_params("auto,optimizer")
+    assert OffloadPlan.parse("auto,optimizer,params") == OffloadPlan("auto", "on", "on", "auto")
+    assert OffloadPlan.parse("params,optimizer:torch").params == "on"
+    assert OffloadPlan.parse("auto,optimizer").params == "off"
     assert CompileOptions(offload="optimizer,params").host_params
     with pytest.raises(ConfigError, match="add optimizer") as info:
         CompileOptions(offload="auto,params")
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="unknown --offload"):
-        offload_params("optimizer,params,params")
+        OffloadPlan.parse("optimizer,params,params")
 
 
 def _zero3_rank() -> dict:

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from autosp.compiler.memory.offload import parse_offload
+from autosp.compiler.memory import OffloadPlan
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static
 from autosp.harness.config import ConfigError
@@ -63,18 +63,45 @@ def test_offloaded_boundaries_are_exact_and_leave_the_device_peak():
 
 
 def test_unknown_offload_value_is_refused_in_one_line():
-    assert parse_offload("activations") and not parse_offload("off") and not parse_offload(None)
-    with pytest.raises(ConfigError, match="--offload"):
-        parse_offload("weights")
+    assert OffloadPlan.parse("activations").activations == "on"
+    assert OffloadPlan.parse("off") == OffloadPlan.parse(None) == OffloadPlan("off", "off", "off")
+    with pytest.raises(ConfigError, match="--offload") as info:
+        OffloadPlan.parse("weights")
+    assert "\n" not in str(info.value)
 
 
-def test_the_optimizer_item_rides_beside_the_activations_mode():
-    from autosp.compiler.memory.offload import offload_mode, offload_optimizer
-
-    cases = {"optimizer": ("off", "auto"), "activations,optimizer": ("activations", "auto"),
-             "auto, optimizer:torch": ("auto", "torch"), "optimizer:deepspeed,off": ("off", "deepspeed"),
-             "activations": ("activations", None), None: ("off", None)}
-    assert {v: (offload_mode(v), offload_optimizer(v)) for v in cases} == cases
-    for bad in ("optimizer,optimizer", "activations,auto", "optimizer:adam"):
+def test_the_text_parses_once_into_a_plan_and_back():
+    """`auto` alone leaves all three to the planner; in a list, what is named is on and the rest off (the meaning
+    `auto,optimizer` always had); `<kind>=<mode>` says any mix, and every plan's text parses back to it."""
+    cases = {"auto": ("auto", "auto", "auto", "auto"), "optimizer": ("off", "on", "off", "auto"),
+             "activations,optimizer": ("on", "on", "off", "auto"),
+             "auto, optimizer:torch": ("auto", "on", "off", "torch"),
+             "optimizer:deepspeed,off": ("off", "on", "off", "deepspeed"), "activations": ("on", "off", "off", "auto"),
+             "activations=auto": ("auto", "off", "off", "auto"), "off,optimizer=auto,params=auto": (
+                 "off", "auto", "auto", "auto")}
+    for text, fields in cases.items():
+        plan = OffloadPlan.parse(text)
+        assert (plan.activations, plan.optimizer, plan.params, plan.host_adam) == fields, text
+        assert OffloadPlan.parse(str(plan)) == plan and OffloadPlan.parse(plan) is plan
+    assert str(OffloadPlan()) == "auto" and str(OffloadPlan("auto", "on", "off")) == "auto,optimizer"
+    for bad in ("optimizer,optimizer", "activations,auto", "optimizer:adam", "params:torch", "activations=sometimes"):
         with pytest.raises(ConfigError, match=r"unknown --offload .*activations,optimizer"):
-            offload_mode(bad)
+            OffloadPlan.parse(bad)
+
+
+def test_state_offload_auto_moves_only_what_the_device_cannot_hold():
+    """The optimizer state leaves the device only when the model state does not fit it, the parameters only when
+    their compute copies and gradients still do not (and only where they may: ZeRO 3 or one rank); no limit, or an
+    explicit choice, and nothing is decided."""
+    plan = OffloadPlan()
+
+    def resolve(device_bytes, allowed=True, p=plan):
+        decided = p.resolve_state(device_bytes=device_bytes, state_bytes=800, optimizer_bytes=800,
+                                  compute_state_bytes=400, params_allowed=allowed)
+        return decided.optimizer, decided.params
+
+    assert resolve(None) == resolve(1600) == ("off", "off")
+    assert resolve(1599) == resolve(400) == ("on", "off")
+    assert resolve(399) == ("on", "on") and resolve(399, allowed=False) == ("on", "off")
+    assert resolve(1, p=OffloadPlan.parse("auto,optimizer")) == ("on", "off")
+    assert resolve(1, p=OffloadPlan.parse("activations=auto")) == ("off", "off")

@@ -8,16 +8,17 @@ import torch
 
 import autosp
 from autosp.compiler.fx.sizes import parse_size
-from autosp.compiler.memory import Policy, SacPolicy
+from autosp.compiler.memory import OffloadPlan, Policy, SacPolicy
 from autosp.compiler.options import COMPILE_BACKENDS, CompileOptions
 from autosp.errors import AutoSPError, ConfigError, SequenceParallelError
 
 
 def test_defaults_are_parsed_once_and_the_object_is_frozen() -> None:
     options = CompileOptions()
-    # the memory planner by default, deciding the offload too
-    assert (options.policy, options.tiling_options.enabled, options.offloads, options.offload_mode) == (
-        Policy(SacPolicy.AUTO), False, False, "auto")
+    # the memory planner by default, deciding the tiling and every offload too
+    assert (options.policy, options.tiling_options.enabled, options.tiling_options.planned, options.offloads,
+            options.offload_mode, options.offload_plan) == (Policy(SacPolicy.AUTO), False, True, False, "auto",
+                                                            OffloadPlan())
     assert CompileOptions(sac="budget=32MiB").policy == Policy(SacPolicy.AUTO, budget_bytes=32 * 2**20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.sac = "off"  # type: ignore[misc]

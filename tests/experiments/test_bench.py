@@ -85,7 +85,8 @@ def test_two_settings_of_one_method_share_one_interleaved_run(tmp_path) -> None:
 
 @pytest.mark.parametrize("methods, message", [
     (["ulysses[tiling=off]"], r"ulysses does not take tiling \(its options: ac, zero\)"),
-    (["autosp[tiling]"], "not option=value"),
+    (["autosp[tiling]"], "autosp has no preset 'tiling'"),
+    (["autosp[tiling=]"], "not option=value"),
     (["autosp[zero=two]"], "--zero takes an integer"),
     (["autosp", "autosp"], "names autosp twice"),
 ])

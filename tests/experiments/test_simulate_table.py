@@ -187,7 +187,7 @@ def test_a_single_simulated_length_that_fits_renders_as_a_lower_bound_in_its_spe
     one fills nothing; the longest fitting length wins; a search's answer is never replaced by a shorter bound."""
     from autosp.harness.method_spec import parse_method_spec
 
-    spec = "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]"
+    spec = "autosp[tiling=auto:16384,offload=auto+optimizer]"  # sac=auto: the default
     cfg = parse_method_spec(spec).config(RunConfig(method="-", model="llama-3.1-8b", seq_len=1, world_size=8,
                                                    dtype="bfloat16", zero=3))
 

@@ -280,3 +280,23 @@ def test_alsts_published_lengths_stand_beside_the_alst_records_as_a_ratio(tmp_pa
     path.write_text("".join(json.dumps(dict(r, schema_version=1, run_id=str(i))) + "\n" for i, r in enumerate(records)))
     assert main(["table", "alst", "--in", str(path)]) == 0
     assert "3700000" in capsys.readouterr().out
+
+
+def test_the_published_peers_are_data_with_their_sources(capsys) -> None:
+    """ALST (1/8/32 H100 and 1 H200), UPipe (8 and 16 H100) and torchtitan's 8B context-parallel throughput, each row
+    with its source; `autosp table peers` prints them without records, the other kinds still need --in."""
+    from autosp.cli import main
+    from autosp.experiments.tables import peers_published
+
+    peers = peers_published()
+    anchors = {(r.peer, r.device, r.world_size): r.seq_len for r in peers.itertuples()}
+    assert anchors == {("alst", "h100-80gb", 1): 500_000, ("alst", "h100-80gb", 8): 3_700_000,
+                       ("alst", "h100-80gb", 32): 15_000_000, ("alst", "h200-141gb", 1): 1_200_000,
+                       ("upipe", "h100-80gb", 8): 5_000_000, ("upipe", "h100-80gb", 16): 8_000_000,
+                       ("torchtitan", "h100-96gb", 8): 262_144}
+    assert peers["source"].str.len().min() > 20
+    assert peers.set_index("peer").loc["torchtitan", "tokens_per_s_per_gpu"] == 548
+    assert main(["table", "peers"]) == 0
+    assert "arXiv 2602.21196" in capsys.readouterr().out
+    assert main(["table", "alst"]) == 2
+    assert "needs --in FILES" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from autosp.harness.config import RunConfig
 from autosp.harness.method_spec import parse_method_spec, spec_label
 
 
-@pytest.mark.parametrize("label", ["autosp", "autosp[sac=auto,tiling=auto:16384,offload=auto+optimizer]",
+@pytest.mark.parametrize("label", ["autosp", "autosp[tiling=auto:16384,offload=auto+optimizer]", "autosp[paper]",
                                    "ulysses[ac=layer]", "autosp[attention_chunks=2]"])
 def test_a_recorded_configuration_is_labelled_as_the_spec_it_ran_as(label):
     cfg = parse_method_spec(label).config(RunConfig(method="-", model="tiny", seq_len=8, world_size=2, zero=3))

@@ -14,12 +14,10 @@ from autosp.compiler.memory.offload import (
     DEVICE_WINDOW,
     OFFLOAD_OP,
     OFFLOAD_OP_NAME,
+    OffloadPlan,
     OffloadReport,
+    check_params_offload,
     offload_boundaries,
-    offload_mode,
-    offload_optimizer,
-    offload_params,
-    parse_offload,
 )
 from autosp.compiler.memory.policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
 from autosp.compiler.memory.records import PartitionRecord
@@ -35,17 +33,22 @@ from autosp.compiler.memory.saved_report import (
 
 if TYPE_CHECKING:
     from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
+    from autosp.compiler.memory.planner import TileFirst
 
 __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
-           "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "category_of_module",
-           "compiled_breakdown", "make_partition_fn", "offload_boundaries", "offload_mode",
-           "offload_optimizer", "offload_params", "parse_offload", "parse_policy", "peak_working_set",
+           "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
+           "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
+           "offload_boundaries", "parse_policy", "peak_working_set",
            "quadratic_saved_values", "tiles_of"]
 
 _ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "TileFirst":
+        from autosp.compiler.memory import planner
+
+        return planner.TileFirst
     if name in _ON_FIRST_USE:
         from autosp.compiler.memory import partitioner
 

@@ -19,6 +19,7 @@ offload, and how the ops run per device: docs/measurements/2026-12-01-offload.md
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ from autosp.compiler.fx import assign_layers, is_view, node_nbytes
 from autosp.errors import ConfigError, SequenceParallelError
 
 OFFLOAD_CHOICES = ("off", "activations", "auto")
+"""The activations' modes as written in the text: never, always (the layer boundaries), or the planner decides."""
+MODES = ("off", "on", "auto")
+"""What an `OffloadPlan` says of each kind of state: never in host memory, always, or where the device cannot hold it
+(the planner's, `sac="auto"`)."""
 OPTIMIZER_ITEM = "optimizer"
 """The `offload` item that keeps the optimizer state in host memory (`autosp.comm.host_optimizer`); `optimizer:torch`
 and `optimizer:deepspeed` choose the host AdamW (default: DeepSpeed's CPU Adam on GPUs, torch's on CPU)."""
@@ -46,55 +51,110 @@ DEVICE_WINDOW = 2
 (the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
 OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
+_ACTIVATION_TEXT = {"off": "off", "activations": "on", "auto": "auto"}
 
 
-def _items(value: str | None) -> tuple[str, str | None, bool]:
-    """`offload` as (the activations' mode, the optimizer item's host AdamW or None, whether the params item is
-    named): a comma-separated list of at most one of off | activations | auto, at most one optimizer[:torch|deepspeed]
-    and at most one params (which needs the optimizer item); the activations' mode is off when it is not named."""
-    text = "off" if value is None else str(value).strip().lower()
-    modes, optimizer, params = [], None, False
-    for item in (part.strip() for part in text.split(",")):
-        name, _, adam = item.partition(":")
-        if name == OPTIMIZER_ITEM and optimizer is None and (adam or "auto") in HOST_ADAM_CHOICES:
-            optimizer = adam or "auto"
-        elif item == PARAMS_ITEM and not params:
-            params = True
-        elif item in OFFLOAD_CHOICES and not modes:
-            modes.append(item)
-        else:
-            raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}, "
-                              f"{OPTIMIZER_ITEM}[:{'|'.join(HOST_ADAM_CHOICES[1:])}] (the AdamW state in host memory), "
-                              f"{PARAMS_ITEM} (the parameters in host memory, with {OPTIMIZER_ITEM}), or one of each "
-                              f"joined by commas, e.g. activations,{OPTIMIZER_ITEM} or "
-                              f"auto,{OPTIMIZER_ITEM},{PARAMS_ITEM}")
-    if params and optimizer is None:
-        raise ConfigError(f"--offload {value!r}: {PARAMS_ITEM} keeps the parameters in host memory, where only the "
-                          f"host optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},{PARAMS_ITEM})")
-    return (modes[0] if modes else "off"), optimizer, params
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The `offload` option parsed once: what may live in host memory. Each of the layer-boundary activations, the
+    optimizer state (fp32 masters and AdamW moments, stepped on the CPU) and the parameters is `off`, `on` or `auto`
+    (`MODES`); `host_adam` picks the host AdamW. The text (`parse`): `auto` alone, the default, leaves all three to
+    the planner; otherwise `off | activations | auto` for the activations, `optimizer[:torch|deepspeed]` and
+    `params` for the others (named: on, not named: off), joined by commas; `<kind>=<mode>` sets any one explicitly
+    (e.g. `activations=auto,optimizer=off`)."""
+
+    activations: str = "auto"
+    optimizer: str = "auto"
+    params: str = "auto"
+    host_adam: str = "auto"
+
+    def __post_init__(self) -> None:
+        for kind in ("activations", OPTIMIZER_ITEM, PARAMS_ITEM):
+            if getattr(self, kind) not in MODES:
+                raise ConfigError(f"offload {kind}={getattr(self, kind)!r}: choose one of {', '.join(MODES)}")
+        if self.host_adam not in HOST_ADAM_CHOICES:
+            raise ConfigError(f"offload host AdamW {self.host_adam!r}: choose one of {', '.join(HOST_ADAM_CHOICES)}")
+        if self.params == "on" and self.optimizer != "on":
+            raise ConfigError(f"--offload {self}: {PARAMS_ITEM} keeps the parameters in host memory, where only the "
+                              f"host optimizer steps them: add {OPTIMIZER_ITEM} (e.g. auto,{OPTIMIZER_ITEM},"
+                              f"{PARAMS_ITEM})")
+
+    @classmethod
+    def parse(cls, value: str | OffloadPlan | None) -> OffloadPlan:
+        """The text (class doc) as a plan; None is `off`. A bad item is a one-line `ConfigError` naming the choices."""
+        if isinstance(value, OffloadPlan):
+            return value
+        text = "off" if value is None else str(value).strip().lower()
+        if text == "auto":
+            return cls()
+        modes: dict[str, str] = {}
+        adam = "auto"
+        for item in (part.strip() for part in text.split(",")):
+            name, eq, rest = item.partition("=")
+            mode, _, impl = (rest if eq else "").partition(":")
+            if not eq:
+                name, _, impl = item.partition(":")
+                mode = "on" if name in (OPTIMIZER_ITEM, PARAMS_ITEM) else _ACTIVATION_TEXT.get(name, "")
+                name = name if name in (OPTIMIZER_ITEM, PARAMS_ITEM) else "activations"
+            ok = (name in ("activations", OPTIMIZER_ITEM, PARAMS_ITEM) and mode in MODES and name not in modes
+                  and (not impl or (name == OPTIMIZER_ITEM and impl in HOST_ADAM_CHOICES)))
+            if not ok:
+                raise ConfigError(f"unknown --offload {value!r}; choose {', '.join(OFFLOAD_CHOICES)}, "
+                                  f"{OPTIMIZER_ITEM}[:{'|'.join(HOST_ADAM_CHOICES[1:])}] (the AdamW state in host "
+                                  f"memory), {PARAMS_ITEM} (the parameters in host memory, with {OPTIMIZER_ITEM}), or "
+                                  f"one of each joined by commas, e.g. activations,{OPTIMIZER_ITEM} or "
+                                  f"auto,{OPTIMIZER_ITEM},{PARAMS_ITEM} (auto alone: the planner decides all three)")
+            modes[name] = mode
+            adam = impl or adam
+        return cls(activations=modes.get("activations", "off"), optimizer=modes.get(OPTIMIZER_ITEM, "off"),
+                   params=modes.get(PARAMS_ITEM, "off"), host_adam=adam)
+
+    def __str__(self) -> str:
+        """The text that parses back to this plan (short forms where they exist)."""
+        if self == OffloadPlan():
+            return "auto"
+        adam = f":{self.host_adam}" if self.host_adam != "auto" else ""
+        items = {"on": ["activations"], "auto": ["auto"], "off": []}[self.activations]
+        if self.activations == "auto" and self.optimizer == self.params == "off":
+            items = ["activations=auto"]  # `auto` alone would leave the other two to the planner
+        items += {"on": [f"{OPTIMIZER_ITEM}{adam}"], "auto": [f"{OPTIMIZER_ITEM}=auto{adam}"],
+                  "off": []}[self.optimizer]
+        items += {"on": [PARAMS_ITEM], "auto": [f"{PARAMS_ITEM}=auto"], "off": []}[self.params]
+        return ",".join(items) or "off"
+
+    @property
+    def activation_mode(self) -> str:
+        """`off | activations | auto`: the activations' mode as the planner and the offload pass read it."""
+        return {"off": "off", "on": "activations", "auto": "auto"}[self.activations]
+
+    @property
+    def items(self) -> list[str]:
+        """What is always in host memory (`activations`, `optimizer`, `params`), for a run's implementation name."""
+        return [kind for kind in ("activations", OPTIMIZER_ITEM, PARAMS_ITEM) if getattr(self, kind) == "on"]
+
+    def resolve_state(self, *, device_bytes: int | None, state_bytes: int, optimizer_bytes: int,
+                      compute_state_bytes: int, params_allowed: bool) -> OffloadPlan:
+        """This plan with the optimizer's and the parameters' `auto` decided (on or off) where the device cannot hold
+        them: the optimizer state goes to host memory when the model state on the device (`state_bytes`: parameters
+        and gradients, plus `optimizer_bytes`: masters and moments) exceeds `device_bytes`; the parameters too (where
+        `params_allowed`: ZeRO 3 or one rank) when their compute-dtype copies and gradients (`compute_state_bytes`)
+        still exceed it. `device_bytes` None (no limit): nothing moves. Each byte count is this rank's."""
+        def over(nbytes: int) -> bool:
+            return device_bytes is not None and nbytes > device_bytes
+
+        optimizer = self.optimizer if self.optimizer != "auto" else (
+            "on" if over(state_bytes + optimizer_bytes) else "off")
+        params = self.params if self.params != "auto" else (
+            "on" if optimizer == "on" and params_allowed and over(compute_state_bytes) else "off")
+        return dataclasses.replace(self, optimizer=optimizer, params=params)
 
 
-def offload_mode(value: str | None) -> str:
-    """`off | activations | auto` (None: off), checked: `auto` leaves the choice to the memory planner
-    (`autosp.compiler.memory.planner`; under any other checkpointing policy it is `off`). An `optimizer` item beside it
-    (`offload_optimizer`) does not change it."""
-    return _items(value)[0]
-
-
-def parse_offload(value: str | None) -> bool:
-    """`off | activations | auto` -> whether the layer-boundary activations are always offloaded (`activations`)."""
-    return offload_mode(value) == "activations"
-
-
-def offload_optimizer(value: str | None) -> str | None:
-    """The host AdamW (auto | torch | deepspeed) when `value` names the `optimizer` item (the optimizer state in
-    host memory, `autosp.comm.host_optimizer`), else None."""
-    return _items(value)[1]
-
-
-def offload_params(value: str | None) -> bool:
-    """Whether `value` names the `params` item (the parameters in host memory, `autosp.comm.host_params`)."""
-    return _items(value)[2]
+def check_params_offload(plan: OffloadPlan, zero: int, group_size: int) -> None:
+    """Parameters in host memory are ZeRO-3 shards (or, at one rank, the whole parameters): refused at any other
+    stage, in one line naming the fix."""
+    if plan.params == "on" and zero != 3 and group_size > 1:
+        raise SequenceParallelError(f"offload=params keeps ZeRO-3 shards in host memory, but this run is at ZeRO "
+                                    f"stage {zero} over {group_size} ranks: use zero=3 (or drop params from offload)")
 
 
 def check_device(device: torch.device) -> None:
@@ -261,7 +321,9 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
             loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
             ready = graph.call_function(op("wait").default, (loaded,))
-        meta = {k: v for k, v in placeholder.meta.items() if k != "partitioner_tag"}  # no recomputed forward op
+        # no recomputed forward op (partitioner_tag), and not the saved op's eager inputs: a custom op's (an
+        # all-to-all's) `eager_input_vals` made Inductor normalise reload's arguments against them and fail
+        meta = {k: v for k, v in placeholder.meta.items() if k not in ("partitioner_tag", "eager_input_vals")}
         loaded.meta.update(meta)
         ready.meta.update(meta)
         placeholder.meta["val"] = placeholder.meta["val"].to(torch.device("cpu"))  # what it now receives

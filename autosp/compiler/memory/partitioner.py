@@ -71,14 +71,17 @@ class SacPartitioner(CustomPartitionerFn):
         return self.policy.kind == SacPolicy.AUTO
 
     def __call__(
-        self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int, **kwargs: Any
+        self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
+        tile_first: bool = False, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Partition `joint_gm`; `tile_first` (policy auto, `tiling="plan"`): the planner raises
+        `planner.TileFirst` where the graph does not fit untiled with everything kept."""
         if self.policy.kind == SacPolicy.AUTO:
             from autosp.compiler.memory.planner import plan_partition
 
             fw_module, bw_module, plan, offloaded = plan_partition(
                 joint_gm, joint_inputs, self.policy.budget_bytes, num_fwd_outputs=num_fwd_outputs,
-                offload=self.offload, host_budget_bytes=self.host_budget, **kwargs
+                offload=self.offload, host_budget_bytes=self.host_budget, tile_first=tile_first, **kwargs
             )
             self.records.append(PartitionRecord(str(self.policy), fw_module, bw_module, num_fwd_outputs, plan,
                                                 offload=offloaded))

@@ -126,6 +126,11 @@ def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequ
         tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
 
 
+class TileFirst(Exception):
+    """`plan_partition(tile_first=True)` found that the graph, as it is, does not fit its budget with every value
+    kept on the device: the driver tiles it (`tiling="plan"`) and partitions that instead."""
+
+
 @dataclass
 class _Trial:
     tokenwise: int
@@ -141,14 +146,15 @@ class _Trial:
 
 def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
-    offload: str = "auto", host_budget_bytes: int | None = None, **kwargs: Any,
+    offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False, **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
     `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
     does not fit without it and its host bytes fit `host_budget_bytes` (None: no limit) — the layer boundaries
     first, then every saved value of a layer; `activations` the boundaries on every rung, `off` never. Returns
     (forward, backward, the plan as a dict, what was offloaded or None). Nothing fits: the last rung (every layer
-    recomputed whole, collectives included)."""
+    recomputed whole, collectives included). `tile_first`: raise `TileFirst` instead of recomputing or moving
+    anything where the first rung does not fit as it is (tiling comes before the other levers)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -210,6 +216,8 @@ def plan_partition(
     # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
     c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
     chosen = trial(0, 0)
+    if tile_first and not fits(trials[0]):
+        raise TileFirst(f"estimated peak {trials[0].peak} bytes over the budget of {budget}")
     if not fits(chosen) and n:
         chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
                   or (smallest_fitting(lambda k: trial(n, n, k), c) if c else None)

@@ -21,6 +21,7 @@ not want them (`autosp.compile(..., outputs="loss")`, which returns None for eve
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -61,10 +62,17 @@ class Tiling:
     #: peak was higher fused (docs/measurements/2026-12-02-layer-backward.md)
     norm_upcasts_only: bool = False
     tile_tokens: int | None = None
+    #: `plan`: nothing tiled unless the memory planner finds the graph does not fit untiled; then tiled as `auto`
+    #: (`when_tight`)
+    planned: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.loss or self.mlp or self.norm
+
+    def when_tight(self) -> Tiling:
+        """What `plan` tiles where the graph does not fit untiled: `auto` (its tile size, if one was given)."""
+        return dataclasses.replace(parse_tiling("auto"), tile_tokens=self.tile_tokens)
 
 
 KINDS = ("loss", "mlp", "norm")
@@ -72,7 +80,8 @@ KINDS = ("loss", "mlp", "norm")
 
 def parse_tiling(value: str | Tiling | None) -> Tiling:
     """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm, the norms only where
-    they upcast a 16-bit hidden state), optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
+    they upcast a 16-bit hidden state), or `plan` (`auto` where the memory planner needs it, `Tiling.planned`),
+    optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
         return value
     text = "off" if value is None else str(value).strip().lower()
@@ -85,10 +94,12 @@ def parse_tiling(value: str | Tiling | None) -> Tiling:
         tile_tokens = int(size)
     if kind == "off" and not size:
         return Tiling()
+    if kind == "plan":
+        return Tiling(planned=True, tile_tokens=tile_tokens)
     kinds = set(KINDS) if kind == "auto" else set(kind.split(","))
     if not kinds or not kinds <= set(KINDS):
         raise ConfigError(
-            f"unknown tiling {value!r}; choose off, auto, or some of loss, mlp, norm separated by commas "
+            f"unknown tiling {value!r}; choose off, plan, auto, or some of loss, mlp, norm separated by commas "
             "(optionally :<tokens per tile>)"
         )
     return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, norm_upcasts_only=kind == "auto",

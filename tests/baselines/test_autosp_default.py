@@ -1,0 +1,111 @@
+"""One AutoSP default: `autosp run --method autosp` and `autosp.compile(model)` run the planner (sac, tiling and
+offload all decided by it) and make the same plan; the paper's setting is the preset `autosp[paper]`; the harness
+converts the compiler's own option errors instead of restating its checks."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from autosp.harness.config import ConfigError, RunConfig
+from autosp.harness.method_spec import parse_method_spec, spec_label
+from autosp.harness.runner import validate
+
+PAPER = {"sac": "sac", "tiling": "off", "offload": "off"}
+
+
+def test_the_paper_setting_is_a_preset_that_names_its_records():
+    assert parse_method_spec("autosp[paper]").options == PAPER
+    assert parse_method_spec("autosp[paper,tiling=auto]").options == {**PAPER, "tiling": "auto"}
+    with pytest.raises(ConfigError, match=r"autosp has no preset 'fast' \(its presets: paper\)") as info:
+        parse_method_spec("autosp[fast]")
+    assert "\n" not in str(info.value)
+    paper = RunConfig(method="autosp", model="tiny", seq_len=64, **PAPER)
+    assert spec_label(paper.to_dict()) == "autosp[paper]"
+    assert spec_label(paper.replace(tiling="auto").to_dict()) == "autosp[sac=sac,tiling=auto,offload=off]"
+    assert spec_label(RunConfig(method="autosp", model="tiny", seq_len=64).to_dict()) == "autosp"
+
+
+def test_the_cli_takes_a_spec_as_the_method_and_the_default_is_the_planner():
+    from autosp.harness.flags import add_run_config_arguments, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_config_arguments(parser)
+    args = ["--model", "tiny", "--seq-len", "64", "--world-size", "2"]
+    default = run_config_from_args(parser.parse_args(["--method", "autosp", *args]))
+    assert (default.sac, default.tiling, default.offload) == ("auto", "plan", "auto")
+    paper = run_config_from_args(parser.parse_args(["--method", "autosp[paper]", *args]))
+    assert paper == default.replace(**PAPER)
+    ulysses = run_config_from_args(parser.parse_args(["--method", "ulysses[ac=layer]", *args]))
+    assert (ulysses.method, ulysses.ac) == ("ulysses", "layer")
+
+
+def test_other_methods_record_what_they_recorded_before_the_default_moved():
+    """A method that does not read autosp's options records them as before (same `config_hash`, same label)."""
+    from autosp.harness.strategy import get_strategy
+
+    cfg = get_strategy("ulysses").own_config(RunConfig(method="ulysses", model="tiny", seq_len=64, world_size=2))
+    before = RunConfig(method="ulysses", model="tiny", seq_len=64, world_size=2, **PAPER)
+    assert cfg.config_hash() == before.config_hash() and spec_label(cfg.to_dict()) == "ulysses"
+
+
+@pytest.mark.parametrize("options, text", [
+    (dict(offload="activations", compile_backend="eager"), "use backend aot_eager or inductor, not eager"),
+    (dict(compile_backend="tvm"), "unknown --compile-backend 'tvm'"),
+    (dict(zero=2, offload="optimizer,params"), "params keeps ZeRO-3 shards in host memory.*use zero=3"),
+    (dict(offload="weights"), "unknown --offload 'weights'"),
+])
+def test_the_harness_converts_the_compilers_option_errors(options, text):
+    with pytest.raises(ConfigError, match=text) as info:
+        validate(RunConfig(method="autosp", model="tiny", seq_len=64, world_size=2, **options))
+    assert "\n" not in str(info.value)
+
+
+def _library_plan(cfg_dict: dict, budget: int) -> tuple[list, list]:
+    """One rank: `autosp.compile` with its defaults (the loss only, as the harness's step) at the graph budget the
+    harness plans within; the plans and tiles of one step."""
+    import autosp
+    from autosp.compiler.memory import tiles_of
+    from autosp.harness.runner import global_batch
+    from autosp.models import build_model
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    compiled = autosp.compile(build_model(cfg.model, seed=cfg.seed), sac=f"budget={budget}B",
+                              backend=cfg.compile_backend, outputs="loss")
+    compiled(**global_batch(cfg, cfg.world_size).model_kwargs()).loss.backward()
+    return [r.plan for r in compiled.partition_records], tiles_of(compiled.tiling_reports)
+
+
+def test_run_and_compile_make_the_same_plan_and_it_fits_where_the_old_defaults_did_not():
+    """hf:tiny, P=2, 12,288 tokens in 48 MiB a rank: the default tiles the loss and the MLPs and moves saved values
+    to host memory, and fits; the library's old default (no tiling) and the paper's setting are oom there.
+    `autosp.compile` at the same graph budget makes the same plan and tiles."""
+    from autosp.harness.launch import launch
+    from autosp.harness.runner import run
+    from baselines.autosp_method import sac_policy
+
+    cfg = RunConfig(method="autosp", model="hf:tiny", seq_len=12288, world_size=2, memory_budget=48 << 20, steps=0,
+                    compile_backend="aot_eager", timeout_s=600)
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    (plan,) = record["extra"]["sac_auto"]
+    assert plan["fits"] and plan["offloads"] and {t["tile"] for t in record["extra"]["tiles"]} >= {"loss"}
+    library = launch(_library_plan, (cfg.to_dict(), sac_policy(cfg, 3).budget_bytes), world_size=2, timeout_s=600)
+    assert library.status == "ok", library.traceback
+    assert library.results[0] == ([plan], record["extra"]["tiles"])
+    old = run(cfg.replace(tiling="off", offload="activations=auto"))
+    paper = run(cfg.replace(**PAPER))
+    assert old["status"] == paper["status"] == "oom", (old["error"], paper["error"])
+
+
+def test_on_a_roomy_budget_the_default_tiles_and_moves_nothing():
+    from autosp.harness.runner import run
+
+    cfg = RunConfig(method="autosp", model="hf:tiny", seq_len=1024, world_size=2, memory_budget=1 << 30, steps=0,
+                    compile_backend="aot_eager", timeout_s=600)
+    record = run(cfg)
+    assert record["status"] == "ok", record["error"]
+    (plan,) = record["extra"]["sac_auto"]
+    assert plan["fits"] and not plan["offloads"] and plan["tokenwise_recompute_layers"] == 0
+    assert record["extra"]["tiles"] == [] and "optimizer_offload" not in record["extra"]
+    assert "-offload:" not in record["implementation"]
