@@ -145,4 +145,5 @@ def extrapolate_peak(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPea
                                                                              - low.host_offloaded_bytes),
                     assumed_healthy_reads=high.assumed_healthy_reads, phases=phases,
                     recompute_flops=None if None in (low.recompute_flops, high.recompute_flops)
-                    else high.recompute_flops + more * (high.recompute_flops - low.recompute_flops)), None
+                    else high.recompute_flops + more * (high.recompute_flops - low.recompute_flops),
+                    time=None if None in (low.time, high.time) else low.time.line(high.time, more)), None

@@ -17,8 +17,10 @@ from autosp.experiments.simulate.config import (
 from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, planned_by_device, predict_peak
 from autosp.experiments.simulate.programs import shared_rank_programs
+from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
+from autosp.timing import device_rates
 
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
@@ -64,6 +66,8 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         node_host_bytes=node_host, host_budget_bytes=host_budget and host_budget[0], **how)
     if peak.recompute_flops is not None:  # per rank and step: the planner's, or the method's own count
         record["extra"]["recompute_flops"] = peak.recompute_flops
+    if peak.time is not None:  # the device's rates are known (the cpu row once `autosp calibrate` ran)
+        record["extra"]["time"] = time_record(peak.time, cfg, device_rates(device.name), record["dp_size"])
     if peak.plans and not how.get("extrapolated"):  # the planner's choice at this depth and length, as measured runs
         record["extra"]["sac_auto"] = peak.plans
     return record
@@ -207,4 +211,9 @@ def summary_line(record: dict[str, Any]) -> str:
     if record.get("kind") == "search":
         return f"{head}: {record['status']}, max_seq_len={record['max_seq_len']} ({record['num_probes']} probes, " \
                f"{record['wall_s']:.0f} s); at that length {detail}"
+    time = record["extra"].get("time")
+    if time:
+        detail += (f"; predicted step {time['iteration_s']:.3g} s, {time['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                   f"MFU {time['mfu']:.0%}, exposed collectives {time['exposed_collective_s']:.3g} s, "
+                   f"copies {time['exposed_copy_s']:.3g} s")
     return f"{head} seq {record['seq_len']}: {record['status']}: {detail} ({record['extra']['wall_s']:.1f} s)"
