@@ -12,7 +12,7 @@ An executed aten (or autosp_sp::, c10d) op is one of:
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
-  free; a wait (autosp_sp::wait, wait_tensor) costs nothing but makes the compute stream wait for its value.
+  free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor) costs nothing but makes the compute stream wait for its value.
 
 Element-wise ops are costed one by one (no fusion: aot_eager's graphs, as the memory model runs them).
 """
@@ -64,6 +64,8 @@ class StepClock:
             seconds = self.rates.collective_seconds(kind, nbytes, _group_size(func, args, kwargs),
                                                     self.gpus_per_node)
             self.timeline.run("collective", seconds, reads, writes | reads)
+            return
+        if not writes:  # metadata (prim.device, a scalar read): nothing made, nothing written
             return
         if "ring_attention" in name:
             self._ring_attention(func, args, kwargs, reads, writes)
