@@ -25,9 +25,9 @@ def clocked(program, rates: DeviceRates = RATES):
     tracker = LiveStorageTracker(get_device_model("h100-80gb"))
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
         tracker.reset_peak()
-        tracker.clock = StepClock(rates, gpus_per_node=8)
+        tracker.clock = StepClock()
         program()
-        return tracker.clock.finish()
+        return tracker.clock.trace.time(rates, gpus_per_node=8)
 
 
 def test_a_matmul_costs_its_flops_at_the_matmul_rate():
@@ -106,3 +106,15 @@ def test_every_simulated_record_carries_its_predicted_time(method, options, mode
     assert time["tokens_per_s_per_gpu"] == pytest.approx(record["dp_size"] * 512 / time["iteration_s"] / 2)
     assert time["mfu"] == pytest.approx(time["model_flops_per_gpu"] / time["iteration_s"] / 989e12)
     assert time["seconds_by_class"]["collective"] > 0 and time["exposed_collective_s"] > 0
+
+
+def test_devices_that_share_a_simulated_program_each_get_their_own_time():
+    """a100-80gb and mi250-gcd round alike, so the second reuses the first's simulation (`predict_peak`'s cache):
+    the same peak, but the trace is priced on each device's rates (a GCD's 181 vs an A100's 312 TFLOP/s)."""
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method="autosp", model="tiny", world_size=2, seq_len=512, dtype="bfloat16")
+    a100, gcd = (sim.simulate(cfg, get_device_model(name)) for name in ("a100-80gb", "mi250-gcd"))
+    assert a100["peak_mem_bytes"] == gcd["peak_mem_bytes"]
+    a100_time, gcd_time = a100["extra"]["time"], gcd["extra"]["time"]
+    assert gcd_time["seconds_by_class"]["matmul"] == pytest.approx(a100_time["seconds_by_class"]["matmul"] * 312 / 181)
+    assert gcd_time["iteration_s"] > a100_time["iteration_s"]

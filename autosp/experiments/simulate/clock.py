@@ -1,4 +1,5 @@
-"""`StepClock`: each op the tracker sees in the measured step, priced by the time model (`autosp.timing`).
+"""`StepClock`: each op the tracker sees in the measured step, recorded for the time model (`autosp.timing`) in an
+`OpTrace` that any device's rates price (`OpTrace.time`).
 
 An executed aten (or autosp_sp::, c10d) op is one of:
 
@@ -12,13 +13,15 @@ An executed aten (or autosp_sp::, c10d) op is one of:
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
-  free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor) costs nothing but makes the compute stream wait for its value.
+  free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor)
+  costs nothing but makes the compute stream wait for its value.
 
 Element-wise ops are costed one by one (no fusion: aot_eager's graphs, as the memory model runs them).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,15 +43,52 @@ WAITS = ("wait_tensor", "autosp_sp::wait")
 FREE = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "barrier")
 
 
-class StepClock:
-    """The measured step's ops on the device's streams (`Timeline`); `finish()` is the step's `StepTime`."""
+@dataclass
+class OpTrace:
+    """The measured step's ops as the time model needs them, device-independent (FLOPs, bytes, collectives, the
+    values read and written): priced on any device's rates by `time`, so a simulated length serves every device
+    type that shares its memory program (`extrapolate.predict_peak`'s cache)."""
 
-    def __init__(self, rates: DeviceRates, gpus_per_node: int) -> None:
-        self.rates, self.gpus_per_node = rates, gpus_per_node
-        self.timeline = Timeline(rates.streams)
+    events: list[tuple] = field(default_factory=list)  # (op class, quantity, collective kind, group, reads, writes)
+
+    def add(self, op_class: str, quantity: float, reads: Any = (), writes: Any = (), kind: str = "",
+            group: int = 1) -> None:
+        self.events.append((op_class, quantity, kind, group, tuple(reads), tuple(writes)))
+
+    def time(self, rates: DeviceRates, gpus_per_node: int) -> StepTime:
+        """The step on `rates`' device (`Timeline`)."""
+        timeline = Timeline(rates.streams)
+        price = {"matmul": rates.matmul_seconds, "attention": rates.attention_seconds, "memory": rates.memory_seconds,
+                 "copy": rates.copy_seconds, "host": rates.host_seconds}
+        for op_class, quantity, kind, group, reads, writes in self.events:
+            if op_class == "collective":
+                seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
+            else:
+                seconds = price[op_class](quantity)
+            timeline.run(op_class, seconds, reads, writes, quantity if op_class in ("matmul", "attention") else 0.0)
+        return timeline.finish()
+
+
+@dataclass
+class LinedTrace:
+    """A step at `more` layers past `high`'s depth, `low` one layer fewer than `high` (`StepTime.line`)."""
+
+    low: OpTrace | LinedTrace
+    high: OpTrace | LinedTrace
+    more: int
+
+    def time(self, rates: DeviceRates, gpus_per_node: int) -> StepTime:
+        return self.low.time(rates, gpus_per_node).line(self.high.time(rates, gpus_per_node), self.more)
+
+
+class StepClock:
+    """Records each op of the measured step into an `OpTrace` (module docstring says how each is counted)."""
+
+    def __init__(self) -> None:
+        self.trace = OpTrace()
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any, serial: Any, host: set[int]) -> None:
-        """Price one executed op; `serial(t)` is a tensor's storage id, `host` the ids of host storages."""
+        """Record one executed op; `serial(t)` is a tensor's storage id, `host` the ids of host storages."""
         name = _name(func)
         if name.split("::")[-1].split(".")[0] in FREE or getattr(func, "is_view", False):
             return
@@ -56,14 +96,13 @@ class StepClock:
         outs = list(_tensors(out))
         reads = {serial(t) for t in ins}
         writes = {serial(t) for t in outs} | {serial(t) for t in _mutated(func, args, kwargs)}
+        trace = self.trace
         if any(mark in name for mark in WAITS):
-            self.timeline.run("memory", 0.0, reads, writes)
+            trace.add("memory", 0.0, reads, writes)
             return
         if kind := _collective_kind(name):
             nbytes = max([sum(_nbytes(t) for t in _tensors(a)) for a in args] + [sum(map(_nbytes, outs))])
-            seconds = self.rates.collective_seconds(kind, nbytes, _group_size(func, args, kwargs),
-                                                    self.gpus_per_node)
-            self.timeline.run("collective", seconds, reads, writes | reads)
+            trace.add("collective", nbytes, reads, writes | reads, kind, _group_size(func, args, kwargs))
             return
         if not writes:  # metadata (prim.device, a scalar read): nothing made, nothing written
             return
@@ -71,31 +110,27 @@ class StepClock:
             self._ring_attention(func, args, kwargs, reads, writes)
             return
         if flops := _attention_flops(func, name, args, kwargs):
-            self.timeline.run("attention", self.rates.attention_seconds(flops), reads, writes, flops)
+            trace.add("attention", flops, reads, writes)
             return
         if (operands := MATMULS.get(name.split("::")[-1].split(".")[0])) and len(ins) > max(operands):
             a, b = (t for i, t in enumerate(_positional_tensors(args)) if i in operands)
-            flops = 2.0 * a.numel() * b.shape[-1]
-            self.timeline.run("matmul", self.rates.matmul_seconds(flops), reads, writes, flops)
+            trace.add("matmul", 2.0 * a.numel() * b.shape[-1], reads, writes)
             return
-        in_host = {serial(t) for t in ins} & host
+        in_host = reads & host
         out_host = writes & host
         device_in = sum(_nbytes(t) for t in ins if serial(t) not in host)
         if out_host and device_in:  # device -> host
-            self.timeline.run("copy", self.rates.copy_seconds(device_in), reads, writes)
-        elif in_host and outs and not out_host:  # host -> device
-            self.timeline.run("copy", self.rates.copy_seconds(sum(_nbytes(t) for t in ins if serial(t) in host)),
-                              reads, writes)
+            trace.add("copy", device_in, reads, writes)
+        elif in_host and not out_host:  # host -> device
+            trace.add("copy", sum(_nbytes(t) for t in ins if serial(t) in host), reads, writes)
         else:
             fresh = [t for t in outs if serial(t) not in reads]
             nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, fresh))
-            if out_host or (in_host and not outs):
-                self.timeline.run("host", self.rates.host_seconds(nbytes), reads, writes)
-            else:
-                self.timeline.run("memory", self.rates.memory_seconds(nbytes), reads, writes)
+            trace.add("host" if out_host else "memory", nbytes, reads, writes)
 
     def _ring_attention(self, func: Any, args: tuple, kwargs: dict, reads: set, writes: set) -> None:
-        """Attention over the whole ring's keys, the K/V blocks passed around it beside the compute."""
+        """Attention over the whole ring's keys, the K/V blocks passed around it beside the compute: each rank
+        receives the other ranks' K/V (a broadcast's volume of (group - 1) blocks)."""
         named = _bound(func, args, kwargs)
         q, k, v = named["q"], named["k"], named["v"]
         group = _group_size(func, args, kwargs)
@@ -103,15 +138,10 @@ class StepClock:
         flops = 4.0 * q.shape[0] * q.shape[1] * pairs * q.shape[-1]
         if "backward" in _name(func):
             flops *= ATTENTION_BACKWARD_FACTOR
-        passes = self.rates.collective_seconds("broadcast", (_nbytes(k) + _nbytes(v)) * (group - 1), group,
-                                               self.gpus_per_node)
-        token = object()
-        self.timeline.run("collective", passes, reads, {token})
-        self.timeline.run("attention", self.rates.attention_seconds(flops), reads, set(), flops)
-        self.timeline.run("memory", 0.0, {token}, writes)
-
-    def finish(self) -> StepTime:
-        return self.timeline.finish()
+        token = ("ring", len(self.trace.events))
+        self.trace.add("collective", (_nbytes(k) + _nbytes(v)) * (group - 1), reads, {token}, "broadcast", group)
+        self.trace.add("attention", flops, reads, ())
+        self.trace.add("memory", 0.0, {token}, writes)
 
 
 def _name(func: Any) -> str:

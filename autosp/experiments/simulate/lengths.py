@@ -20,7 +20,7 @@ from autosp.experiments.simulate.programs import shared_rank_programs
 from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
-from autosp.timing import device_rates
+from autosp.timing import DeviceRates
 
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
@@ -66,11 +66,23 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         node_host_bytes=node_host, host_budget_bytes=host_budget and host_budget[0], **how)
     if peak.recompute_flops is not None:  # per rank and step: the planner's, or the method's own count
         record["extra"]["recompute_flops"] = peak.recompute_flops
-    if peak.time is not None:  # the device's rates are known (the cpu row once `autosp calibrate` ran)
-        record["extra"]["time"] = time_record(peak.time, cfg, device_rates(device.name), record["dp_size"])
+    if peak.trace is not None and (rates := _rates(device)) is not None:
+        record["extra"]["time"] = time_record(peak.trace.time(rates, device.gpus_per_node), cfg, rates,
+                                              record["dp_size"])
     if peak.plans and not how.get("extrapolated"):  # the planner's choice at this depth and length, as measured runs
         record["extra"]["sac_auto"] = peak.plans
     return record
+
+
+def _rates(device: DeviceModel) -> DeviceRates | None:
+    """The device's rates, or None where it has none (the cpu row before `autosp calibrate`): the record then
+    carries no time, never a guessed one."""
+    from autosp.timing.rates import RatesError, device_rates
+
+    try:
+        return device_rates(device.name)
+    except RatesError:
+        return None
 
 
 def _host_budget(cfg: RunConfig, device: DeviceModel) -> tuple[int, str] | None:

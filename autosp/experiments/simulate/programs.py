@@ -171,7 +171,7 @@ class RankProgram:
 
             tracker.phase = "forward"
             tracker.reset_peak()
-            tracker.clock = step_clock(tracker.device)
+            tracker.clock = StepClock()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 step.forward_backward(batch)
             tracker.phase = "optimizer"
@@ -180,8 +180,7 @@ class RankProgram:
             for hook in hooks:
                 hook.remove()
             tracker.watching = False
-            time = tracker.clock and tracker.clock.finish()
-            tracker.clock = None
+            trace, tracker.clock = tracker.clock.trace, None
         charge = tracker.device.block_bytes
 
         def breakdown(moment: PeakMoment) -> PhasePeak:
@@ -205,18 +204,7 @@ class RankProgram:
         return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
                         ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
                         assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans,
-                        recompute_flops=recompute, time=time)
-
-
-def step_clock(device: DeviceModel) -> StepClock | None:
-    """A clock for the measured step on `device`, or None where the device has no rates (the cpu row before
-    `autosp calibrate`): the record then carries no time, never a guessed one."""
-    from autosp.timing.rates import RatesError, device_rates
-
-    try:
-        return StepClock(device_rates(device.name), device.gpus_per_node)
-    except RatesError:
-        return None
+                        recompute_flops=recompute, trace=trace)
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the

@@ -15,10 +15,9 @@ from torch.utils._pytree import tree_flatten
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
 from autosp.compiler.memory import OFFLOAD_OP
-from autosp.experiments.simulate.clock import StepClock
+from autosp.experiments.simulate.clock import LinedTrace, OpTrace, StepClock
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
 from autosp.experiments.simulate.devices import DeviceModel
-from autosp.timing import StepTime
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -250,7 +249,7 @@ class RankPeak(PhasePeak):
     phases: dict[str, PhasePeak] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
     plans: list[dict] = field(default_factory=list)  # the memory planner's choice per graph compiled for this length
     recompute_flops: int | None = None  # FLOPs of forward ops re-run in backward, where counted (`TrainStep`)
-    time: StepTime | None = None  # the measured step's predicted time (`clock`); None where the device has no rates
+    trace: OpTrace | LinedTrace | None = None  # the measured step's ops for the time model (`clock`)
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
