@@ -10,6 +10,8 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
 - host link: bytes/s each way between the device and host memory (offload copies, on their own stream);
 - host memory: bytes/s of the host's memory one rank's share of the CPUs moves (the host optimizer step);
 - collective latency: seconds per collective call (measured on the cpu row; 0 on the GPU rows: not modelled);
+- op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
+  cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
 - streams: whether copies and collectives run beside compute (GPU streams) or in line (one CPU thread).
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from autosp.errors import AutoSPError
 
 RATES_FILE = "device_rates.csv"
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "hbm_gb_s", "hbm_fraction", "peer_gb_s",
-           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "streams", "source")
+           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us", "streams", "source")
 
 
 class RatesError(AutoSPError):
@@ -47,6 +49,7 @@ class DeviceRates:
     host_memory_bytes_s: float
     collective_latency_s: float
     streams: bool
+    op_overhead_s: float = 0.0
     source: str = ""
 
     def matmul_seconds(self, flops: float) -> float:
@@ -121,14 +124,15 @@ def device_rates(name: str) -> DeviceRates:
         memory_bytes_s=num("hbm_gb_s") * g * num("hbm_fraction"), peer_bytes_s=num("peer_gb_s") * g,
         node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
         host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
-        streams=bool(int(row["streams"])), source=row["source"])
+        op_overhead_s=num("op_overhead_us") * 1e-6, streams=bool(int(row["streams"])), source=row["source"])
 
 
 def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:
-    """Replace the `cpu` row of the catalogue (the package's file unless `path`) with a measured one."""
+    """Replace the `cpu` row of the catalogue (the package's file unless `path`; a new `path` gets the package's
+    other rows) with a measured one."""
     path = path or _package_file()
-    rows = dict(rates_catalogue()) if path == _package_file() else \
-        {r["device"]: r for r in csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))}
+    source = path if path.exists() else _package_file()  # a new file starts from the package's rows
+    rows = {r["device"]: r for r in csv.DictReader(io.StringIO(source.read_text(encoding="utf-8")))}
     rows["cpu"] = {column: str(row.get(column, "")) for column in COLUMNS}
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")

@@ -65,7 +65,8 @@ class OpTrace:
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
             else:
                 seconds = price[op_class](quantity)
-            timeline.run(op_class, seconds, reads, writes, quantity if op_class in ("matmul", "attention") else 0.0)
+            timeline.run(op_class, seconds + rates.op_overhead_s, reads, writes,
+                         quantity if op_class in ("matmul", "attention") else 0.0)
         return timeline.finish()
 
 
