@@ -27,7 +27,8 @@ from autosp.errors import AutoSPError
 
 RATES_FILE = "device_rates.csv"
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "hbm_gb_s", "hbm_fraction", "peer_gb_s",
-           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us", "streams", "source")
+           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us", "streams",
+           "source")
 
 
 class RatesError(AutoSPError):
