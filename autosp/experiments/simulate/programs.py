@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from autosp.compiler.memory import planning_rates
 from autosp.experiments.simulate.adapters import (
     RealTwins,
     alst_data_answers,
@@ -33,6 +34,7 @@ from autosp.experiments.simulate.world import (
     registrations_installed,
 )
 from autosp.harness.config import RunConfig
+from autosp.timing import DeviceRates
 
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
@@ -136,6 +138,7 @@ class RankProgram:
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
                 stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
             stack.enter_context(registrations_installed(self.registrations))
+            stack.enter_context(planning_rates(_gpu_rates(tracker.device)))
             stack.enter_context(deepspeed_rank0_answers(self.rank))
             stack.enter_context(inductor_compile_unfused())
             stack.enter_context(optimizer_implementation_of(tracker.device))
@@ -205,6 +208,19 @@ class RankProgram:
                         ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
                         assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans,
                         recompute_flops=recompute, trace=trace)
+
+
+def _gpu_rates(device: DeviceModel) -> DeviceRates | None:
+    """The rates autosp's planner ranks its plans on (`time_rank`) when compiling for `device`: a GPU's catalogue
+    row; None on the cpu device, where a measured CPU run's planner has none either (its plans must agree)."""
+    from autosp.timing.rates import RatesError, device_rates
+
+    if device.vendor == "cpu":
+        return None
+    try:
+        return device_rates(device.name)
+    except RatesError:
+        return None
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the
