@@ -56,7 +56,8 @@ def table(out: Path) -> str:
                  _num(time.get("mfu"), ".0%"), _num(step, ".3f") + (f" ({steps} steps)" if steps else ""),
                  _num(r.get("tokens_per_s"), ",.0f"),
                  f"{time['iteration_s'] / step - 1:+.1%}" if step and time.get("iteration_s") else "-",
-                 f"{_gib(r.get('peak_mem_bytes'))} ({_gib(p.get('peak_mem_bytes'))})", _num(busy, ".0f") + "%" * bool(busy),
+                 f"{_gib(r.get('peak_mem_bytes'))} ({_gib(p.get('peak_mem_bytes'))})",
+                 "-" if busy is None else f"{busy:.0f}%",
                  f"run {r.get('status', '-')}, simulated {p.get('status', '-')}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\nPredicted: the simulator's time model (docs/simulator.md); measured: `autosp run`."
