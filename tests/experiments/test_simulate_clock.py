@@ -91,7 +91,8 @@ def test_on_a_cpu_the_same_ops_run_in_line():
 
 
 @pytest.mark.parametrize("method, options, model", [("autosp", {"sac": "auto"}, "tiny"),
-                                                    ("ulysses", {"ac": "layer"}, "tiny"), ("alst", {}, "hf:tiny")])
+                                                    ("ulysses", {"ac": "layer"}, "tiny"), ("zero3", {}, "tiny"),
+                                                    ("alst", {}, "hf:tiny")])
 def test_every_simulated_record_carries_its_predicted_time(method, options, model):
     """Rank 0's step on an h100 node: the record's tokens/s per GPU and MFU follow from its iteration time."""
     sim.extrapolate._PREDICTIONS.clear()
