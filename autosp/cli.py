@@ -35,6 +35,8 @@ SUBCOMMANDS = (
     ("autosp.experiments.levers", "add_levers_parser"),
     ("autosp.experiments.simulate", "add_simulate_parser"),
     ("autosp.experiments.simulate.table", "add_simulate_table_parser"),
+    ("autosp.experiments.calibrate", "add_calibrate_parser"),
+    ("autosp.experiments.time_check", "add_time_check_parser"),
 )
 #: exit codes of `autosp run` per record status
 RUN_EXIT_CODES = {"ok": 0, "error": 1, "timeout": 1, "oom": 3, "interrupted": INTERRUPTED_EXIT_CODE}

@@ -126,6 +126,10 @@ def search_rows(records: pd.DataFrame) -> pd.DataFrame:
     return records[records["kind"] == "search"]
 
 
+#: a simulated search row's predicted step at its longest length (`autosp.experiments.simulate.speed`), kept beside it
+TIME_COLUMNS = ("extra.time.iteration_s", "extra.time.tokens_per_s_per_gpu")
+
+
 def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAINABILITY_REFERENCES,
                        checks: pd.DataFrame | None = None) -> pd.DataFrame:
     """Max trainable length per method and setting, achieved/limit, and ratios `vs_<ref>` to each baseline.
@@ -152,7 +156,8 @@ def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAI
                         strict=True)])
     table = table[group + ["method"] + stage + ["compile_backend", "status", "max_seq_len",
                                                 "first_oom_seq_len", "floor_limit_seq_len", "achieved_over_limit",
-                                                "num_probes", "peak_bytes_per_token", "error"]].copy()
+                                                "num_probes", "peak_bytes_per_token", "error"]
+                  + [c for c in TIME_COLUMNS if c in table]].copy()
     if checks is not None and not checks.empty:
         table = table.merge(checks, on=["model", "world_size", "method"], how="left")
     table["memory_budget"] = table["memory_budget"].astype("float")  # NaN-safe for merging

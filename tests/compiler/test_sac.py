@@ -23,10 +23,12 @@ from autosp.compiler.fx import (
 )
 from autosp.compiler.lowering import sac_backend
 from autosp.compiler.memory import PartitionRecord, Policy, parse_policy
-from autosp.compiler.memory.planner import estimated_peak
+from autosp.compiler.memory.planner import estimated_peak, recompute_flops
 from autosp.compiler.memory.tags import tag_joint_graph
+from autosp.compiler.memory.time_rank import added_seconds, exposed_copy_seconds, planning_rates
 from autosp.harness.config import ConfigError
 from autosp.models import build_model, get_preset
+from autosp.timing import DeviceRates
 
 SEQ = 32
 aten = torch.ops.aten
@@ -204,6 +206,45 @@ def test_auto_moves_layer_boundaries_to_host_before_recomputing_within_the_host_
     assert plan["tokenwise_recompute_layers"] == 0 and record.recomputed_ops == kept_record.recomputed_ops
     _, plan = _auto_plan(moved["estimated_peak_bytes"], host_budget=moved["offloaded_bytes"] - 1)
     assert plan["offloaded_bytes"] == 0 and plan["tokenwise_recompute_layers"] > 0 and plan["fits"]
+
+
+def _rates(host_link_bytes_s: float) -> DeviceRates:
+    """Hand-made rates: only the matmul rate and the host link matter to the planner's ranking."""
+    return DeviceRates(name="hand", peak_flops=1e9, matmul_flops=1e9, attention_flops=1e9, memory_bytes_s=1e9,
+                       peer_bytes_s=1e9, node_bytes_s=1e9, host_link_bytes_s=host_link_bytes_s,
+                       host_memory_bytes_s=1e9, collective_latency_s=0.0, streams=True)
+
+
+def test_with_memory_to_spare_the_time_ranked_planner_moves_and_recomputes_nothing() -> None:
+    with planning_rates(_rates(1.0)):
+        record, plan = _auto_plan(None)
+    assert plan["ranked_by"] == "predicted time on hand" and plan["fits"]
+    assert plan["tokenwise_recompute_layers"] == 0 and plan["offloaded_bytes"] == 0
+    assert plan["predicted_added_s"] == plan["ladder_added_s"] == recompute_flops(record.bw_module) / 1e9
+
+
+def test_a_copy_that_cannot_hide_loses_to_recompute_and_one_that_hides_wins() -> None:
+    """At the budget where the ladder moves the layer boundaries to host memory and recomputes nothing: over a
+    1 kB/s link the copies cannot hide behind the compute, so recomputing is predicted faster and taken (exact
+    gradients: `_auto_plan`); over a 1 EB/s link they hide, and the ladder's plan stands."""
+    _, moved = _auto_plan(None, offload="activations")
+    budget = moved["estimated_peak_bytes"]
+    with planning_rates(_rates(1e3)):
+        _, slow = _auto_plan(budget)
+    assert slow["ladder_plan"]["offloaded_bytes"] == moved["offloaded_bytes"] and slow["ladder_plan"]["tokenwise"] == 0
+    assert slow["offloaded_bytes"] == 0 and slow["tokenwise_recompute_layers"] > 0 and slow["fits"]
+    assert slow["predicted_added_s"] < slow["ladder_added_s"]
+    with planning_rates(_rates(1e18)):
+        _, fast = _auto_plan(budget)
+    assert fast["offloaded_bytes"] == moved["offloaded_bytes"] and fast["tokenwise_recompute_layers"] == 0
+    assert fast["predicted_added_s"] == fast["ladder_added_s"] < slow["predicted_added_s"]
+
+
+def test_the_exposed_seconds_of_a_copy_are_what_its_directions_compute_cannot_hide() -> None:
+    rates = _rates(1e3)  # 1 kB/s; 1 GFLOP/s
+    assert exposed_copy_seconds(3_000, forward_flops=1e9, rates=rates) == 2.0 + 1.0  # 3 s each way vs 1 s and 2 s
+    assert exposed_copy_seconds(1_000, forward_flops=1e9, rates=rates) == 0.0
+    assert added_seconds(2e9, 3_000, 1e9, rates) == 2.0 + 3.0
 
 
 # ------------------------------------------------------------------------------ collectives (1-rank group)

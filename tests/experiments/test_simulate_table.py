@@ -110,6 +110,8 @@ def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):
     assert rows[1]["extra"]["cell_simulated_lengths"] == 1  # the second device type reused the first's probe
     text = table.read_text()
     assert "| tiny | a100-80gb | >=1K | >=1K |" in text and "CPU" in text
+    assert "Predicted iteration time" in text  # each cell's step at its longest length, beside the lengths
+    assert [line for line in text.splitlines() if line.startswith("| tiny | mi250-gcd |")][-1].count("tok/s/GPU") == 2
     rendered = tmp_path / "rendered.md"  # the same table again from the rows alone, no simulation
     assert main(["simulate-table", "--render", str(out), "--table-out", str(rendered), "--allow-errors"]) == 0
     assert rendered.read_text().split("\n\n")[0] == text.split("\n\n")[0]

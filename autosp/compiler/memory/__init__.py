@@ -1,8 +1,9 @@
 """Passes 4 and 6, memory: what backward keeps, recomputes or finds in host memory. The checkpointing policies
 (`policy`) as tags on the joint graph (`tags`), the partition function (`partitioner`: tags + torch's min-cut, or the
 memory planner, `planner`, under policy auto), what a partition saved (`records`) and its breakdown by category
-(`saved_report`), the offload pass and its ops (`offload`). The names below are what the driver, the harness and the
-baselines import; the modules are private to this package.
+(`saved_report`), the offload pass and its ops (`offload`), the planner's ranking by predicted time (`time_rank`).
+The names below are what the driver, the harness and the baselines import; the modules are private to this
+package.
 
 The partition function loads on first use (PEP 562): it imports torch's partitioner and Inductor, seconds that a
 rank of an eager method, or the harness reading a policy or an offload option, does not pay."""
@@ -30,6 +31,7 @@ from autosp.compiler.memory.saved_report import (
     quadratic_saved_values,
     tiles_of,
 )
+from autosp.compiler.memory.time_rank import planning_rates
 
 if TYPE_CHECKING:
     from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
            "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
            "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
-           "offload_boundaries", "parse_policy", "peak_working_set",
+           "offload_boundaries", "parse_policy", "peak_working_set", "planning_rates",
            "quadratic_saved_values", "tiles_of"]
 
 _ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")

@@ -5,7 +5,9 @@ Each value backward needs is kept on the device, moved to host memory, or recomp
 plans ordered by recompute cost and takes the first whose estimated peak fits: keep everything; recompute the
 token-wise ops of the first k layers; also their attention; also their all-to-alls (the whole layer, as per-layer
 checkpointing does). On a rung that does not fit as it is, saved values move to host memory first (``offload=auto``,
-within the host budget): host memory is spent before recompute. The smallest fitting k is found by bisection. The
+within the host budget): host memory is spent before recompute — unless the device's rates are known
+(`time_rank`), where a plan that moves saved values is priced against the ladder's plan without host memory and the
+one with the fewer predicted seconds is taken. The smallest fitting k is found by bisection. The
 peak is estimated from the graph alone, by a liveness replay of the partitioned graphs (`live_at_peak`) with the
 scratch bytes opaque ops declare; the cost is the recomputed FLOPs (`recompute_flops`) and the bytes moved.
 The ladder, the cost model and how the replay was checked against measured peaks:
@@ -173,8 +175,8 @@ def plan_partition(
         trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
         return trials[-1]
 
-    def trial(tokenwise: int, attention: int, collectives: int = 0) -> _Trial:
-        """One rung: kept on the device, else (offload auto) its boundaries in host memory, else all its layers'
+    def trial(tokenwise: int, attention: int, collectives: int = 0, moves: str = offload) -> _Trial:
+        """One rung: kept on the device, else (`moves` auto) its boundaries in host memory, else all its layers'
         saved values; the first that fits, or the last tried."""
         nonlocal partitions
         rung = (tokenwise, attention, collectives)
@@ -182,10 +184,10 @@ def plan_partition(
         tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         partitions += 1
-        if offload == "activations":
+        if moves == "activations":
             return variant(rung, fw, bw, "boundaries")
         t = variant(rung, fw, bw, None)
-        if offload != "auto":
+        if moves != "auto":
             return t
         for scope in OFFLOAD_SCOPES:
             if fits(t):
@@ -215,20 +217,54 @@ def plan_partition(
     layers_of = assign_layers(joint_gm.graph, forward)
     # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
     c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
-    chosen = trial(0, 0)
-    if tile_first and not fits(trials[0]):
-        raise TileFirst(f"estimated peak {trials[0].peak} bytes over the budget of {budget}")
-    if not fits(chosen) and n:
-        chosen = (smallest_fitting(lambda k: trial(k, 0), n) or smallest_fitting(lambda k: trial(n, k), n)
-                  or (smallest_fitting(lambda k: trial(n, n, k), c) if c else None)
-                  or next(t for t in reversed(trials) if (t.tokenwise, t.attention, t.collectives) == (n, n, c)))
+
+    def ladder(moves: str) -> _Trial:
+        """The first rung that fits (`moves`: the offload mode its rungs use), else the last."""
+        chosen = trial(0, 0, moves=moves)
+        if tile_first and not fits(trials[0]):
+            raise TileFirst(f"estimated peak {trials[0].peak} bytes over the budget of {budget}")
+        if not fits(chosen) and n:
+            chosen = (smallest_fitting(lambda k: trial(k, 0, moves=moves), n)
+                      or smallest_fitting(lambda k: trial(n, k, moves=moves), n)
+                      or (smallest_fitting(lambda k: trial(n, n, k, moves=moves), c) if c else None)
+                      or next(t for t in reversed(trials) if (t.tokenwise, t.attention, t.collectives) == (n, n, c)))
+        return chosen
+
+    chosen = ladder(offload)
+    chosen, ranking = _ranked_by_time(chosen, lambda: ladder("off"), fits, joint_gm, joint_inputs, offload)
     plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
                 saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,
                 attention_recompute_layers=chosen.attention, collective_recompute_layers=chosen.collectives,
                 recompute_flops=recompute_flops(chosen.bw_module),
                 offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, offload_scope=chosen.scope,
                 fits=fits(chosen), partitions_tried=partitions)
-    return chosen.fw_module, chosen.bw_module, plan.to_dict(), chosen.offload
+    return chosen.fw_module, chosen.bw_module, {**plan.to_dict(), **ranking}, chosen.offload
+
+
+def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx.GraphModule,
+                    joint_inputs: Sequence[Any], offload: str) -> tuple[_Trial, dict[str, Any]]:
+    """The ladder's plan, or the plan that recomputes instead of moving saved values to host memory where the time
+    model (`time_rank`) predicts it faster; with the predicted added seconds of both for the record."""
+    from autosp.compiler.memory.time_rank import added_seconds, current_rates
+
+    rates = current_rates({t.device for t in _flat_tensors(joint_inputs)})
+    if rates is None:
+        return chosen, {"ranked_by": "ladder (no device rates)"}
+    forward = sum(_node_flops(node) for node in forward_nodes(joint_gm.graph) if node.op == "call_function")
+
+    def cost(t: _Trial) -> float:
+        return added_seconds(recompute_flops(t.bw_module), t.offload.nbytes if t.offload else 0, forward, rates)
+
+    ladder = chosen
+    if offload == "auto" and chosen.offload is not None and chosen.offload.nbytes:
+        alternative = recompute_only()
+        if fits(alternative) and cost(alternative) < cost(chosen):
+            chosen = alternative
+    return chosen, {"ranked_by": f"predicted time on {rates.name}", "predicted_added_s": cost(chosen),
+                    "ladder_added_s": cost(ladder),
+                    "ladder_plan": {"tokenwise": ladder.tokenwise, "attention": ladder.attention,
+                                    "collectives": ladder.collectives,
+                                    "offloaded_bytes": ladder.offload.nbytes if ladder.offload else 0}}
 
 
 # ------------------------------------------------------------------------------------------- cost model
@@ -310,9 +346,7 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
 
 
 def recompute_flops(bw: fx.GraphModule) -> int:
-    """FLOPs of the forward ops `bw` re-runs: torch's flop counter where it has a formula, else one per element."""
-    from torch._inductor.fx_utils import count_flops_fx
-
+    """FLOPs of the forward ops `bw` re-runs (`_node_flops`)."""
     total = 0
     for node in bw.graph.nodes:
         # a random op recomputed in backward (attention with dropout's RNG state, under every recompute policy)
@@ -320,11 +354,18 @@ def recompute_flops(bw: fx.GraphModule) -> int:
         rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
         if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
             continue
-        if node.target is operator.getitem or getitem_source(node) is not None:
-            continue
-        flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
-        total += flops if flops else node_nbytes(node) // max(1, _itemsize(node))
+        total += _node_flops(node)
     return total
+
+
+def _node_flops(node: fx.Node) -> int:
+    """FLOPs of one op: torch's flop counter where it has a formula, attention's own, else one per element."""
+    from torch._inductor.fx_utils import count_flops_fx
+
+    if node.target is operator.getitem or getitem_source(node) is not None:
+        return 0
+    flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
+    return flops if flops else node_nbytes(node) // max(1, _itemsize(node))
 
 
 def _attention_flops(node: fx.Node) -> int:

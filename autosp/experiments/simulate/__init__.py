@@ -12,7 +12,8 @@ and the runs behind each choice: docs/measurements/2026-12-01-design-simulator.m
 
 Modules: `config` (what is executed), `tracker` (the storage tracker and peaks), `world` (the fake process group),
 `adapters` (DeepSpeed and device adapters), `programs` (rank programs and their cache), `extrapolate` (depth),
-`lengths` (records and the length search), `cli` (`autosp simulate`). The names below are the package's API.
+`lengths` (records and the length search), `cli` (`autosp simulate`), `clock` (each op of the measured step recorded
+for the time model) and `speed` (the record's predicted step, `extra.time`). The names below are the package's API.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from autosp.comm.host_optimizer import HostMemoryError
 from autosp.errors import AutoSPError
+from autosp.experiments.simulate.clock import LinedTrace
 from autosp.experiments.simulate.config import EXACT_LAYERS, SimulationError, simulate_config
 from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.programs import rank_peak
@@ -145,4 +146,5 @@ def extrapolate_peak(low: RankPeak, high: RankPeak, depth: int) -> tuple[RankPea
                                                                              - low.host_offloaded_bytes),
                     assumed_healthy_reads=high.assumed_healthy_reads, phases=phases,
                     recompute_flops=None if None in (low.recompute_flops, high.recompute_flops)
-                    else high.recompute_flops + more * (high.recompute_flops - low.recompute_flops)), None
+                    else high.recompute_flops + more * (high.recompute_flops - low.recompute_flops),
+                    trace=None if None in (low.trace, high.trace) else LinedTrace(low.trace, high.trace, more)), None

@@ -17,8 +17,10 @@ from autosp.experiments.simulate.config import (
 from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, planned_by_device, predict_peak
 from autosp.experiments.simulate.programs import shared_rank_programs
+from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
+from autosp.timing import DeviceRates
 
 
 def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
@@ -64,9 +66,23 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         node_host_bytes=node_host, host_budget_bytes=host_budget and host_budget[0], **how)
     if peak.recompute_flops is not None:  # per rank and step: the planner's, or the method's own count
         record["extra"]["recompute_flops"] = peak.recompute_flops
+    if peak.trace is not None and (rates := _rates(device)) is not None:
+        record["extra"]["time"] = time_record(peak.trace.time(rates, device.gpus_per_node), cfg, rates,
+                                              record["dp_size"])
     if peak.plans and not how.get("extrapolated"):  # the planner's choice at this depth and length, as measured runs
         record["extra"]["sac_auto"] = peak.plans
     return record
+
+
+def _rates(device: DeviceModel) -> DeviceRates | None:
+    """The device's rates, or None where it has none (the cpu row before `autosp calibrate`): the record then
+    carries no time, never a guessed one."""
+    from autosp.timing.rates import RatesError, device_rates
+
+    try:
+        return device_rates(device.name)
+    except RatesError:
+        return None
 
 
 def _host_budget(cfg: RunConfig, device: DeviceModel) -> tuple[int, str] | None:
@@ -207,4 +223,9 @@ def summary_line(record: dict[str, Any]) -> str:
     if record.get("kind") == "search":
         return f"{head}: {record['status']}, max_seq_len={record['max_seq_len']} ({record['num_probes']} probes, " \
                f"{record['wall_s']:.0f} s); at that length {detail}"
+    time = record["extra"].get("time")
+    if time:
+        detail += (f"; predicted step {time['iteration_s']:.3g} s, {time['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                   f"MFU {time['mfu']:.0%}, exposed collectives {time['exposed_collective_s']:.3g} s, "
+                   f"copies {time['exposed_copy_s']:.3g} s")
     return f"{head} seq {record['seq_len']}: {record['status']}: {detail} ({record['extra']['wall_s']:.1f} s)"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from autosp.compiler.memory import planning_rates
 from autosp.experiments.simulate.adapters import (
     RealTwins,
     alst_data_answers,
@@ -21,6 +22,7 @@ from autosp.experiments.simulate.adapters import (
     inductor_compile_unfused,
     optimizer_implementation_of,
 )
+from autosp.experiments.simulate.clock import StepClock
 from autosp.experiments.simulate.devices import DeviceModel
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, local_shard
 from autosp.experiments.simulate.world import (
@@ -32,6 +34,7 @@ from autosp.experiments.simulate.world import (
     registrations_installed,
 )
 from autosp.harness.config import RunConfig
+from autosp.timing import DeviceRates
 
 
 def _fake_batch(real: Any, count: int, fake_mode: Any, tracker: LiveStorageTracker, twins: RealTwins) -> Any:
@@ -135,6 +138,7 @@ class RankProgram:
                 stack.enter_context(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SEQUENCE_SOURCES))
                 stack.enter_context(torch._dynamo.config.patch(fail_on_recompile_limit_hit=True))
             stack.enter_context(registrations_installed(self.registrations))
+            stack.enter_context(planning_rates(_gpu_rates(tracker.device)))
             stack.enter_context(deepspeed_rank0_answers(self.rank))
             stack.enter_context(inductor_compile_unfused())
             stack.enter_context(optimizer_implementation_of(tracker.device))
@@ -170,6 +174,7 @@ class RankProgram:
 
             tracker.phase = "forward"
             tracker.reset_peak()
+            tracker.clock = StepClock()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 step.forward_backward(batch)
             tracker.phase = "optimizer"
@@ -178,6 +183,7 @@ class RankProgram:
             for hook in hooks:
                 hook.remove()
             tracker.watching = False
+            trace, tracker.clock = tracker.clock.trace, None
         charge = tracker.device.block_bytes
 
         def breakdown(moment: PeakMoment) -> PhasePeak:
@@ -201,7 +207,20 @@ class RankProgram:
         return RankPeak(**vars(phases[peak_phase]), peak_phase=peak_phase, num_layers=self.layers,
                         ops=tracker.ops - ops, host_offloaded_bytes=tracker.host_peak,
                         assumed_healthy_reads=tracker.assumed_reads - assumed_reads, phases=phases, plans=plans,
-                        recompute_flops=recompute)
+                        recompute_flops=recompute, trace=trace)
+
+
+def _gpu_rates(device: DeviceModel) -> DeviceRates | None:
+    """The rates autosp's planner ranks its plans on (`time_rank`) when compiling for `device`: a GPU's catalogue
+    row; None on the cpu device, where a measured CPU run's planner has none either (its plans must agree)."""
+    from autosp.timing.rates import RatesError, device_rates
+
+    if device.vendor == "cpu":
+        return None
+    try:
+        return device_rates(device.name)
+    except RatesError:
+        return None
 
 
 #: methods whose rank program is kept across the lengths of a search (`shared_rank_programs`): their state at the

@@ -217,6 +217,28 @@ def markdown_table(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def time_markdown_table(table: pd.DataFrame) -> str:
+    """Each cell's predicted step at its longest length (seconds, tokens/s per GPU, the length), laid out as the
+    length table; "-" where the row carries no prediction (a rendered table, a device without rates)."""
+    import pandas as pd
+
+    if "extra.time.iteration_s" not in table:
+        return ""
+    hf = table["model"].str.startswith("hf:")
+    table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
+                         + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
+    labels = list(dict.fromkeys(table["label"]))
+    lines = ["| model | device | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 2)]
+    for (model, device), cell in table.groupby(["model", "device"], sort=False):
+        by_label = {}
+        for _, row in cell.iterrows():
+            step, rate = row.get("extra.time.iteration_s"), row.get("extra.time.tokens_per_s_per_gpu")
+            by_label[row["label"]] = "-" if pd.isna(step) or row["status"] == "error" else \
+                f"{step:.3g} s, {rate:,.0f} tok/s/GPU at {_length(row)}"
+        lines.append("| " + " | ".join([model, device, *(by_label.get(label, "") for label in labels)]) + " |")
+    return "\n".join(lines)
+
+
 def rendered_rows(paths: list[str]) -> list[dict]:
     """The search rows of earlier runs: JSONL records, or a rendered Markdown table (`results/simulated_table.md`,
     whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
@@ -310,6 +332,9 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
                               max_len=args.max_len)
     table = trainability_table(pd.json_normalize(rows, sep="."))
     text = markdown_table(table)
+    if times := time_markdown_table(table):
+        text += ("\n\nPredicted iteration time at each cell's longest length (`extra.time`, a prediction of the "
+                 "time model, docs/simulator.md):\n\n" + times)
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)

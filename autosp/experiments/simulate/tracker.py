@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
 from autosp.compiler.memory import OFFLOAD_OP
+from autosp.experiments.simulate.clock import LinedTrace, OpTrace, StepClock
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
 from autosp.experiments.simulate.devices import DeviceModel
 
@@ -59,6 +60,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.assumed_reads = 0
         self.known_answer: bool | None = None  # inside `known_boolean_reads`
         self.on_host = False  # inside `host_allocations`
+        self.clock: StepClock | None = None  # prices each op of the measured step (`programs.RankProgram.measure`)
 
     def track(self, tensor: torch.Tensor) -> int:
         """The serial number of `tensor`'s storage, counted from now on if it was not yet."""
@@ -156,10 +158,11 @@ class LiveStorageTracker(TorchDispatchMode):
                 args[0].dtype == torch.bool or getattr(args[0], "constant", 0) is None):  # a number with no value
             self.assumed_reads += 1
             return False if args[0].dtype == torch.bool else 1.0
-        return self.record(func, func(*args, **(kwargs or {})))
+        return self.record(func, func(*args, **(kwargs or {})), args, kwargs or {})
 
-    def record(self, func: Any, out: Any) -> Any:
-        """Count `out`, what `func` just made, and follow the phase's peak; returns `out`."""
+    def record(self, func: Any, out: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Count `out`, what `func` just made of `args`, follow the phase's peak and the step's clock; returns
+        `out`."""
         self.ops += 1
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
@@ -169,6 +172,8 @@ class LiveStorageTracker(TorchDispatchMode):
                         self.host.add(serial)
         if not self.watching:
             return out
+        if self.clock is not None:
+            self.clock.op(func, args, kwargs or {}, out, self.track, self.host)
         self.host_peak = max(self.host_peak, self.host_bytes()) if self.host else self.host_peak
         sizes = self.sizes()
         charged = self.charged(sizes)
@@ -184,7 +189,8 @@ class LiveStorageTracker(TorchDispatchMode):
 def _wrapped_op_rule(hop: Any) -> None:
     """The tracker's rule for a higher-order op wrapping one op (the RNG-state wrappers the partitioner puts around
     random ops recomputed in backward, as under `--sac full`): run it below the tracker, count its outputs."""
-    hop.py_impl(LiveStorageTracker)(lambda mode, *args, **kwargs: mode.record(hop, hop(*args, **kwargs)))
+    hop.py_impl(LiveStorageTracker)(lambda mode, *args, **kwargs: mode.record(hop, hop(*args, **kwargs), args,
+                                                                              kwargs))
 
 
 for _hop in (run_and_save_rng_state, run_with_rng_state):
@@ -243,6 +249,7 @@ class RankPeak(PhasePeak):
     phases: dict[str, PhasePeak] = field(default_factory=dict)  # forward / backward / optimizer: each one's peak
     plans: list[dict] = field(default_factory=list)  # the memory planner's choice per graph compiled for this length
     recompute_flops: int | None = None  # FLOPs of forward ops re-run in backward, where counted (`TrainStep`)
+    trace: OpTrace | LinedTrace | None = None  # the measured step's ops for the time model (`clock`)
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -1,0 +1,111 @@
+"""`autosp calibrate`: the `cpu` row of the time model's rates (`autosp/reference/device_rates.csv`), measured once on
+this machine as the ranks of a CPU run see it: P gloo ranks, one thread each (as `autosp run` binds them), all
+measuring at once so that they share the cores and the memory bus as a run's ranks do.
+
+Per rank, each the median of `repeats` timings after one untimed call (float32, the CPU runs' dtype):
+matmul FLOP/s ([2048, 128] x [128, 512]: a CPU preset's projection at a few thousand local tokens), attention
+FLOP/s (causal SDPA forward + backward, [1, 4, 2048, 32]: forward 4·H·D·S(S+1)/2, backward 2.5x that, as the
+simulator counts it), memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of
+32 MiB: the offload's copy on a CPU), per-op overhead (an add of one-element tensors), gloo's collective latency
+(an all-reduce of one element) and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank). The slowest
+rank's figure is written: a step ends when its slowest rank does."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from autosp.harness.config import ConfigError
+
+MIB = 1 << 20
+
+
+def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    """Median seconds of one call of `fn` (each timing `inner` calls), after one untimed call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def measure_rank(repeats: int) -> dict[str, float]:
+    """This rank's rates (the module docstring says what each times)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2048, 128), torch.randn(128, 512)
+    matmul = 2 * 2048 * 128 * 512 / _seconds(lambda: a @ b, repeats, 5)
+    heads, length, dim = 4, 2048, 32
+    q = torch.randn(1, heads, length, dim, requires_grad=True)
+
+    def attention() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    attention_flops = 4 * heads * dim * length * (length + 1) / 2 * (1 + 2.5)
+    x, y = torch.randn(8 * MIB), torch.randn(8 * MIB)  # 32 MiB each
+    memory = 3 * x.nbytes / _seconds(lambda: x + y, repeats)
+    copy = x.nbytes / _seconds(x.clone, repeats)
+    one = torch.ones(1)
+    overhead = _seconds(lambda: one + one, repeats, 2000)
+    world = dist.get_world_size()
+    latency = _seconds(lambda: dist.all_reduce(one), repeats, 20)
+    gathered = torch.empty(world * x.numel())
+    gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
+    peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
+    return {"matmul": matmul, "attention": attention_flops / _seconds(attention, repeats), "memory": memory,
+            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer}
+
+
+def calibrate(world_size: int, repeats: int) -> dict[str, str]:
+    """The cpu row, from `world_size` ranks measuring at once (the slowest rank's rates)."""
+    from autosp.harness.launch import launch_local
+
+    if world_size < 2:
+        raise ConfigError(f"--world-size {world_size}: gloo's collectives need at least 2 ranks")
+    result = launch_local(measure_rank, (repeats,), world_size=world_size, device="cpu", timeout_s=600)
+    if result.status != "ok":
+        raise ConfigError(f"calibration ranks failed ({result.status}): {result.error}")
+    worst = {k: min(r[k] for r in result.results) for k in ("matmul", "attention", "memory", "copy", "peer")}
+    worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
+    g = 1e9
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    return {
+        "device": "cpu", "peak_tflops": f"{worst['matmul'] / 1e12:.6g}", "matmul_fraction": "1",
+        "attention_fraction": f"{worst['attention'] / worst['matmul']:.4g}", "hbm_gb_s": f"{worst['memory'] / g:.4g}",
+        "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
+        "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
+        "collective_latency_us": f"{worst['latency'] * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
+        "streams": "0",
+        "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
+                   f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "
+                   "float32, the slowest rank's medians; MFU on cpu is against the measured matmul rate"),
+    }
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autosp.timing.rates import write_cpu_rates
+
+    row = calibrate(args.world_size, args.repeats)
+    path = write_cpu_rates(row, Path(args.out) if args.out else None)
+    print("\n".join(f"{k}: {v}" for k, v in row.items()))
+    print(f"-> {path}")
+    return 0
+
+
+def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`autosp calibrate [--world-size P]`: measure the cpu row of the time model's rates."""
+    p = subparsers.add_parser("calibrate", help="measure this CPU's rates for the time model (the cpu row)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks measuring at once, as a CPU run's (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per figure (the median is kept)")
+    p.add_argument("--out", default=None, help="rates file to rewrite (default: the package's device_rates.csv)")
+    p.set_defaults(func=_cmd_calibrate)

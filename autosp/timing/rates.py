@@ -1,0 +1,144 @@
+"""Sustained rates of a device type, per op class, from `autosp/reference/device_rates.csv`.
+
+Each GPU row is a datasheet peak times a sustained fraction, both cited in the row's `source` (the fractions are
+the low end or middle of a published range, or a stated assumption: never fitted to a measured step). The `cpu`
+row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P ranks of a CPU run see it.
+
+- matmul / attention: FLOP/s of dense matmuls and of fused attention kernels (forward and backward alike);
+- memory: bytes/s of memory-bound ops (read + written) at the HBM's sustained rate;
+- peer / node: bytes/s each way between two GPUs of a node and per GPU across nodes (collectives);
+- host link: bytes/s each way between the device and host memory (offload copies, on their own stream);
+- host memory: bytes/s of the host's memory one rank's share of the CPUs moves (the host optimizer step);
+- collective latency: seconds per collective call (measured on the cpu row; 0 on the GPU rows: not modelled);
+- op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
+  cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
+- streams: whether copies and collectives run beside compute (GPU streams) or in line (one CPU thread).
+"""
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from autosp.errors import AutoSPError
+
+RATES_FILE = "device_rates.csv"
+COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "hbm_gb_s", "hbm_fraction", "peer_gb_s",
+           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us", "streams",
+           "source")
+
+
+class RatesError(AutoSPError):
+    """A device type without rates (the cpu row before `autosp calibrate`), or an unknown one."""
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """One device type's sustained rates (per second) and what MFU is counted against (`peak_flops`)."""
+
+    name: str
+    peak_flops: float
+    matmul_flops: float
+    attention_flops: float
+    memory_bytes_s: float
+    peer_bytes_s: float
+    node_bytes_s: float
+    host_link_bytes_s: float
+    host_memory_bytes_s: float
+    collective_latency_s: float
+    streams: bool
+    op_overhead_s: float = 0.0
+    source: str = ""
+
+    def matmul_seconds(self, flops: float) -> float:
+        return flops / self.matmul_flops
+
+    def attention_seconds(self, flops: float) -> float:
+        return flops / self.attention_flops
+
+    def memory_seconds(self, nbytes: float) -> float:
+        return nbytes / self.memory_bytes_s
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """One device <-> host copy of `nbytes`."""
+        return nbytes / self.host_link_bytes_s
+
+    def host_seconds(self, nbytes: float) -> float:
+        """Host-side work moving `nbytes` through host memory (the host optimizer step)."""
+        return nbytes / self.host_memory_bytes_s
+
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int, gpus_per_node: int) -> float:
+        """A ring collective of `kind` over `group_size` ranks on a tensor of `nbytes` (`collective_bytes`): the
+        bytes each rank sends at the slowest link the group spans, plus the per-call latency."""
+        if group_size <= 1:
+            return 0.0
+        link = self.peer_bytes_s if group_size <= gpus_per_node else self.node_bytes_s
+        return self.collective_latency_s + collective_bytes(kind, nbytes, group_size) / link
+
+
+def collective_bytes(kind: str, nbytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring collective on a tensor of `nbytes` (the whole, unsharded tensor):
+    all-gather, reduce-scatter and all-to-all send (P-1)/P of it, all-reduce twice that, a broadcast all of it."""
+    share = (group_size - 1) / group_size
+    factors = {"all_gather": share, "reduce_scatter": share, "all_to_all": share, "all_reduce": 2 * share,
+               "broadcast": 1.0}
+    if kind not in factors:
+        raise ValueError(f"unknown collective kind {kind!r}; one of {', '.join(factors)}")
+    return factors[kind] * nbytes
+
+
+def _package_file() -> Path:
+    return Path(str(resources.files("autosp.reference").joinpath(RATES_FILE)))
+
+
+@lru_cache(maxsize=1)
+def rates_catalogue() -> dict[str, dict[str, str]]:
+    """The catalogue's rows by device type, as written (`device_rates` turns one into rates)."""
+    text = _package_file().read_text(encoding="utf-8")
+    return {row["device"]: row for row in csv.DictReader(io.StringIO(text))}
+
+
+#: other names users write for a catalogue entry (as the memory catalogue's)
+ALIASES = {"mi250": "mi250-gcd", "mi250x": "mi250-gcd", "gh200": "gh200-96gb", "h200": "h200-141gb"}
+
+
+def device_rates(name: str) -> DeviceRates:
+    """The rates of device type `name`; a one-line error where the catalogue has none."""
+    rows = rates_catalogue()
+    row = rows.get(ALIASES.get(name, name))
+    if row is None:
+        raise RatesError(f"no rates for device {name!r} in {RATES_FILE}; one of: {', '.join(rows)}")
+    if not row["peak_tflops"]:
+        raise RatesError(f"device {name!r} has no measured rates yet: run `autosp calibrate` once on this machine")
+    g = 1e9
+
+    def num(column: str) -> float:
+        return float(row[column])
+
+    return DeviceRates(
+        name=row["device"], peak_flops=num("peak_tflops") * 1e12,
+        matmul_flops=num("peak_tflops") * 1e12 * num("matmul_fraction"),
+        attention_flops=num("peak_tflops") * 1e12 * num("attention_fraction"),
+        memory_bytes_s=num("hbm_gb_s") * g * num("hbm_fraction"), peer_bytes_s=num("peer_gb_s") * g,
+        node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
+        host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
+        op_overhead_s=num("op_overhead_us") * 1e-6, streams=bool(int(row["streams"])), source=row["source"])
+
+
+def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:
+    """Replace the `cpu` row of the catalogue (the package's file unless `path`; a new `path` gets the package's
+    other rows) with a measured one."""
+    path = path or _package_file()
+    source = path if path.exists() else _package_file()  # a new file starts from the package's rows
+    rows = {r["device"]: r for r in csv.DictReader(io.StringIO(source.read_text(encoding="utf-8")))}
+    rows["cpu"] = {column: str(row.get(column, "")) for column in COLUMNS}
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows.values())
+    path.write_text(out.getvalue(), encoding="utf-8")
+    rates_catalogue.cache_clear()
+    return path

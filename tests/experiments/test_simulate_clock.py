@@ -1,0 +1,121 @@
+"""The simulator's step clock (`autosp.experiments.simulate.clock`): each op priced as the time model says, on fake
+tensors, with numbers derivable by hand; and the `extra.time` every simulated record carries."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autosp.comm.ops import all_to_all
+from autosp.compiler.memory import OFFLOAD_OP
+from autosp.experiments import simulate as sim
+from autosp.experiments.simulate.clock import StepClock
+from autosp.experiments.simulate.devices import get_device_model
+from autosp.experiments.simulate.tracker import LiveStorageTracker
+from autosp.harness.config import RunConfig
+from autosp.timing import DeviceRates
+
+RATES = DeviceRates(name="hand", peak_flops=4e12, matmul_flops=2e12, attention_flops=1e12, memory_bytes_s=1e9,
+                    peer_bytes_s=1e8, node_bytes_s=1e7, host_link_bytes_s=1e6, host_memory_bytes_s=1e5,
+                    collective_latency_s=0.0, streams=True)
+
+
+def clocked(program, rates: DeviceRates = RATES):
+    """Run `program()` on fake tensors under a watching tracker whose clock is `rates`; the step's time."""
+    tracker = LiveStorageTracker(get_device_model("h100-80gb"))
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        tracker.reset_peak()
+        tracker.clock = StepClock()
+        program()
+        return tracker.clock.trace.time(rates, gpus_per_node=8)
+
+
+def test_a_matmul_costs_its_flops_at_the_matmul_rate():
+    time = clocked(lambda: torch.randn(64, 128) @ torch.randn(128, 32))
+    flops = 2 * 64 * 128 * 32
+    assert time.executed_flops == flops
+    assert time.by_class["matmul"] == pytest.approx(flops / 2e12)
+
+
+def test_causal_attention_costs_its_key_pairs_forward_and_two_and_a_half_times_that_backward():
+    def program():
+        q = torch.randn(1, 2, 16, 8, requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    time = clocked(program)
+    forward = 4 * 1 * 2 * 8 * (16 * 17 / 2)  # QK^T and PV over the 136 causal pairs of each head
+    assert time.by_class["attention"] == pytest.approx(3.5 * forward / 1e12)
+
+
+def test_an_elementwise_op_costs_the_bytes_it_reads_and_writes_and_a_view_nothing():
+    def program():
+        a, b = torch.randn(1000), torch.randn(1000)  # randn: 4,000 bytes written each
+        (a + b).view(10, 100)                           # 12,000 bytes; the view is free
+
+    assert clocked(program).by_class["memory"] == pytest.approx(20_000 / 1e9)
+
+
+def test_an_offloaded_value_is_copied_at_the_host_link_beside_the_compute():
+    def program():
+        x = torch.randn(250)            # 1,000 bytes: 1 us of memory time
+        OFFLOAD_OP(x)                   # 1,000 bytes at 1 MB/s: 1 ms on the copy stream, read by nothing
+        torch.randn(64, 64) @ torch.randn(64, 64)
+
+    time = clocked(program)
+    assert time.by_class["copy"] == pytest.approx(1e-3)
+    compute = time.by_class["memory"] + time.by_class["matmul"]
+    assert time.iteration_s == pytest.approx(1e-6 + 1e-3)  # the copy ends the step
+    assert time.exposed_copy_s == pytest.approx(1e-6 + 1e-3 - compute)
+
+
+def test_an_all_to_all_sends_its_share_over_the_peer_link_and_its_reader_waits_for_it():
+    def program():
+        x = torch.randn(4, 1000)                 # 16,000 bytes
+        all_to_all(x, 0, 1, 4, "default").sum()  # 3/4 of 16,000 bytes at 100 MB/s: 120 us
+
+    time = clocked(program)
+    assert time.by_class["collective"] == pytest.approx(12_000 / 1e8)
+    assert time.exposed_collective_s == pytest.approx(12_000 / 1e8)
+
+
+def test_on_a_cpu_the_same_ops_run_in_line():
+    def program():
+        OFFLOAD_OP(torch.randn(250))
+        torch.randn(64, 64) @ torch.randn(64, 64)
+
+    from dataclasses import replace
+
+    time = clocked(program, replace(RATES, streams=False))
+    assert time.exposed_copy_s == pytest.approx(1e-3)
+    assert time.iteration_s == pytest.approx(sum(time.by_class.values()))
+
+
+@pytest.mark.parametrize("method, options, model", [("autosp", {"sac": "auto"}, "tiny"),
+                                                    ("ulysses", {"ac": "layer"}, "tiny"), ("zero3", {}, "tiny"),
+                                                    ("alst", {}, "hf:tiny")])
+def test_every_simulated_record_carries_its_predicted_time(method, options, model):
+    """Rank 0's step on an h100 node: the record's tokens/s per GPU and MFU follow from its iteration time."""
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method=method, model=model, world_size=2, seq_len=512, dtype="bfloat16",
+                    **options)
+    record = sim.simulate(cfg, get_device_model("h100-80gb"))
+    assert record["status"] == "ok", record["error"]
+    time = record["extra"]["time"]
+    assert time["prediction"] is True and time["rates"] == "h100-80gb"
+    assert time["iteration_s"] >= sum(time["seconds_by_class"][c] for c in ("matmul", "attention", "memory")
+                                      if c in time["seconds_by_class"])
+    assert time["tokens_per_s_per_gpu"] == pytest.approx(record["dp_size"] * 512 / time["iteration_s"] / 2)
+    assert time["mfu"] == pytest.approx(time["model_flops_per_gpu"] / time["iteration_s"] / 989e12)
+    assert time["seconds_by_class"]["collective"] > 0 and time["exposed_collective_s"] > 0
+
+
+def test_devices_that_share_a_simulated_program_each_get_their_own_time():
+    """a100-80gb and mi250-gcd round alike, so the second reuses the first's simulation (`predict_peak`'s cache):
+    the same peak, but the trace is priced on each device's rates (a GCD's 181 vs an A100's 312 TFLOP/s)."""
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method="autosp", model="tiny", world_size=2, seq_len=512, dtype="bfloat16")
+    a100, gcd = (sim.simulate(cfg, get_device_model(name)) for name in ("a100-80gb", "mi250-gcd"))
+    assert a100["peak_mem_bytes"] == gcd["peak_mem_bytes"]
+    a100_time, gcd_time = a100["extra"]["time"], gcd["extra"]["time"]
+    assert gcd_time["seconds_by_class"]["matmul"] == pytest.approx(a100_time["seconds_by_class"]["matmul"] * 312 / 181)
+    assert gcd_time["iteration_s"] > a100_time["iteration_s"]

@@ -1,0 +1,27 @@
+"""`autosp calibrate` (the cpu row of the time model's rates) and `autosp time-check` (predicted vs measured steps)."""
+from __future__ import annotations
+
+import csv
+
+from autosp.experiments.calibrate import calibrate
+from autosp.experiments.time_check import cell_configs, format_rows, time_check
+from autosp.timing.rates import write_cpu_rates
+
+
+def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(tmp_path):
+    row = calibrate(2, repeats=1)
+    numbers = {k: float(v) for k, v in row.items() if k not in ("device", "source")}
+    assert numbers.pop("streams") == 0 and "2 gloo ranks" in row["source"]  # one CPU thread: ops in line
+    assert all(v > 0 for v in numbers.values()), numbers
+    path = write_cpu_rates(row, tmp_path / "rates.csv")
+    rows = {r["device"]: r for r in csv.DictReader(path.open())}
+    assert rows["cpu"]["peak_tflops"] == row["peak_tflops"] and "h100-80gb" in rows
+
+
+def test_time_check_predicts_and_measures_each_cell_and_says_which_miss(tmp_path):
+    cells = cell_configs("tiny", ["ulysses[ac=layer]"], [256], world_size=2, memory_budget=1 << 30, steps=1)
+    [row] = time_check(cells, repeats=1, out=str(tmp_path / "runs.jsonl"))
+    assert row["predicted_s"] > 0 and len(row["runs"]) == 1 and row["measured_s"] == row["runs"][0]
+    assert row["error"] == row["predicted_s"] / row["measured_s"] - 1
+    text = format_rows([row, {**row, "error": 0.5, "within": False}])
+    assert "| ulysses[ac=layer] | 256 |" in text and "MISS" in text and "cells within ±15%" in text

@@ -1,0 +1,56 @@
+"""Device rates (`autosp/reference/device_rates.csv`) and collective volumes."""
+from __future__ import annotations
+
+import csv
+from importlib import resources
+
+import pytest
+
+from autosp.timing import collective_bytes, device_rates
+from autosp.timing.rates import COLUMNS, RatesError, write_cpu_rates
+
+
+def test_collectives_send_their_ring_volumes():
+    assert collective_bytes("all_gather", 800, 8) == 700
+    assert collective_bytes("reduce_scatter", 800, 8) == 700
+    assert collective_bytes("all_to_all", 800, 4) == 600
+    assert collective_bytes("all_reduce", 800, 8) == 1400
+    with pytest.raises(ValueError, match="unknown collective kind 'gossip'"):
+        collective_bytes("gossip", 1, 2)
+
+
+def test_a_group_across_nodes_runs_at_the_node_link():
+    h100 = device_rates("h100-80gb")
+    inside = h100.collective_seconds("all_to_all", 8e9, 8, gpus_per_node=8)
+    across = h100.collective_seconds("all_to_all", 8e9, 16, gpus_per_node=8)
+    assert inside == pytest.approx(7e9 / 450e9)
+    assert across == pytest.approx(7.5e9 / 50e9)
+    assert h100.collective_seconds("all_reduce", 8e9, 1, gpus_per_node=8) == 0.0
+
+
+def test_every_gpu_row_has_rates_with_a_source_and_a_memory_entry():
+    memory = {row["device"] for row in csv.DictReader(
+        resources.files("autosp.reference").joinpath("device_memory.csv").open(encoding="utf-8"))}
+    rows = list(csv.DictReader(resources.files("autosp.reference").joinpath("device_rates.csv").open(
+        encoding="utf-8")))
+    assert tuple(rows[0]) == COLUMNS
+    for row in rows:
+        assert row["device"] in memory and row["source"], row["device"]
+        if row["device"] != "cpu":
+            rates = device_rates(row["device"])
+            assert 0 < rates.matmul_flops <= rates.peak_flops and rates.attention_flops <= rates.peak_flops
+            assert rates.streams
+
+
+def test_an_unknown_device_is_refused_in_one_line():
+    with pytest.raises(RatesError, match="no rates for device 'tpu'"):
+        device_rates("tpu")
+
+
+def test_a_calibration_replaces_the_cpu_row_only(tmp_path):
+    target = tmp_path / "rates.csv"
+    target.write_text(resources.files("autosp.reference").joinpath("device_rates.csv").read_text(encoding="utf-8"))
+    write_cpu_rates({"device": "cpu", "peak_tflops": "0.05", "source": "measured"}, target)
+    rows = {row["device"]: row for row in csv.DictReader(target.open(encoding="utf-8"))}
+    assert rows["cpu"]["peak_tflops"] == "0.05" and rows["cpu"]["source"] == "measured"
+    assert rows["h100-80gb"]["peak_tflops"] == "989"
