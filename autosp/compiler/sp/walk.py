@@ -20,6 +20,7 @@ from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
+from autosp.compiler.sp.recurrence import conv
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -100,7 +101,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expert_counts.is_count(ctx, node):
         expert_counts.count_locally(ctx, node)
         return
-    _refuse_sequence_convolution(ctx, node)
+    if conv.is_sequence_convolution(ctx, node):
+        conv.rewrite(ctx, node)
+        return
     known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
         resize.repeated(ctx, node) or resize.fresh_like(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
@@ -112,22 +115,6 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     spec = _output_spec(ctx, node, ctx.original[node], ctx.current[node])
     if spec is not None:
         ctx.specs[node] = spec
-
-
-_CONVOLUTIONS = {torch.conv1d, torch.nn.functional.conv1d, torch.conv2d, torch.nn.functional.conv2d}
-
-
-def _refuse_sequence_convolution(ctx: SPContext, node: fx.Node) -> None:
-    """A convolution whose spatial dim is the sharded sequence mixes neighbouring positions across shards: the
-    short causal convolution of Mamba, linear-attention and LFM2-style layers (with the scan after it)."""
-    if node.target not in _CONVOLUTIONS or not ctx.is_local(node.args[0]):
-        return
-    spec = ctx.specs[node.args[0]]
-    if isinstance(spec, ShardSpec) and spec.dim >= 2:
-        raise SequenceParallelError(
-            f"{node_label(node)} convolves along the sharded sequence (the causal convolution of a Mamba, "
-            "linear-attention or short-convolution layer, whose state runs through every position): AutoSP shards "
-            "softmax attention only; train this model without sequence parallelism")
 
 
 def _run(ctx: SPContext, node: fx.Node) -> Any:
