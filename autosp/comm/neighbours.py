@@ -1,10 +1,9 @@
 """Custom ops for what a rank's shard of a causal sequence op needs from the ranks before it.
 
 `from_previous_rank` brings rank r-1's tensor to rank r (zeros on rank 0): the halo of a short causal convolution.
-Its gradient goes back the other way (`to_previous_rank`). `gather_ranks` stacks every rank's tensor in rank order:
-the (transition, final state) pairs of a linear recurrence's shards, which every rank folds into its incoming state;
-its gradient is each rank's part of the summed gradients (a reduce-scatter). All are all-gathers of small tensors
-(k-1 tokens, one state per rank), so they work on every backend (gloo included).
+Its gradient goes back the other way (`to_previous_rank`). A linear recurrence passes its shards' states along the
+ranks with it (`autosp.compiler.sp`'s recurrences). Both are all-gathers of small tensors (k-1 tokens, one state),
+so they work on every backend (gloo included); every rank calls them, rank 0 and the last rank included.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autosp.comm.library import custom_op, op
-from autosp.comm.ops import reduce_scatter_sum
 from autosp.comm.transients import declare_transient_bytes, nbytes
 
 
@@ -77,27 +75,3 @@ def _group_setup(ctx, inputs, output):
 
 from_previous_rank.register_autograd(_from_previous_rank_backward, setup_context=_group_setup)
 to_previous_rank.register_autograd(_to_previous_rank_backward, setup_context=_group_setup)
-
-
-@custom_op("gather_ranks", mutates_args=())
-def gather_ranks(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """[group_size, *x.shape]: every rank's `x`, in rank order, on every rank."""
-    return _all_gathered(x, group_size, group_name)[0]
-
-
-@gather_ranks.register_fake
-def _gather_ranks_fake(x, group_size, group_name):
-    return x.new_empty((group_size, *x.shape))
-
-
-def _gather_ranks_backward(ctx, grad):
-    # every rank's gradient for rank r's part, summed on rank r
-    return reduce_scatter_sum(grad.contiguous().view(-1), ctx.group_size, ctx.group_name).view(ctx.shape), None, None
-
-
-def _gather_ranks_setup(ctx, inputs, output):
-    x, ctx.group_size, ctx.group_name = inputs
-    ctx.shape = x.shape
-
-
-gather_ranks.register_autograd(_gather_ranks_backward, setup_context=_gather_ranks_setup)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from autosp.compiler.sp.attention.flex import check_flex_lowering
 from autosp.compiler.sp.attention.hybrid import subgroups
 from autosp.compiler.sp.attention.masked_attention import masked_attention
+from autosp.compiler.sp.recurrence.delta_rule_op import trace_gated_delta_rules
 from autosp.compiler.sp.walk import sequence_parallel_pass
 
-__all__ = ["check_flex_lowering", "masked_attention", "sequence_parallel_pass", "subgroups"]
+__all__ = ["check_flex_lowering", "masked_attention", "sequence_parallel_pass", "subgroups", "trace_gated_delta_rules"]

@@ -20,7 +20,7 @@ from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
-from autosp.compiler.sp.recurrence import conv
+from autosp.compiler.sp.recurrence import conv, delta_rule, scans
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -54,7 +54,10 @@ def sequence_parallel_pass(
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
     for node in list(gm.graph.nodes):
-        _rewrite(ctx, node)
+        try:
+            _rewrite(ctx, node)
+        except SequenceParallelError as e:
+            raise scans.in_kernel(node, e) from e
     index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
@@ -101,6 +104,10 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expert_counts.is_count(ctx, node):
         expert_counts.count_locally(ctx, node)
         return
+    if delta_rule.is_gated_delta_rule(node):
+        delta_rule.rewrite(ctx, node)
+        return
+    scans.refuse_sequence_scan(ctx, node)
     if conv.is_sequence_convolution(ctx, node):
         conv.rewrite(ctx, node)
         return

@@ -39,9 +39,9 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     why = _not_causal(ctx, node, args, spec, kernel)
     if why:
         raise SequenceParallelError(
-            f"{node_label(node)} convolves along the sharded sequence {why}: AutoSP shards causal convolutions (padding "
-            "(k-1)*dilation, output cropped to the sequence) and softmax attention; train this model without sequence "
-            "parallelism")
+            f"{node_label(node)} convolves along the sharded sequence {why}: AutoSP shards causal convolutions "
+            "(padding (k-1)*dilation, output cropped to the sequence) and softmax attention; train this model without "
+            "sequence parallelism")
     halo = (kernel - 1) * _single(args["dilation"])
     if halo > spec.length:
         raise SequenceParallelError(
