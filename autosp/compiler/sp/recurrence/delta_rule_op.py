@@ -9,6 +9,7 @@ only the inputs are kept (the kernel's chunk intermediates are rebuilt, as a che
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 from collections.abc import Iterator
@@ -117,9 +118,11 @@ gated_delta_rule.register_autograd(_gated_delta_rule_grad, setup_context=_setup)
 gated_delta_rule_from.register_autograd(_gated_delta_rule_from_grad, setup_context=_setup)
 
 
+@functools.cache
 def _traced_kernel(module: str, original):
     """HF's kernel, as the `gated_delta_rule` op where the call is the plain training one (no state in or out, no
-    packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop)."""
+    packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop). One function
+    per kernel, so Dynamo's guards see the same global at every call."""
 
     def kernel(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
@@ -130,6 +133,7 @@ def _traced_kernel(module: str, original):
                             cu_seqlens=cu_seqlens, **kwargs)
         return gated_delta_rule(query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel, module), None
 
+    kernel._autosp_traced = True
     return kernel
 
 
@@ -142,7 +146,6 @@ def trace_gated_delta_rules() -> Iterator[None]:
         if original is None or getattr(original, "_autosp_traced", False):
             continue
         kernel = _traced_kernel(name, original)
-        kernel._autosp_traced = True
         setattr(module, f"_autosp_original_{KERNEL_NAME}", original)
         setattr(module, KERNEL_NAME, kernel)
         patched.append((module, original))
