@@ -4,7 +4,7 @@ Every value is either *full* (as in single-device training: parameters, index te
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
 attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo and the gated delta rule its
-incoming state from the ranks before (`recurrence`; other scans are refused), sequence reductions become global
+incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global
 (`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every
 other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
 """
@@ -21,7 +21,7 @@ from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
-from autosp.compiler.sp.recurrence import conv, delta_rule, scans
+from autosp.compiler.sp.recurrence import conv, delta_rule, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -58,7 +58,7 @@ def sequence_parallel_pass(
         try:
             _rewrite(ctx, node)
         except SequenceParallelError as e:
-            raise scans.in_kernel(node, e) from e
+            raise unsharded.in_kernel(node, e) from e
     index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
@@ -108,7 +108,6 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if delta_rule.is_gated_delta_rule(node):
         delta_rule.rewrite(ctx, node)
         return
-    scans.refuse_sequence_scan(ctx, node)
     if conv.is_sequence_convolution(ctx, node):
         conv.rewrite(ctx, node)
         return
