@@ -139,11 +139,14 @@ class ExactnessRuns:
     def __init__(self, cases: dict[str, tuple[int, dict]]) -> None:
         self.cases, self.results = cases, {}
 
-    def assert_exact(self, name: str) -> dict[str, Any]:
+    def assert_exact(self, name: str, gradient_floor: float = TOLERANCE) -> dict[str, Any]:
+        """Loss, gradients and parameters within TOLERANCE; gradients within `gradient_floor` where single-process
+        training itself, summed in another order, is measured to move a gradient further (its caller says where)."""
         worst = self._result(name)
         assert isinstance(worst, dict), worst
         errors = {k: v for k, v in worst.items() if k not in ("choice", "tiling")}
-        assert max(errors.values()) <= TOLERANCE, worst
+        assert errors["grad"] <= max(TOLERANCE, gradient_floor), worst
+        assert max(v for k, v in errors.items() if k != "grad") <= TOLERANCE, worst
         return worst
 
     def assert_refused(self, name: str, *phrases: str) -> str:

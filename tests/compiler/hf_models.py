@@ -61,6 +61,21 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                             "short_factor": [1.0 + i / 8 for i in range(8)],
                                             "long_factor": [2.0 + i / 4 for i in range(8)]}), {}),
+    # short causal convolutions (a halo from the previous rank) beside full attention; LFM2-MoE's first layer dense
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"]), {}),
+    "lfm2-moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
+                 dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1,
+                      num_experts=4, moe_intermediate_size=32, **_MOE), {}),
+    # gated delta-net linear attention (its short convolution, then the gated delta rule) beside full attention,
+    # MoE with a shared expert; Qwen3.5 dense
+    "qwen3-next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16, **_MOE),
+                   {}),
+    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+                dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                     linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16), {}),
 }
 
 

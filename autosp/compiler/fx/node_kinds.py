@@ -37,13 +37,16 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d"
 #: collectives communicate (re-running one re-runs its communication; ZeRO-3's regather is the one exception, by
 #: design); the ring's attention is both a collective and attention.
 AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_shard", "reduce_scatter_sum",
-                                   "ring_attention", "ring_attention_backward"})
+                                   "ring_attention", "ring_attention_backward", "from_previous_rank",
+                                   "to_previous_rank"})
 #: attention kernels, treated as SDPA's (the op SAC exists to keep)
 AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
 #: in backward would redo the whole tiled computation; masked attention's backward is a backward op; flex's block sums
-#: (`flex_masks`) evaluate the mask S/128 times for a [B, H, S/128, S/128] result: kept, never re-run
-AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward", "flex_block_sums"})
+#: (`flex_masks`) evaluate the mask S/128 times for a [B, H, S/128, S/128] result: kept, never re-run; the gated delta
+#: rule's scan (`sp/recurrence`) is a whole chunked recurrence, its backward re-running it once
+AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward", "flex_block_sums",
+                               "gated_delta_rule", "gated_delta_rule_from", "gated_delta_rule_backward"})
 #: token-wise kernels, recomputed like the aten ops they replace (`autosp.compiler.tiling.norm`)
 AUTOSP_TOKENWISE_OPS = frozenset({"rms_norm", "rms_norm_backward"})
 #: the activation offload's copies (`autosp.compiler.memory`'s offload): inserted after partitioning, so no policy sees

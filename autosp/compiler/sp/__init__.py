@@ -1,8 +1,10 @@
 """Pass 1, sequence parallelism: the walk (`walk`) over Dynamo's Torch-IR graph of one rank that finds attention and
 the sequence inputs (`analysis`), narrows full values to this rank's shard (`shard`, `indices`, `index_chains`),
 resizes views (`resize`), pads any length (`padding`), keeps MoE routing local (`routing`, `expert_counts`), slices
-dropout masks (`dropout`), reduces the loss over the group (`loss`), and routes attention through `attention/`
-(all-to-alls, the hybrid with ring attention, hand-written and flex attention, masks in O(S)). The names below are
+dropout masks (`dropout`), reduces the loss over the group (`loss`), routes attention through
+`attention/` (all-to-alls, the hybrid with ring attention, hand-written and flex attention, masks in O(S)) and causal
+convolutions and the gated delta rule through `recurrence/` (its kernel marker: `trace_gated_delta_rules`, which the
+tracing installs). The names below are
 what the rest of the compiler (and the project Llama, for its masked attention) imports; the modules are private to
 this package."""
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from autosp.compiler.sp.attention.flex import check_flex_lowering
 from autosp.compiler.sp.attention.hybrid import subgroups
 from autosp.compiler.sp.attention.masked_attention import masked_attention
+from autosp.compiler.sp.recurrence.delta_rule_op import trace_gated_delta_rules
 from autosp.compiler.sp.walk import sequence_parallel_pass
 
-__all__ = ["check_flex_lowering", "masked_attention", "sequence_parallel_pass", "subgroups"]
+__all__ = ["check_flex_lowering", "masked_attention", "sequence_parallel_pass", "subgroups", "trace_gated_delta_rules"]

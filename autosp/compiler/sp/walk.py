@@ -3,9 +3,10 @@
 Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
-attention gets all-to-alls (`communicate`, `flex`), sequence reductions become global (`loss`), slices of the
-sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on
-the shard, its output spec read off the fake-tensor shapes before and after.
+attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo and the gated delta rule its
+incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global
+(`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every
+other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
+from autosp.compiler.sp.recurrence import conv, delta_rule, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -53,7 +55,10 @@ def sequence_parallel_pass(
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
     for node in list(gm.graph.nodes):
-        _rewrite(ctx, node)
+        try:
+            _rewrite(ctx, node)
+        except SequenceParallelError as e:
+            raise unsharded.in_kernel(node, e) from e
     index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
     masks.express_structured_masks(gm, analysis.seq_len)  # window/document/padding masks as O(S) rows
     gm.graph.lint()
@@ -100,7 +105,12 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expert_counts.is_count(ctx, node):
         expert_counts.count_locally(ctx, node)
         return
-    _refuse_sequence_convolution(ctx, node)
+    if delta_rule.is_gated_delta_rule(node):
+        delta_rule.rewrite(ctx, node)
+        return
+    if conv.is_sequence_convolution(ctx, node):
+        conv.rewrite(ctx, node)
+        return
     known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
         resize.repeated(ctx, node) or resize.fresh_like(ctx, node)
     node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
@@ -112,22 +122,6 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     spec = _output_spec(ctx, node, ctx.original[node], ctx.current[node])
     if spec is not None:
         ctx.specs[node] = spec
-
-
-_CONVOLUTIONS = {torch.conv1d, torch.nn.functional.conv1d, torch.conv2d, torch.nn.functional.conv2d}
-
-
-def _refuse_sequence_convolution(ctx: SPContext, node: fx.Node) -> None:
-    """A convolution whose spatial dim is the sharded sequence mixes neighbouring positions across shards: the
-    short causal convolution of Mamba, linear-attention and LFM2-style layers (with the scan after it)."""
-    if node.target not in _CONVOLUTIONS or not ctx.is_local(node.args[0]):
-        return
-    spec = ctx.specs[node.args[0]]
-    if isinstance(spec, ShardSpec) and spec.dim >= 2:
-        raise SequenceParallelError(
-            f"{node_label(node)} convolves along the sharded sequence (the causal convolution of a Mamba, "
-            "linear-attention or short-convolution layer, whose state runs through every position): AutoSP shards "
-            "softmax attention only; train this model without sequence parallelism")
 
 
 def _run(ctx: SPContext, node: fx.Node) -> Any:

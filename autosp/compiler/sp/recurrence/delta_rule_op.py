@@ -1,0 +1,156 @@
+"""The gated delta rule as custom ops, so the SP walk finds the recurrence as one node: HF's torch kernel
+(`torch_chunk_gated_delta_rule(q, k, v, g, beta, ...)` of Qwen3-Next, Qwen3.5, OLMo-hybrid) run whole, by name.
+
+`gated_delta_rule` is what a traced model calls in place of HF's kernel (`trace_gated_delta_rules`): the output only,
+from a zero state. `gated_delta_rule_from` also takes an initial state and returns the final one: what each rank runs
+on its shard. Their backward (`gated_delta_rule_backward`) re-runs the kernel under autograd on the saved inputs, so
+only the inputs are kept (the kernel's chunk intermediates are rebuilt, as a checkpoint would).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from autosp.comm.library import custom_op
+
+#: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
+#: recognises it by: the kernel HF's gated delta-net layers call, not a pattern of the inlined chunk loop)
+KERNEL_NAME = "torch_chunk_gated_delta_rule"
+
+
+def _kernel(module: str):
+    return getattr(importlib.import_module(module), f"_autosp_original_{KERNEL_NAME}", None) or getattr(
+        importlib.import_module(module), KERNEL_NAME)
+
+
+def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
+    return _kernel(module)(q, k, v, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                           output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+
+
+@custom_op("gated_delta_rule", mutates_args=())
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     chunk_size: int, l2norm: bool, module: str) -> torch.Tensor:
+    """The gated delta rule's output [B, S, Hv, Dv] from a zero state (HF's kernel in `module`)."""
+    return _run(q, k, v, g, beta, None, chunk_size, l2norm, module)[0]
+
+
+@custom_op("gated_delta_rule_from", mutates_args=())
+def gated_delta_rule_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          initial_state: torch.Tensor, chunk_size: int, l2norm: bool,
+                          module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, final state [B, Hv, Dk, Dv]) of the gated delta rule from `initial_state`."""
+    out, state = _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module)
+    return out, state
+
+
+@custom_op("gated_delta_rule_backward", mutates_args=())
+def gated_delta_rule_backward(grad_out: torch.Tensor, grad_state: torch.Tensor | None, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                              initial_state: torch.Tensor | None, chunk_size: int, l2norm: bool,
+                              module: str) -> list[torch.Tensor]:
+    """Gradients of (q, k, v, g, beta[, initial_state]): the kernel re-run under autograd."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+    state = None if initial_state is None else initial_state.detach().requires_grad_()
+    with _autograd_inside_op(), torch.enable_grad():
+        out, final = _run(*inputs, state, chunk_size, l2norm, module)
+        outputs, grads = [out], [grad_out]
+        if grad_state is not None:
+            outputs.append(final)
+            grads.append(grad_state)
+        wrt = inputs + ([state] if state is not None else [])
+        result = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
+    return [torch.zeros_like(x) if r is None else r for r, x in zip(result, wrt, strict=True)]
+
+
+@contextlib.contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Autograd recording inside a custom op's kernel, which the dispatcher runs with the autograd keys excluded."""
+    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther]
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, was in zip(keys, excluded, strict=True):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+@gated_delta_rule.register_fake
+def _gated_delta_rule_fake(q, k, v, g, beta, chunk_size, l2norm, module):
+    return v.new_empty(v.shape)
+
+
+@gated_delta_rule_from.register_fake
+def _gated_delta_rule_from_fake(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
+    return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape, dtype=torch.float32)
+
+
+@gated_delta_rule_backward.register_fake
+def _gated_delta_rule_backward_fake(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
+    wrt = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
+    return [torch.empty_like(x) for x in wrt]
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5], *([inputs[5]] if len(inputs) == 9 else []))
+    ctx.constants = inputs[-3:]
+
+
+def _gated_delta_rule_grad(ctx, grad_out):
+    grads = gated_delta_rule_backward(grad_out, None, *ctx.saved_tensors, None, *ctx.constants)
+    return (*grads, None, None, None)
+
+
+def _gated_delta_rule_from_grad(ctx, grad_out, grad_state):
+    q, k, v, g, beta, state = ctx.saved_tensors
+    grads = gated_delta_rule_backward(grad_out, grad_state, q, k, v, g, beta, state, *ctx.constants)
+    return (*grads, None, None, None)
+
+
+gated_delta_rule.register_autograd(_gated_delta_rule_grad, setup_context=_setup)
+gated_delta_rule_from.register_autograd(_gated_delta_rule_from_grad, setup_context=_setup)
+
+
+@functools.cache
+def _traced_kernel(module: str, original):
+    """HF's kernel, as the `gated_delta_rule` op where the call is the plain training one (no state in or out, no
+    packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop). One function
+    per kernel, so Dynamo's guards see the same global at every call."""
+
+    def kernel(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        packed = cu_seqlens is not None or any(name.startswith("cu_seq") for name in kwargs)
+        if initial_state is not None or output_final_state or packed:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            cu_seqlens=cu_seqlens, **kwargs)
+        return gated_delta_rule(query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel, module), None
+
+    kernel._autosp_traced = True
+    return kernel
+
+
+@contextlib.contextmanager
+def trace_gated_delta_rules() -> Iterator[None]:
+    """While Dynamo traces, every loaded transformers modeling module's `torch_chunk_gated_delta_rule` calls the op."""
+    patched = []
+    for name, module in list(sys.modules.items()):
+        original = getattr(module, KERNEL_NAME, None) if name.startswith("transformers.models.") else None
+        if original is None or getattr(original, "_autosp_traced", False):
+            continue
+        kernel = _traced_kernel(name, original)
+        setattr(module, f"_autosp_original_{KERNEL_NAME}", original)
+        setattr(module, KERNEL_NAME, kernel)
+        patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            setattr(module, KERNEL_NAME, original)
