@@ -71,4 +71,6 @@ def test_hf_moe_is_exact_on_four_ranks(runs, case):
 
 
 def test_hf_eager_experts_loop_is_refused_in_one_line(runs):
-    runs.assert_refused("mixtral-eager-experts-2", "modeling_mixtral.py", "experts_implementation")
+    runs.assert_refused("mixtral-eager-experts-2",
+                        "`model.layers.0.mlp.experts` (MixtralExperts) runs HF's eager experts loop",
+                        "modeling_mixtral.py", 'experts_implementation="batched_mm"')
