@@ -30,8 +30,8 @@ def test_an_internal_shape_error_names_the_node_module_and_pattern():
     assert f"model.layers.0.mlp.down_proj ({planted.name}) (_planted_linear) in running the op on this rank's " \
            "shard" in message, message
     # the pattern seen: the activation sharded along the sequence, the weight full
-    assert f"seeing [{planted.args[0].name}: sequence on dim 1, 16 of 32; down_proj_parameters_weight_: full (64, 64)]" \
-           in message, message
+    seen = f"seeing [{planted.args[0].name}: sequence on dim 1, 16 of 32; down_proj_parameters_weight_: full (64, 64)]"
+    assert seen in message, message
     assert "RuntimeError: Expected size for first two dimensions of batch2 tensor" in message, message
     assert "\n" not in message
 
