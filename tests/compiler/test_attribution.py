@@ -27,9 +27,8 @@ def test_an_internal_shape_error_names_the_node_module_and_pattern():
     with pytest.raises(SequenceParallelError) as refusal:
         sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
     message = str(refusal.value)
-    assert message.startswith("AutoSP's SP pass failed at "), message
-    assert f"model.layers.0.mlp.down_proj ({planted.name}) (_planted_linear) in running the op on this rank's " \
-           "shard" in message, message
+    assert message.startswith(f"AutoSP's SP pass failed at model.layers.0.mlp.down_proj ({planted.name}) "
+                              "(_planted_linear) in running the op on this rank's shard"), message
     # the pattern seen: the activation sharded along the sequence, the weight full
     seen = f"seeing [{planted.args[0].name}: sequence on dim 1, 16 of 32; down_proj_parameters_weight_: full (64, 64)]"
     assert seen in message, message
@@ -73,6 +72,6 @@ def test_deepseek_v4_hash_routed_batched_experts_name_the_experts_and_what_was_f
     with pytest.raises(SequenceParallelError) as refusal:
         sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
     message = str(refusal.value)
-    assert "AutoSP's SP pass failed at " in message and "model.layers.0.mlp.experts (" in message, message
+    assert message.startswith("AutoSP's SP pass failed at model.layers.0.mlp.experts (bmm"), message
     assert "seeing [selected_weights: full (64, 64, 64); " in message and "sequence on dim 0, 16 of 32]" in message
     assert "Expected size for first two dimensions of batch2 tensor" in message and "\n" not in message
