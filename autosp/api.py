@@ -148,7 +148,7 @@ class SequenceParallelModule(torch.nn.Module):
                 "(remove the data-dependent Python control flow or unsupported call it names)"
             ) from e
         except torch._dynamo.exc.UserError as e:
-            raise SequenceParallelError(data_dependent_shape_error(e)) from None
+            raise SequenceParallelError(data_dependent_shape_error(self.module, e)) from None
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             limit = torch._dynamo.config.recompile_limit
             raise SequenceParallelError(

@@ -87,28 +87,44 @@ def _last_user_frame(message: str) -> str:
     return f" at {os.path.basename(path)}:{line} (`{code.strip()}`)"
 
 
-def breaking_module(model: torch.nn.Module, error: Exception) -> str:
-    """` in `name` (Class)`: the innermost submodule of `model` whose `forward` Dynamo's error stack passes through
-    (the layer that broke the graph; its first instance), or '' when the stack names none."""
-    owners: dict[tuple[str, int], str] = {}
+def _breaking(model: torch.nn.Module, error: Exception) -> tuple[str, torch.nn.Module] | None:
+    """(name, module): the innermost submodule of `model` whose `forward` Dynamo's error stack passes through (its
+    first instance), or None when the stack names none."""
+    owners: dict[tuple[str, int], tuple[str, torch.nn.Module]] = {}
     for name, module in model.named_modules():
         code = getattr(type(module).forward, "__code__", None)
         if code is None:
             continue
         for _, _, line in code.co_lines():
             if line is not None:
-                owners.setdefault((code.co_filename, line), f"`{name or 'the model'}` ({type(module).__name__})")
+                owners.setdefault((code.co_filename, line), (name, module))
     for frame in reversed(getattr(error, "real_stack", None) or []):
         owner = owners.get((frame.filename, frame.lineno))
         if owner:
-            return f" in {owner}"
-    return ""
+            return owner
+    return None
 
 
-def data_dependent_shape_error(error: Exception) -> str:
-    """One line for Dynamo's UserError on a size computed from tensor values (e.g. HF's eager experts loop)."""
+def breaking_module(model: torch.nn.Module, error: Exception) -> str:
+    """` in `name` (Class)`: the innermost submodule of `model` whose `forward` Dynamo's error stack passes through
+    (the layer that broke the graph; its first instance), or '' when the stack names none."""
+    owner = _breaking(model, error)
+    return f" in `{owner[0] or 'the model'}` ({type(owner[1]).__name__})" if owner else ""
+
+
+def data_dependent_shape_error(model: torch.nn.Module, error: Exception) -> str:
+    """One line for Dynamo's UserError on a size computed from tensor values. Inside HF's experts module run as
+    its eager loop (`experts_implementation="eager"`: one iteration per expert hit, a count read from the routing)
+    the line names the module and the fix: HF's static-shape `batched_mm`, which AutoSP shards exactly."""
     message = str(error)
     reason = message.strip().splitlines()[0] if message.strip() else type(error).__name__
+    owner = _breaking(model, error)
+    config = getattr(owner[1], "config", None) if owner else None
+    if getattr(config, "_experts_implementation", None) == "eager":
+        return (f"`{owner[0]}` ({type(owner[1]).__name__}) runs HF's eager experts loop{_last_user_frame(message)}, "
+                "whose loop bound (the experts hit) is read from tensor values, and AutoSP needs one static-shape "
+                'graph: build the model with experts_implementation="batched_mm" (static shapes, exact under '
+                "AutoSP) or keep the default grouped_mm")
     return (f"AutoSP needs one static-shape graph, but the model computes a size or a loop bound from tensor values"
-            f"{_last_user_frame(message)}: {reason[:160]}; for HF mixture-of-experts keep the default "
-            "experts_implementation (grouped_mm) or use 'batched_mm', not 'eager'")
+            f"{breaking_module(model, error)}{_last_user_frame(message)}: {reason[:160]}; remove the data-dependent "
+            "size or loop (for HF mixture-of-experts: experts_implementation=\"batched_mm\", not \"eager\")")

@@ -17,6 +17,9 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE), {}),
     "mixtral-eager-experts": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE),
                               dict(experts_implementation="eager")),
+    # the fix the eager loop's refusal names: HF's static-shape batched experts
+    "mixtral-batched-mm": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=4, **_MOE),
+                           dict(experts_implementation="batched_mm")),
     "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",  # a shared expert beside the routed ones
                   dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_MOE), {}),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **_MOE), {}),

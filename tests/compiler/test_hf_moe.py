@@ -31,6 +31,7 @@ CASES = {
     # the step moved 2.4e-4 apart at fd1da4f (within 1e-4 at 02a8996; which merged change moved the summation order
     # was not traced): Adam divides gradient entries far below eps' scale by their own magnitude)
     "qwen2-moe-zero3-2": (2, _hf("qwen2-moe", 31, zero=3, adamw_eps=1e-6)),
+    "mixtral-batched-mm-2": (2, _hf("mixtral-batched-mm", 32)),  # what the eager loop's refusal names
     "mixtral-eager-experts-2": (2, _hf("mixtral-eager-experts", 32)),  # the experts loop: refused in one line
     "mixtral-aux-4": (4, _hf("mixtral-aux", 62)),
     # 64 tokens on 4 ranks: gradient entries of 3.1e-9 (layer-0 k_proj.bias, largest 1.2e-4) and 2.4e-9 (layer-1
@@ -47,7 +48,7 @@ def runs() -> ExactnessRuns:
     return ExactnessRuns(CASES)
 
 
-@pytest.mark.parametrize("case", ["mixtral-aux-2", "qwen2-moe-2", "olmoe-2"])
+@pytest.mark.parametrize("case", ["mixtral-aux-2", "qwen2-moe-2", "olmoe-2", "mixtral-batched-mm-2"])
 def test_unmodified_hf_moe_with_default_experts_is_exact(runs, case):
     runs.assert_exact(case)
 
@@ -71,4 +72,6 @@ def test_hf_moe_is_exact_on_four_ranks(runs, case):
 
 
 def test_hf_eager_experts_loop_is_refused_in_one_line(runs):
-    runs.assert_refused("mixtral-eager-experts-2", "modeling_mixtral.py", "experts_implementation")
+    runs.assert_refused("mixtral-eager-experts-2",
+                        "`model.layers.0.mlp.experts` (MixtralExperts) runs HF's eager experts loop",
+                        "modeling_mixtral.py", 'experts_implementation="batched_mm"')

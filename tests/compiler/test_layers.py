@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autosp.compiler.fx.layers import global_callee, layer_of_path, module_path
+from autosp.compiler.fx.layers import global_callee, layer_of_path, module_path, user_path
 from autosp.compiler.sp.spec import node_label
 from tests.compiler.graphs import capture
 
@@ -45,6 +45,13 @@ def test_a_node_inside_a_module_level_kernel_is_named_by_the_model_module_it_run
     assert global_callee(conv) == "causal_kernel"
     assert layer_of_path(module_path(conv)).endswith("layers.0")  # its decoder layer is found too
     label = node_label(conv)
-    assert label.endswith(f"layers.0 ({conv.name} in causal_kernel)"), label
+    assert label == f"layers.0 ({conv.name} in causal_kernel)", label  # as the model names it: no Dynamo root
     proj = next(n for n in gm.graph.nodes if n.target is torch._C._nn.linear)
-    assert global_callee(proj) is None and node_label(proj).endswith(f"layers.0.proj ({proj.name})")
+    assert global_callee(proj) is None and node_label(proj) == f"layers.0.proj ({proj.name})"
+
+
+def test_a_module_path_is_shown_as_the_model_names_it():
+    assert user_path("L['self'].model.layers.0.mlp") == "model.layers.0.mlp"
+    assert user_path("L['args'][0].model.embed_tokens") == "model.embed_tokens"
+    assert user_path("L['self']") == "the model"
+    assert user_path("G['causal_conv1d_fn']") == "G[causal_conv1d_fn]"

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from autosp.compiler.sp.attention.flex import FLEX_ATTENTION
-from autosp.compiler.tracing import breaking_module, tracing_config
+from autosp.compiler.tracing import breaking_module, data_dependent_shape_error, tracing_config
 from tests.compiler.graphs import capture, count
-from tests.compiler.hf_models import build_hf_flex
+from tests.compiler.hf_models import build_hf, build_hf_flex
 
 
 def _breaks(x):
@@ -49,3 +49,19 @@ def test_hf_flex_attention_with_a_padding_attention_mask_traces_as_one_graph():
         gm, _ = capture(model, input_ids=ids, attention_mask=mask)
     assert count(gm, FLEX_ATTENTION) == model.config.num_hidden_layers
     assert utils.fast_all is original
+
+
+def test_hf_eager_experts_loop_is_refused_naming_its_module_and_batched_mm():
+    """HF Mixtral with experts_implementation="eager": the loop over the experts hit has a bound read from tensor
+    values; the line names the experts module and the exact static-shape fix."""
+    model = build_hf("mixtral-eager-experts")
+    ids = torch.randint(0, 64, (1, 32))
+    with pytest.raises(torch._dynamo.exc.UserError) as raised, tracing_config():
+        torch._dynamo.reset()
+        torch.compile(model, fullgraph=True, backend="eager", dynamic=False)(input_ids=ids, labels=ids)
+    message = data_dependent_shape_error(model, raised.value)
+    assert message.startswith("`model.layers.0.mlp.experts` (MixtralExperts) runs HF's eager experts loop"), message
+    assert 'experts_implementation="batched_mm"' in message and "exact" in message and "\n" not in message
+    # the same stack read against the model built with grouped_mm: the generic line, still naming the module
+    generic = data_dependent_shape_error(build_hf("mixtral"), raised.value)
+    assert "loop bound from tensor values in `model.layers.0.mlp.experts` (MixtralExperts)" in generic, generic

@@ -39,6 +39,15 @@ def module_path(node: fx.Node) -> str | None:
     return module[0] if module else None
 
 
+def user_path(path: str) -> str:
+    """``"L['self'].model.layers.0.mlp"`` -> ``"model.layers.0.mlp"``: a module path as the model names it, without
+    the traced callable Dynamo roots it at (the root itself: ``"the model"``)."""
+    root = _DYNAMO_ROOT.match(path)
+    if root:
+        path = path[root.end():].lstrip(".") or "the model"
+    return path.replace("'", "")
+
+
 def global_callee(node: fx.Node) -> str | None:
     """The module-level kernel module a node runs in inside a module of the model (``causal_conv1d_fn`` in
     ``model.layers.0.conv``), or None."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autosp.compiler.fx import global_callee, module_path
+from autosp.compiler.fx import global_callee, module_path, user_path
 from autosp.errors import SequenceParallelError
 
 
@@ -63,7 +63,7 @@ def node_label(node: fx.Node) -> str:
         return node.name
     callee = global_callee(node)
     inside = f"{node.name} in {callee}" if callee else node.name
-    return f"{path.replace(chr(39), '')} ({inside})"
+    return f"{user_path(path)} ({inside})"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
+from autosp.compiler.sp.attribution import attributed
 from autosp.compiler.sp.recurrence import conv, delta_rule, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
@@ -56,7 +57,8 @@ def sequence_parallel_pass(
                     attention_chunks=attention_chunks)
     for node in list(gm.graph.nodes):
         try:
-            _rewrite(ctx, node)
+            with attributed(ctx, node):  # an internal error names this node, its module and the step that raised
+                _rewrite(ctx, node)
         except SequenceParallelError as e:
             raise unsharded.in_kernel(node, e) from e
     index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
@@ -113,7 +115,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     known_spec = routing.gather_spec(ctx, node) or shard.slice_local(ctx, node) or resize.resize(ctx, node) or \
         resize.repeated(ctx, node) or resize.fresh_like(ctx, node)
-    node.meta["example_value"] = ctx.current[node] = _run(ctx, node)
+    node.meta["example_value"] = ctx.current[node] = ctx.run(node)
     if node.target in _SHAPE_AGNOSTIC and known_spec is None:
         return
     if known_spec is not None:
@@ -124,15 +126,6 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         ctx.specs[node] = spec
 
 
-def _run(ctx: SPContext, node: fx.Node) -> Any:
-    try:
-        return ctx.run(node)
-    except SequenceParallelError:
-        raise
-    except Exception as e:  # a shape the pass failed to adapt: name the op rather than fail deep in torch
-        raise SequenceParallelError(
-            f"AutoSP cannot shard {node_label(node)} ({node.target}): {type(e).__name__}: {str(e).splitlines()[0]}"
-        ) from e
 
 
 def _input_spec(ctx: SPContext, node: fx.Node) -> ShardSpec:
