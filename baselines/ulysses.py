@@ -1,10 +1,8 @@
-"""Hand-written DeepSpeed-Ulysses, the way a DeepSpeed user writes it, in three variants of one mechanism:
+"""Hand-written DeepSpeed-Ulysses, the way a DeepSpeed user writes it, in two variants of one mechanism:
 
 * `ulysses`: each layer's attention core wrapped in `deepspeed.sequence.layer.DistributedAttention`
   (all-to-all: sequence-sharded, all heads -> full sequence, heads/P; local SDPA; all-to-all back), inputs,
   positions and labels sharded by hand (`sequence_parallel`), eager;
-* `ulysses-ac`: the same with per-layer activation checkpointing at ZeRO 0 (`ulysses[ac=layer]` / `--ac layer` is
-  the same at any stage);
 * `ulysses-compile`: the same model under `torch.compile` (backend `--compile-backend`). With torch 2.13 and
   DeepSpeed 0.19.8 Dynamo traces DistributedAttention's all-to-all autograd.Function as an
   `autograd_function_apply` higher-order op: the whole forward is one graph, no graph breaks (the loss, taken
@@ -69,7 +67,6 @@ class Ulysses(Strategy):
     name = "ulysses"
     description = "hand-written DeepSpeed-Ulysses (DistributedAttention all-to-alls, manual sharding), eager"
     sequence_parallel = True
-    activation_checkpointing: ClassVar[bool] = False
     compiled: ClassVar[bool] = False
     zero_stages = (3, 0)  # 3 (FSDP2) by default, as autosp: like for like, and its longest trainable length
     options = frozenset({"ac"})
@@ -91,8 +88,6 @@ class Ulysses(Strategy):
         attention = UlyssesAttention(ctx.sp_group, ctx.sp_size, modules[0].num_kv_heads)
         for module in modules:
             module.attention_fn = attention
-        if self.activation_checkpointing:
-            cfg = cfg.replace(ac="layer")
         checkpointed = apply_activation_checkpointing(model, cfg)
         sharded = self.zero_stage(cfg) == 3
         if sharded:
@@ -111,14 +106,6 @@ class Ulysses(Strategy):
             implementation += f"+compile({cfg.compile_backend})"
         return SequenceParallelStep(model, ctx, cfg, positions, attention.set_mask_rows, implementation, forward,
                                     sharded=sharded)
-
-
-@register
-class UlyssesCheckpointed(Ulysses):
-    name = "ulysses-ac"
-    description = "hand-written DeepSpeed-Ulysses with per-layer activation checkpointing, eager"
-    activation_checkpointing = True
-    zero_stages = (0,)
 
 
 @register

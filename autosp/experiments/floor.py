@@ -63,7 +63,6 @@ METHOD_SHARDING: dict[str, MethodSharding] = {
     "single": MethodSharding(zero_stages=(0,), splits_sequence=False),
     "autosp": MethodSharding(zero_stages=(3, 0, 1, 2), splits_sequence=True),
     "ulysses": MethodSharding(zero_stages=(3, 0), splits_sequence=True),
-    "ulysses-ac": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ulysses-compile": MethodSharding(zero_stages=(0,), splits_sequence=True),
     "ring": MethodSharding(zero_stages=(3, 0), splits_sequence=True),
     # DeepSpeed's AutoSP runs with ZeRO stage 0/1 only; with sp == world size ZeRO-1 has no DP group to shard over.

@@ -40,7 +40,7 @@ OURS = "autosp"
 CLAIM_STYLE = dict(facecolor="0.85", edgecolor="0.3", hatch="//")
 #: one colour per method in every figure (methods not listed take the next free colour of tab20)
 METHOD_COLORS = {
-    "autosp": "tab:red", "ulysses": "tab:blue", "ulysses-ac": "tab:cyan", "ulysses-compile": "tab:purple",
+    "autosp": "tab:red", "ulysses": "tab:blue", "ulysses-compile": "tab:purple",
     "ring": "tab:green", "zero3": "tab:orange", "fsdp": "tab:brown", "ds-autosp": "tab:pink",
     "single": "tab:gray", "autosp:off": "salmon", "autosp:sac": "tab:red", "autosp:full": "darkred",
     "alst": "tab:olive",

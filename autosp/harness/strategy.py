@@ -148,10 +148,13 @@ BUILTIN_MODULES = {
     "ring": "baselines.ring",
     "single": "baselines.single",
     "ulysses": "baselines.ulysses",
-    "ulysses-ac": "baselines.ulysses",
     "ulysses-compile": "baselines.ulysses",
     "zero3": "baselines.zero3",
 }
+
+#: one spelling per method: a retired name -> what to write instead (a one-line error, not "unknown method")
+RETIRED = {"ulysses-ac": "ulysses[ac=layer] with --zero 0 (per-layer activation checkpointing; --ac layer on the "
+                         "command line)"}
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -165,6 +168,8 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 def get_strategy(name: str) -> Strategy:
     if name not in _REGISTRY and name in BUILTIN_MODULES:
         importlib.import_module(BUILTIN_MODULES[name])  # registers it
+    if name in RETIRED:
+        raise ConfigError(f"method {name!r} is now spelled {RETIRED[name]}")
     if name not in _REGISTRY:
         raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
     return _REGISTRY[name]()

@@ -183,7 +183,7 @@ def test_each_method_runs_its_longest_length_stage_by_default_and_the_floor_agre
     from autosp.harness.records import new_record
     from autosp.harness.strategy import get_strategy
 
-    expected = {"autosp": 3, "ulysses": 3, "ring": 3, "zero3": 3, "fsdp": 3, "ulysses-ac": 0, "ulysses-compile": 0}
+    expected = {"autosp": 3, "ulysses": 3, "ring": 3, "zero3": 3, "fsdp": 3, "ulysses-compile": 0}
     for method, stage in expected.items():
         cfg = RunConfig(method=method, model="tiny", seq_len=64, world_size=2)
         assert get_strategy(method).zero_stage(cfg) == floor_for(method, "tiny", world_size=2).zero == stage, method
@@ -191,8 +191,8 @@ def test_each_method_runs_its_longest_length_stage_by_default_and_the_floor_agre
 
 
 def test_a_stage_the_method_cannot_run_is_a_config_error_before_any_rank_starts():
-    with pytest.raises(ConfigError, match=r"--method ulysses-ac runs ZeRO stage\(s\) \[0\], not --zero 3"):
-        validate(RunConfig(method="ulysses-ac", model="tiny", seq_len=64, world_size=2, zero=3))
+    with pytest.raises(ConfigError, match=r"--method ulysses-compile runs ZeRO stage\(s\) \[0\], not --zero 3"):
+        validate(RunConfig(method="ulysses-compile", model="tiny", seq_len=64, world_size=2, zero=3))
     with pytest.raises(ConfigError, match=r"--method zero3 runs ZeRO stage\(s\) \[3\], not --zero 1"):
         validate(RunConfig(method="zero3", model="tiny", seq_len=64, world_size=2, zero=1))
 

@@ -5,7 +5,7 @@ from autosp.harness.strategy import get_strategy
 from tests.baselines.gloo import run_ranks
 
 
-@pytest.mark.parametrize("method", ["zero3", "ulysses", "ulysses-ac", "ulysses-compile", "ds-autosp"])
+@pytest.mark.parametrize("method", ["zero3", "ulysses", "ulysses-compile", "ds-autosp"])
 def test_deepspeed_methods_say_when_deepspeed_is_missing(method: str, monkeypatch) -> None:
     import importlib.util
 

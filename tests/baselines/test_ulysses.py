@@ -13,7 +13,7 @@ from tests.baselines.gloo import run_ranks
 @pytest.mark.parametrize("method, world_size, options", [
     ("ulysses", 4, dict(ignore_fraction=0.3, zero=0)),  # 2 KV heads < 4 ranks: repeated to 4 before the all-to-all
     # 2 SP groups x 2 data-parallel replicas; packed documents + padding: the full-sequence mask in local attention
-    ("ulysses-ac", 4, dict(sp_size=2, packed_documents=3, pad_fraction=0.2, ignore_fraction=0.1)),
+    ("ulysses", 4, dict(ac="layer", zero=0, sp_size=2, packed_documents=3, pad_fraction=0.2, ignore_fraction=0.1)),
     # GQA: 2 KV heads split over 2 ranks, 2 rows
     ("ulysses-compile", 2, dict(ignore_fraction=0.3, batch_size=2, compile_backend="aot_eager")),
     # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
@@ -69,3 +69,9 @@ def test_hand_written_sp_steps_build_no_sequence_by_sequence_mask() -> None:
     """Ulysses with packed documents and padding runs the full mask from its O(S) rows (autosp::masked_attention);
     neither it nor the ring lets the model build a mask of the shard's positions. (96 and 48 are no tiny dim.)"""
     run_ranks(2, _steps_build_no_square_mask, 96)
+
+
+def test_the_retired_spelling_names_the_one_spelling() -> None:
+    """One spelling per method (issue 42): `ulysses-ac` was `ulysses[ac=layer]` at ZeRO 0."""
+    with pytest.raises(ConfigError, match=r"^method 'ulysses-ac' is now spelled ulysses\[ac=layer\] with --zero 0"):
+        get_strategy("ulysses-ac")

@@ -7,7 +7,7 @@ from autosp.experiments.floor import METHOD_SHARDING, floor_for, memory_floor, p
 from autosp.harness.config import ConfigError
 from autosp.models import get_preset
 
-PAPER_METHODS = ["single", "autosp", "ulysses", "ulysses-ac", "ulysses-compile", "ring", "zero3", "fsdp", "ds-autosp"]
+PAPER_METHODS = ["single", "autosp", "ulysses", "ulysses-compile", "ring", "zero3", "fsdp", "ds-autosp"]
 
 
 @pytest.mark.parametrize(
@@ -80,8 +80,8 @@ def test_each_zero_stage_divides_what_it_shards_over_the_world_size() -> None:
     assert stages[2].gathered_unit_bytes == 4 * n  # the gathered model, kept from forward to backward
     assert stages[3].static_bytes == pytest.approx(floor_for("zero3", "llama-3.1-8b", world_size=8).static_bytes)
     assert [f.static_bytes for f in stages] == sorted((f.static_bytes for f in stages), reverse=True)
-    with pytest.raises(ConfigError, match=r"ulysses-ac runs ZeRO stage\(s\) \[0\], not 3"):
-        floor_for("ulysses-ac", "tiny", world_size=2, zero=3)
+    with pytest.raises(ConfigError, match=r"ulysses-compile runs ZeRO stage\(s\) \[0\], not 3"):
+        floor_for("ulysses-compile", "tiny", world_size=2, zero=3)
 
 
 def test_mixed_precision_keeps_fp32_master_state_and_a_bf16_compute_copy() -> None:
