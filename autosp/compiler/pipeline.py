@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from autosp.compiler import memory, zero
+from autosp.compiler.fx import copy_graph
 from autosp.compiler.lowering import compile_with_partitioner
 from autosp.compiler.memory import OffloadReport, SacPartitioner, TileFirst, make_partition_fn, offload_boundaries
 from autosp.compiler.options import CompileOptions
@@ -236,7 +237,7 @@ def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]
     untiled = None
     for step in GRAPH_PASSES:
         if step.name == "tiling" and planned:
-            untiled = _copy_graph(gm)
+            untiled = copy_graph(gm)
         dump(step.name, "before", [("", gm)])
         gm = step.run(c, gm)
         dump(step.name, "after", [("", gm)])
@@ -265,16 +266,6 @@ def _lower(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any], dump: 
     return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(c, record, dump,
                                                                                  tile_first=tile_first),
                                     inner=c.options.backend)
-
-
-def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` whose passes leave `gm` as it is (nodes' meta copied shallowly: fake values shared)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, graph)
 
 
 def reduction_over(group: dist.ProcessGroup, dp_size: int, zero: int) -> GradientReduction | None:

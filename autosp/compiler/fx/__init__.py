@@ -35,6 +35,7 @@ from autosp.compiler.fx.node_kinds import (
 from autosp.compiler.fx.nodes import (
     DYNAMO,
     VMAP_LEVELS,
+    copy_graph,
     dynamo_value,
     eliminate_dead_code,
     emit,
@@ -48,7 +49,7 @@ from autosp.compiler.fx.sizes import UNITS, parse_size, split_size
 
 __all__ = ["AUTOSP_ATTENTION_OPS", "AUTOSP_COLLECTIVE_OPS", "AUTOSP_HOST_PARAM_OPS", "AUTOSP_OFFLOAD_OPS",
            "AUTOSP_OPAQUE_OPS", "AUTOSP_TOKENWISE_OPS", "DYNAMO", "SDPA_PARAMS", "UNITS", "VMAP_LEVELS",
-           "assign_layers", "attention_args", "dynamo_value", "eliminate_dead_code", "emit", "fake_value",
+           "assign_layers", "attention_args", "copy_graph", "dynamo_value", "eliminate_dead_code", "emit", "fake_value",
            "forward_nodes", "getitem_source", "global_callee", "graph_call", "holds_tensors", "is_attention",
            "is_attention_forward", "is_attention_value", "is_collective", "is_collective_value", "is_mutating",
            "is_opaque", "is_pinned_value", "is_random", "is_view", "layer_of_path", "model_module", "module_path",

@@ -82,3 +82,14 @@ def has_side_effect(node: fx.Node) -> bool:
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """`graph.eliminate_dead_code()` that keeps in-place writes and vmap levels (`has_side_effect`)."""
     graph.eliminate_dead_code(is_impure_node=has_side_effect)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` that a pass may rewrite while `gm` stays as it is (nodes' meta dicts copied shallowly: the fake
+    values are shared)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, graph)

@@ -29,6 +29,7 @@ from autosp.comm.host_params import GRADIENT_TO_HOST_OP
 from autosp.comm.transients import nbytes, transient_bytes
 from autosp.compiler.fx import (
     assign_layers,
+    copy_graph,
     forward_nodes,
     getitem_source,
     is_attention_forward,
@@ -89,16 +90,6 @@ def _flat_tensors(values: Any) -> list[torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------------------- the ladder
-
-
-def _copy(joint_gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy to tag and partition (nodes' meta dicts copied shallowly: the fake values are shared)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in joint_gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph._codegen = joint_gm.graph._codegen
-    return fx.GraphModule(joint_gm, graph)
 
 
 def layer_order(joint_gm: fx.GraphModule) -> list[str]:
@@ -169,7 +160,7 @@ def plan_partition(
     def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None) -> _Trial:
         """The partitioned rung with the saved values of `scope` in host memory (None: all on the device)."""
         if scope is not None:
-            fw, bw = _copy(fw), _copy(bw)  # the partition is reused by the next scope
+            fw, bw = copy_graph(fw), copy_graph(bw)  # the partition is reused by the next scope
         report = offload_boundaries(fw, bw, num_fwd_outputs, scope) if scope else None
         peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
         trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
@@ -180,7 +171,7 @@ def plan_partition(
         saved values; the first that fits, or the last tried."""
         nonlocal partitions
         rung = (tokenwise, attention, collectives)
-        gm = _copy(joint_gm)
+        gm = copy_graph(joint_gm)
         tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         partitions += 1
