@@ -10,9 +10,13 @@ copied into a host buffer in the master dtype, the inner optimizer steps the mas
 `DeepSpeedCPUAdam` for AdamW on a GPU where its op loads, else the optimizer class given, e.g. torch's AdamW on
 host tensors: `implementation` says which), and each master is copied back into its device parameter, cast.
 
-Devices: on CUDA the host tensors are pinned, gradients come over with `non_blocking` copies and one stream
-synchronisation before the CPU step, the updated parameters go back `non_blocking` (the masters are not written
-again before the next step's synchronisation). Written against torch's CUDA API, not run on a GPU here. On CPU the
+Devices: on CUDA the host tensors are pinned; each gradient is streamed to its host buffer as soon as autograd has
+accumulated it (a post-accumulate hook: a `non_blocking` copy on the side stream of `autosp.comm.host_copy`, so it
+overlaps whatever backward still runs), and the step uses that copy only if the gradient was not changed since (its
+version counter: clipping or any in-place change after backward makes the step copy it again; ZeRO's flat shards,
+whose gradients are assigned rather than accumulated, are copied in the step). One synchronisation precedes the CPU
+step; the updated parameters go back `non_blocking` (the masters are not written again before the next step's
+synchronisation). Written against torch's CUDA API, not run on a GPU here. On CPU the
 device *is* host memory, so a device run is emulated: the host tensors are allocated inside `HOST_REGION`, which the
 CPU memory meter books as host memory (as it books `autosp_sp::offload`), and `host_region` is what the simulator
 replaces to book the same allocations as host on a simulated device.
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from autosp.comm.host_copy import side_stream, synchronize_side_streams
 from autosp.errors import SequenceParallelError
 
 HOST_REGION = "autosp::host_optimizer_state"
@@ -178,6 +184,23 @@ class HostOptimizer(torch.optim.Optimizer):
             # "cpu", torch's choice patched to the GPU's) steps the host masters as the device run does
             defaults = {"foreach": False, **defaults}
         self.inner = inner if inner is not None else optimizer_class(groups, **defaults)
+        self._streamed: dict[int, tuple[weakref.ref, int]] = {}  # id(p) -> (the gradient copied, its version then)
+        self.streamed_gradients = 0  # of the last step's gradients, those whose streamed copy it used
+        for p, _ in self._pairs:
+            p.register_post_accumulate_grad_hook(self._stream_gradient)
+
+    def _stream_gradient(self, p: nn.Parameter) -> None:
+        """Copy `p`'s just-accumulated gradient into its host buffer now (module docstring)."""
+        buffer, grad = self._host_grads[id(p)], p.grad
+        if p.device.type == "cuda":
+            side = side_stream(p.device)
+            side.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(side):
+                buffer.copy_(grad.detach().reshape(buffer.shape), non_blocking=True)
+            grad.record_stream(side)
+        else:
+            buffer.copy_(grad.detach().reshape(buffer.shape))
+        self._streamed[id(p)] = (weakref.ref(grad), grad._version)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - see the class docstring
@@ -189,15 +212,21 @@ class HostOptimizer(torch.optim.Optimizer):
             inner_group.update({k: v for k, v in group.items() if k != "params"})
         if self.masters.params_on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # gradients streamed to host memory in backward (offload=params) have arrived
+        synchronize_side_streams()  # the gradients streamed in backward are in host memory
         devices = set()
+        self.streamed_gradients = 0
         for p, master in self._pairs:
+            streamed = self._streamed.pop(id(p), None)
             if p.grad is None:
                 master.grad = None
                 continue
             buffer = self._host_grads[id(p)]
-            buffer.copy_(p.grad.detach().reshape(buffer.shape), non_blocking=p.device.type == "cuda")
+            if streamed is not None and streamed[0]() is p.grad and streamed[1] == p.grad._version:
+                self.streamed_gradients += 1
+            else:  # not accumulated by autograd (a ZeRO shard), or changed since it was streamed
+                buffer.copy_(p.grad.detach().reshape(buffer.shape), non_blocking=p.device.type == "cuda")
+                devices.add(p.device)
             master.grad = buffer
-            devices.add(p.device)
         for device in devices:
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the gradients are in host memory

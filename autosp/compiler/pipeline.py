@@ -33,7 +33,14 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from autosp.compiler import memory, zero
 from autosp.compiler.fx import copy_graph
 from autosp.compiler.lowering import compile_with_partitioner
-from autosp.compiler.memory import OffloadReport, SacPartitioner, TileFirst, make_partition_fn, offload_boundaries
+from autosp.compiler.memory import (
+    OffloadReport,
+    SacPartitioner,
+    TileFirst,
+    make_partition_fn,
+    offload_boundaries,
+    reserve_host_buffers,
+)
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.sp import check_flex_lowering, sequence_parallel_pass
 from autosp.compiler.tiling import Tiling, TilingReport, apply_tiling
@@ -145,6 +152,7 @@ def offload_activations(c: Compilation, record: GraphRecord, fw: fx.GraphModule,
             record.offload_reports.append(planned)
     elif c.options.offloads:
         record.offload_reports.append(offload_boundaries(fw, bw, num_fwd_outputs))
+    reserve_host_buffers(fw)  # the pinned pool sized by what this plan moves, allocated at the first step
 
 
 PARTITIONED_PASSES: tuple[Pass, ...] = (

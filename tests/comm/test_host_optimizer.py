@@ -90,3 +90,34 @@ def test_deepspeed_asked_for_another_optimizer_class_is_refused_in_one_line():
     masters = HostMasters.capture(model.parameters(), None)
     with pytest.raises(SequenceParallelError, match="not of SGD; use optimizer:torch"):
         HostOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, masters=masters, use_deepspeed=True, lr=0.1)
+
+
+def _paired(clip: float | None, micro_batches: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """AdamW on the device vs the host optimizer, `micro_batches` backward passes per step, optionally clipped after
+    backward: the parameters of both after three steps, and how many streamed gradients each host step used."""
+    reference, offloaded = _model(), _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    masters = HostMasters.capture(offloaded.parameters(), None)
+    optimizer = HostOptimizer(offloaded.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
+    used = []
+    for step in range(3):
+        for model, opt in ((reference, ref_opt), (offloaded, optimizer)):
+            for micro in range(micro_batches):
+                x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+                model(x).square().mean().backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        used.append(optimizer.streamed_gradients)
+    return list(reference.parameters()), list(offloaded.parameters()), used
+
+
+@pytest.mark.parametrize(("clip", "micro_batches", "streamed"), [(None, 1, 4), (None, 2, 4), (1e-3, 1, 0)])
+def test_gradients_streamed_in_backward_are_used_only_while_unchanged(clip, micro_batches, streamed):
+    """Each gradient is copied to host memory when autograd has accumulated it; the step uses that copy unless the
+    gradient changed since (clipped in place after backward): either way the parameters are AdamW's, bit for bit."""
+    expected, got, used = _paired(clip, micro_batches)
+    for p, q in zip(expected, got, strict=True):
+        assert torch.equal(p, q)
+    assert used == [streamed] * 3

@@ -19,6 +19,7 @@ from autosp.compiler.memory.offload import (
     OffloadReport,
     check_params_offload,
     offload_boundaries,
+    reserve_host_buffers,
 )
 from autosp.compiler.memory.policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
 from autosp.compiler.memory.records import PartitionRecord
@@ -41,7 +42,7 @@ __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLI
            "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
            "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
            "offload_boundaries", "parse_policy", "peak_working_set", "planning_rates",
-           "quadratic_saved_values", "tiles_of"]
+           "quadratic_saved_values", "reserve_host_buffers", "tiles_of"]
 
 _ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")
 

@@ -13,7 +13,8 @@ The pass runs on the *partitioned* forward and backward graphs (after the SAC pa
   previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_sp::wait` just
   before its own first use.
 
-The ops copy on a side stream into pinned buffers on CUDA/ROCm, synchronously into memory booked as host on CPU (an
+The ops copy on a side stream into pinned buffers on CUDA/ROCm (a pool the pass reserves by the plan's bytes, allocated
+once and reused every step: `autosp.comm.host_pool`), synchronously into memory booked as host on CPU (an
 emulation with the GPU's graph, schedule and bytes), and refuse any other device. Why not torch's own partitioner
 offload, and how the ops run per device: docs/measurements/2026-12-01-offload.md ("The ops per device").
 """
@@ -29,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.host_copy import side_stream, to_host
+from autosp.comm.host_pool import aligned_bytes, host_pool
 from autosp.comm.library import custom_op, fragment, op, qualified
 from autosp.compiler.fx import assign_layers, is_view, node_nbytes
 from autosp.errors import ConfigError, SequenceParallelError
@@ -307,6 +309,21 @@ def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num
         module.graph.lint()
         module.recompile()
     return report
+
+
+def reserve_host_buffers(fw_module: fx.GraphModule) -> None:
+    """The pinned pool of each GPU grows by what this forward graph's offloads take per step
+    (`autosp.comm.host_pool`); the graph compiled again (another length) replaces its reservation, as its offloaded
+    values carry the same names."""
+    offloads = [n for n in fw_module.graph.nodes if n.target is OFFLOAD_OP]
+    by_device: dict[torch.device, list[int]] = {}
+    for node in offloads:
+        (value,) = node.args
+        if value.meta["val"].device.type != "cpu":
+            by_device.setdefault(value.meta["val"].device, []).append(node_nbytes(value))
+    owner = "offload:" + ",".join(node.args[0].name for node in offloads)
+    for device, sizes in by_device.items():
+        host_pool(device).reserve(owner, aligned_bytes(sizes))
 
 
 def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]) -> None:
