@@ -186,8 +186,15 @@ class HostOptimizer(torch.optim.Optimizer):
         self.inner = inner if inner is not None else optimizer_class(groups, **defaults)
         self._streamed: dict[int, tuple[weakref.ref, int]] = {}  # id(p) -> (the gradient copied, its version then)
         self.streamed_gradients = 0  # of the last step's gradients, those whose streamed copy it used
+        stream = weakref.WeakMethod(self._stream_gradient)  # the hook must not keep a replaced optimizer's state
+
+        def hook(p: nn.Parameter) -> None:
+            method = stream()
+            if method is not None:
+                method(p)
+
         for p, _ in self._pairs:
-            p.register_post_accumulate_grad_hook(self._stream_gradient)
+            p.register_post_accumulate_grad_hook(hook)
 
     def _stream_gradient(self, p: nn.Parameter) -> None:
         """Copy `p`'s just-accumulated gradient into its host buffer now (module docstring)."""

@@ -121,3 +121,17 @@ def test_gradients_streamed_in_backward_are_used_only_while_unchanged(clip, micr
     for p, q in zip(expected, got, strict=True):
         assert torch.equal(p, q)
     assert used == [streamed] * 3
+
+
+def test_a_replaced_host_optimizer_is_freed_and_no_longer_copies_gradients():
+    import gc
+    import weakref
+
+    model = _model()
+    masters = HostMasters.capture(model.parameters(), None)
+    first = HostOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the gradient hooks do not keep its host buffers alive
+    _steps(model, HostOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, masters=masters, lr=1e-2), 1)

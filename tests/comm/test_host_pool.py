@@ -26,7 +26,7 @@ LAYER_VALUES = [((4, 33, 8), torch.bfloat16), ((4, 33, 8), torch.bfloat16), ((4,
 def one_step(pool: HostPool, layers: int) -> list[torch.Tensor]:
     """Forward's host copies of every layer, filled with a value per copy."""
     copies = []
-    for i in range(layers):
+    for _ in range(layers):
         for shape, dtype in LAYER_VALUES:
             host = pool.take(shape, dtype)
             host.fill_(float(len(copies)))
@@ -43,10 +43,11 @@ def test_the_pool_allocates_once_and_reuses_every_chunk_from_the_second_step_on(
     allocate = CountingAllocator()
     pool = HostPool(allocate)
     pool.reserve("graph", plan_bytes(layers=3))
-    for step in range(3):
+    for _ in range(3):
         copies = one_step(pool, layers=3)
         assert [float(c.flatten()[0]) for c in copies] == [float(i) for i in range(9)]  # no two share memory
-        assert all(c.shape == shape and c.dtype == dtype for c, (shape, dtype) in zip(copies, LAYER_VALUES * 3))
+        kinds = [(c.shape, c.dtype) for c in copies]
+        assert kinds == [(torch.Size(shape), dtype) for shape, dtype in LAYER_VALUES * 3]
         del copies  # backward reloaded them: the host copies die
         gc.collect()
     assert allocate.calls == [plan_bytes(layers=3)]  # one slab, the plan's size, at the first step
