@@ -224,10 +224,16 @@ def model_order(model: str) -> tuple:
     return (float(size[1]) if size else 0.0, base, variant)
 
 
-#: the headline table's AutoSP ratios: the baselines that matter most, where their records exist
-HEADLINE_RATIOS = ("ulysses", "ds-autosp", "alst", "ulysses[ac=layer]")
+#: the peers of the headline table, by class: the strongest method of each class that ran in a setting is its cell
+PEER_CLASSES = {
+    "hand-written SP": ("ulysses", "ring", "ulysses[ac=layer]", "ring[ac=layer]"),
+    "ZeRO-3 / FSDP": ("zero3", "fsdp", "zero3[ac=layer]", "fsdp[ac=layer]"),
+    "ds-autosp": ("ds-autosp",),
+    "alst": ("alst",),
+}
 #: the baseline an autosp method spec's column (`autosp[sac=auto,...]`: the planner's levers) is put against
 SPEC_RATIO = "alst"
+BEST_PEER = "autosp / strongest peer"
 
 
 def autosp_specs(methods: Iterable[str]) -> list[str]:
@@ -235,39 +241,56 @@ def autosp_specs(methods: Iterable[str]) -> list[str]:
     return sorted({m for m in methods if m.startswith("autosp[")})
 
 
+def _length_cell(method: str, best: pd.Series, failed: pd.Series, bounded: set[str], named: bool = False) -> str:
+    """A method's headline cell: its longest length (`>=` a lower bound; the method named where asked), `error` (it
+    failed), `none fits`, or empty where it did not run."""
+    if method not in best:
+        return ""
+    if not best[method] > 0:
+        return "error" if failed[method] else "none fits"
+    text = f"{'>=' if method in bounded else ''}{best[method] / 1024:g}K"
+    return f"{text} ({method})" if named else text
+
+
 def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
-    """One row per setting (measured or simulated, labelled): every method's longest trainable length over the
-    ZeRO stages it ran, and AutoSP's ratio to the baselines of HEADLINE_RATIOS that ran there."""
+    """The README's headline, eight columns: one row per model and setting (measured or simulated, said first), AutoSP
+    as it runs by default (`autosp`; the paper's setting and other specs are in the full tables), the strongest peer
+    of each class of `PEER_CLASSES` that ran there (its longest trainable length over the ZeRO stages it ran, named where the
+    class has several methods), and AutoSP's ratio to the strongest of them all. `>=` marks lower bounds."""
     table = trainability.assign(n=pd.to_numeric(trainability["max_seq_len"], errors="coerce").astype(float))
     names = table["device_name"] if "device_name" in table else table["device"]
     # a device type (cpu, a100-80gb) names the setting; a measured GPU's own name stands in for plain "cuda"
     table["where"] = table["device"].where(table["device"] != "cuda", names.fillna(table["device"]))
     if devices:
         table = table[table["where"].isin(devices) | table["device"].isin(devices) | names.isin(devices)]
-    methods = [m for m in ("autosp", "ulysses", "ring", "fsdp", "zero3", *HEADLINE_RATIOS) if m in set(table["method"])]
-    methods += sorted(set(table["method"]) - set(methods))
+    present = set(table["method"])
+    classes = [name for name, members in PEER_CLASSES.items() if present & set(members)]
     rows = []
     for (mode, where, world, model), cell in table.groupby(["mode", "where", "world_size", "model"], sort=False):
         best = cell.groupby("method")["n"].max()
         failed = cell.groupby("method")["status"].agg(lambda s: bool((s == "error").all()))  # refused or crashed
-        budget = cell["memory_budget"].iloc[0]
-        row = {"source": mode, "model": model,
-               "setting": f"{where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")}
         # a method with a lower bound (a search that reached its --max-len, one length that fits) has `>=` lengths
         bounded = set(cell.loc[cell["status"] == "no_oom_up_to_max_len", "method"])
-        bound = {m: ">=" if m in bounded else "" for m in best.index}
-        row.update({m: (f"{bound[m]}{best[m] / 1024:g}K" if best[m] > 0 else "error" if failed[m] else "none fits")
-                    if m in best else "" for m in methods})
-        for ours, ref, column in [("autosp", ref, f"autosp / {ref}") for ref in HEADLINE_RATIOS if ref in methods] + [
-                (spec, SPEC_RATIO, f"{spec} / {SPEC_RATIO}") for spec in autosp_specs(methods)]:
-            ok = best.get(ours, 0) > 0 and best.get(ref, 0) > 0
-            row[column] = f"{bound[ours]}{best[ours] / best[ref]:.2f}x" if ok else ""
+        budget = cell["memory_budget"].iloc[0]
+
+        setting = f"{mode}: {where}, {int(world)} ranks" + (f", {budget / 2**20:.0f} MiB" if pd.notna(budget) else "")
+        row = {"model": model, "setting": setting, "autosp": _length_cell("autosp", best, failed, bounded)}
+        strongest = None
+        for name in classes:
+            ran = [m for m in PEER_CLASSES[name] if m in best]
+            top = max(ran, key=lambda m: best[m] if best[m] > 0 else -1.0, default=None)
+            row[name] = _length_cell(top, best, failed, bounded, named=len(PEER_CLASSES[name]) > 1) if top else ""
+            if top and best[top] > 0 and (strongest is None or best[top] > best[strongest]):
+                strongest = top
+        ok = strongest is not None and best.get("autosp", 0) > 0
+        # a lower bound of AutoSP's is a lower bound of the ratio; one of the peer's makes it unknown
+        row[BEST_PEER] = "" if not ok or strongest in bounded else \
+            f"{'>=' if 'autosp' in bounded else ''}{best['autosp'] / best[strongest]:.2f}x"
         rows.append(row)
     if not rows:
         raise ConfigError("no trainability results for the headline table (check --devices)")
     table = pd.DataFrame(rows)
-    order = sorted(range(len(table)), key=lambda i: (table["source"][i], table["setting"][i],
-                                                     model_order(table["model"][i])))
+    order = sorted(range(len(table)), key=lambda i: (table["setting"][i], model_order(table["model"][i])))
     return table.iloc[order].reset_index(drop=True)
 
 

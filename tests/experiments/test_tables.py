@@ -178,18 +178,30 @@ def test_headline_table_labels_measured_and_simulated_rows(tmp_path, capsys) -> 
     measured = trainability_table(pd.DataFrame(rows))
     simulated = trainability_table(simulated_table_rows(tmp_path / "sim.md"))
     table = headline_table(pd.concat([measured, simulated], ignore_index=True))
-    rows = table.set_index(["source", "model", "setting"])
-    tiny = rows.loc[("measured", "tiny", "cpu, 2 ranks, 64 MiB")]
-    assert tiny["autosp"] == "18K" and tiny["ulysses"] == "4.5K" and tiny["autosp / ulysses"] == "4.00x"
-    assert rows.loc[("measured", "hf:tiny", "cpu, 2 ranks, 64 MiB"), "autosp / ds-autosp"] == "1.45x"
-    a100 = rows.loc[("simulated", "llama-3.1-8b", "a100-80gb, 8 ranks")]
-    assert a100["autosp"] == "186K" and a100["autosp / ulysses"] == "3.00x" and a100["autosp / ds-autosp"] == "2.91x"
+    assert len(table.columns) <= 8  # the README's headline: AutoSP, the strongest peer of each class, one ratio
+    rows = table.set_index(["model", "setting"])
+    tiny = rows.loc[("tiny", "measured: cpu, 2 ranks, 64 MiB")]
+    assert tiny["autosp"] == "18K" and tiny["hand-written SP"] == "4.5K (ulysses)"
+    assert tiny["autosp / strongest peer"] == "4.00x"
+    assert rows.loc[("hf:tiny", "measured: cpu, 2 ranks, 64 MiB"), "autosp / strongest peer"] == "1.45x"  # ds-autosp
+    a100 = rows.loc[("llama-3.1-8b", "simulated: a100-80gb, 8 ranks")]
+    assert a100["autosp"] == "186K" and a100["ds-autosp"] == "64K" and a100["autosp / strongest peer"] == "2.91x"
     # a method that failed there (refused, crashed) is an error, not a length that does not fit
-    assert rows.loc[("simulated", "llama-3.1-8b", "mi250-gcd, 8 ranks"), "ds-autosp"] == "error"
-    assert "alst" not in table  # a ratio column only for a method with records
+    assert rows.loc[("llama-3.1-8b", "simulated: mi250-gcd, 8 ranks"), "ds-autosp"] == "error"
+    assert "alst" not in table  # a class column only where one of its methods has records
     assert main(["table", "headline", "--in", str(tmp_path / "sim.md"), str(records), "--devices", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| source | model | setting |") and "a100" not in out and "| measured | tiny |" in out
+    assert out.startswith("| model | setting | autosp |") and "a100" not in out and "| tiny | measured: cpu" in out
+
+
+def test_the_headlines_lower_bounds_carry_into_its_ratio_and_a_peers_bound_leaves_it_unknown() -> None:
+    rows = [dict(search_row("autosp", 8192), status="no_oom_up_to_max_len"), search_row("ulysses", 4096),
+            dict(search_row("ds-autosp", 2048, model="tiny")), dict(search_row("autosp", 4096, model="small")),
+            dict(search_row("ulysses[ac=layer]", 8192, model="small"), status="no_oom_up_to_max_len")]
+    rows = headline_table(trainability_table(pd.DataFrame(rows))).set_index("model")
+    assert rows.loc["tiny", "autosp"] == ">=8K" and rows.loc["tiny", "autosp / strongest peer"] == ">=2.00x"
+    assert rows.loc["small", "hand-written SP"] == ">=8K (ulysses[ac=layer])"
+    assert rows.loc["small", "autosp / strongest peer"] == ""
 
 
 def test_throughput_figure(tmp_path) -> None:
