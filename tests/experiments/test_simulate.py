@@ -613,12 +613,23 @@ def _planner_search(monkeypatch, longest: dict[str, int]) -> dict:
 
 def test_the_planners_search_runs_on_its_last_rung_then_simulates_the_answer_with_the_planner(monkeypatch):
     """Deeper than `EXACT_LAYERS` the planner is simulated whole (~10x a 2- and 3-layer pair at 8B): the search
-    runs on its last rung (extrapolated) and only the answer is simulated whole with the planner."""
+    runs on its last rung (extrapolated) and only the answer and one granule above are simulated whole with the
+    planner."""
     row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 2560})
     assert row["max_seq_len"] == 2560 and row["first_oom_seq_len"] == 3072
     assert row["extra"]["searched_on"] == {"sac": sim.LAST_RUNG_SAC, "planner_confirmed": True}
     assert [p["sac"] for p in row["probes"] if p["seq_len"] == 2560][-1] == "auto"  # the answer, the planner's
-    assert sum(p["sac"] == "auto" for p in row["probes"]) == 1 and row["config"]["sac"] == "auto"
+    assert [p["seq_len"] for p in row["probes"] if p["sac"] == "auto"] == [2560, 3072]
+    assert row["config"]["sac"] == "auto"
+
+
+def test_where_the_planner_fits_above_its_last_rungs_answer_the_search_goes_on_above_with_the_planner(monkeypatch):
+    """Where host memory binds the last rung (it moves every saved value) the planner can keep some on the device
+    and train longer: its probe one granule above the rung's answer fits, and its own search goes on from there."""
+    row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 4096})
+    assert row["max_seq_len"] == 4096 and row["first_oom_seq_len"] == 4608 and row["status"] == "found"
+    auto = [p["seq_len"] for p in row["probes"] if p["sac"] == "auto"]
+    assert auto[:2] == [2560, 3072] and {4096, 4608} <= set(auto) and row["config"]["sac"] == "auto"
 
 
 def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_with_the_planner(monkeypatch):

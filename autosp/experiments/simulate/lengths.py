@@ -160,16 +160,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start, **search)
         confirmed = None
         if last_rung is not None and outcome.max_seq_len:
-            answer = outcome.max_seq_len
-            planner = probe_of(cfg, False)
-            result = planner(answer)
-            confirmed = result[0] == "ok"
-            if not confirmed:  # the planner itself, below the last rung's answer, from its probe there
-                rung_probes = outcome.probes
-                outcome = search_max_length(planner, max_len=answer, measured=[(answer, result)], **search)
-                outcome.probes = rung_probes + outcome.probes
-            else:
-                outcome.probes.append((answer, result[0]))
+            outcome, confirmed = _planner_around(outcome, probe_of(cfg, False), granularity, max_len, search)
     best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len
                  and (last_rung is None or r["config"]["sac"] == cfg.sac)), None)
     best = best or next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
@@ -190,6 +181,26 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         row["error"] = probes[-1]["error"]
     row["run_id"] = row["search_id"] = uuid.uuid4().hex
     return row
+
+
+def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, search: dict[str, Any]
+                    ) -> tuple[Any, bool]:
+    """The planner's own answer from its last rung's (`simulated_search`): the planner simulated whole at the
+    rung's longest length and one granule above; where it fits at the first and not the second, that is the
+    answer; else its search goes on from those two probes, below (a rung the planner's estimate chose that does
+    not fit) or above (host memory bound the last rung, which moves every saved value; the planner keeps some on
+    the device). So the answer is always the planner's, simulated whole there and one granule above (unless that
+    is past `max_len`). Returns (the outcome, whether the planner fits at the rung's answer)."""
+    from autosp.experiments.search import search_max_length
+
+    answer = rung.max_seq_len
+    measured = [(answer, planner(answer))]
+    confirmed = measured[0][1][0] == "ok"
+    if confirmed and answer + granularity <= max_len:
+        measured.append((answer + granularity, planner(answer + granularity)))
+    outcome = search_max_length(planner, max_len=max_len if confirmed else answer, measured=measured, **search)
+    outcome.probes = rung.probes + outcome.probes
+    return outcome, confirmed
 
 
 def _last_rung(cfg: RunConfig) -> RunConfig | None:
