@@ -642,7 +642,7 @@ def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_
 @pytest.mark.long
 def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     """Measured on fake tensors: a 5-layer tiny at 14 MiB, the search on the last rung (the planner simulated whole
-    at its answer only) and the planner's own search, every probe whole, find the same length (2,560; the planner
+    at its answer and one granule above) and the planner's own search, every probe whole, find the same length (2,560; the planner
     there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
     from autosp.experiments.simulate import lengths
 
@@ -655,5 +655,11 @@ def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     assert on_rung["extra"]["searched_on"]["planner_confirmed"] is True
     assert on_rung["max_seq_len"] == whole["max_seq_len"] == 2560 and whole["first_oom_seq_len"] == 3072
+    # the planner simulated whole at the answer and one granule above: the whole search's probes there, to the byte
+    planner = {p["seq_len"]: (p["status"], p["peak_mem_bytes"]) for p in on_rung["probes"] if p["sac"] == "auto"}
+    assert planner == {p["seq_len"]: (p["status"], p["peak_mem_bytes"]) for p in whole["probes"]
+                       if p["seq_len"] in (2560, 3072)}
+    assert on_rung["extra"]["sac_auto"] == whole["extra"]["sac_auto"]
+    assert on_rung["peak_mem_bytes"] == whole["peak_mem_bytes"]
     plan = on_rung["extra"]["sac_auto"][0]
     assert plan["fits"] and plan["collective_recompute_layers"] < plan["layers"]  # not the last rung

@@ -126,12 +126,12 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
 
     The memory planner (`--sac auto`) deeper than `EXACT_LAYERS` is simulated whole, ~10x a 2- and 3-layer pair
     at 8B: its search runs on the planner's last rung instead (`LAST_RUNG_SAC`, extrapolated), whose longest
-    length is the planner's — a length its last rung cannot train, no rung can (each earlier rung keeps more on
-    the device), and at the last rung's longest length the planner needs nothing less — and the answer is then
-    simulated whole with the planner itself. Where that disagrees (the planner's estimate chose a rung that does
-    not fit), the search goes on below with the planner's own probes. Where the host budget binds (the last rung
-    moves every saved value to host memory, the planner can keep some on the device), the answer is a lower
-    bound on the planner's length, never above it."""
+    length is the planner's where the device binds — a length its last rung cannot train, no rung can (each
+    earlier rung keeps more on the device) — and then simulates the planner itself, whole, at that length and one
+    granule above (`_planner_around`): the answer is the planner's own. Where the planner fails there (its
+    estimate chose a rung that does not fit) its search goes on below; where it fits one granule above (host
+    memory bound the last rung, which moves every saved value; the planner keeps some on the device) it goes on
+    above, each probe the planner whole."""
     from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
 
     granularity = granularity or default_granularity(cfg.world_size)
