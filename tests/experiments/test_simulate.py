@@ -639,6 +639,19 @@ def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_
     assert {p["seq_len"] for p in row["probes"] if p["sac"] == "auto"} >= {2560, 2048, 1536}
 
 
+def test_the_last_rung_keeps_the_model_state_where_the_whole_depth_planner_does():
+    """autosp's default moves the optimizer state to host memory where the device cannot hold the model state: a
+    decision of the full depth (Llama-3.1-8B on one h100-80gb: 32 layers' state does not fit, 2 or 3 layers' does),
+    so the last rung's 2- and 3-layer programs are given it, not left to decide it for their few layers."""
+    from autosp.experiments.simulate import lengths
+
+    cfg = RunConfig(method="autosp", model="llama-3.1-8b", seq_len=1, world_size=1, dtype="bfloat16", sac="auto")
+    on_h100 = lengths._last_rung(cfg, get_device_model("h100-80gb"))
+    assert on_h100.sac == sim.LAST_RUNG_SAC and on_h100.offload == "auto,optimizer"
+    assert lengths._last_rung(cfg, get_device_model("h200-141gb")).offload == "activations=auto"  # 128 GB fits
+    assert lengths._last_rung(cfg.replace(model="tiny"), get_device_model("h100-80gb")) is None  # simulated whole
+
+
 @pytest.mark.long
 def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     """Measured on fake tensors: a 5-layer tiny at 14 MiB, the search on the last rung (the planner simulated whole
@@ -651,7 +664,7 @@ def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     device = get_device_model("cpu", 14 * MIB)
     on_rung = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     sim.extrapolate._PREDICTIONS.clear()
-    monkeypatch.setattr(lengths, "_last_rung", lambda cfg: None)
+    monkeypatch.setattr(lengths, "_last_rung", lambda cfg, device: None)
     whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     assert on_rung["extra"]["searched_on"]["planner_confirmed"] is True
     assert on_rung["max_seq_len"] == whole["max_seq_len"] == 2560 and whole["first_oom_seq_len"] == 3072

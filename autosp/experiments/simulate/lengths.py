@@ -15,7 +15,12 @@ from autosp.experiments.simulate.config import (
     SimulationError,
 )
 from autosp.experiments.simulate.devices import DeviceModel
-from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, planned_by_device, predict_peak
+from autosp.experiments.simulate.extrapolate import (
+    LAST_RUNG_SAC,
+    model_state_at_depth,
+    planned_by_device,
+    predict_peak,
+)
 from autosp.experiments.simulate.programs import shared_rank_programs
 from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
@@ -139,7 +144,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     probes: list[dict[str, Any]] = []
     started = time.monotonic()
     limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
-    last_rung = _last_rung(cfg)
+    last_rung = _last_rung(cfg, device)
 
     def probe_of(run_cfg: RunConfig, on_curve: bool):
         def probe(seq_len: int) -> tuple[str, int | None, int | None]:
@@ -203,12 +208,13 @@ def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, sea
     return outcome, confirmed
 
 
-def _last_rung(cfg: RunConfig) -> RunConfig | None:
-    """The planner's last rung, where a search runs on it (see `simulated_search`); None where it does not."""
+def _last_rung(cfg: RunConfig, device: DeviceModel) -> RunConfig | None:
+    """The planner's last rung, where a search runs on it (see `simulated_search`), with the model state where the
+    whole-depth planner keeps it (`model_state_at_depth`); None where it does not."""
     from autosp.models import get_preset
 
     if planned_by_device(cfg) and get_preset(cfg.model).num_layers > EXACT_LAYERS:
-        return cfg.replace(sac=LAST_RUNG_SAC)
+        return model_state_at_depth(cfg.replace(sac=LAST_RUNG_SAC), device)
     return None
 
 
