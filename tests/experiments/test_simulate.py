@@ -655,8 +655,8 @@ def test_the_last_rung_keeps_the_model_state_where_the_whole_depth_planner_does(
 @pytest.mark.long
 def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     """Measured on fake tensors: a 5-layer tiny at 14 MiB, the search on the last rung (the planner simulated whole
-    at its answer and one granule above) and the planner's own search, every probe whole, find the same length (2,560; the planner
-    there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
+    at its answer and one granule above) and the planner's own search, every probe whole, find the same length
+    (2,560; the planner there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
     from autosp.experiments.simulate import lengths
 
     cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny", num_layers=5), seq_len=1, world_size=2,
