@@ -240,6 +240,43 @@ def test_a_copy_that_cannot_hide_loses_to_recompute_and_one_that_hides_wins() ->
     assert fast["predicted_added_s"] == fast["ladder_added_s"] < slow["predicted_added_s"]
 
 
+def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_per_op_and_shapes(monkeypatch):
+    """The ranking's second ladder (no host memory) asks for rungs the first one partitioned: each rung is
+    partitioned once per graph (a deep model's partition is most of a planner probe's CPU), and torch's flop
+    count, which runs the op on fake tensors, is made once per op and argument shapes (layers repeat them)."""
+    from autosp.compiler.memory import planner
+
+    tagged: list[tuple[int, int, int]] = []
+    tag = planner.tag_rung
+    monkeypatch.setattr(planner, "tag_rung", lambda gm, t, a, c=(): tagged.append((len(t), len(a), len(c)))
+                        or tag(gm, t, a, c))
+    _, moved = _auto_plan(None, offload="activations")
+    tagged.clear()
+    import torch._inductor.fx_utils as fx_utils
+
+    counted: list[object] = []
+    count = fx_utils.count_flops_fx
+    monkeypatch.setattr(fx_utils, "count_flops_fx", lambda node: counted.append(planner._flop_key(node))
+                        or count(node))
+    planner._COUNTED_FLOPS.clear()
+    with planning_rates(_rates(1e3)):
+        _, slow = _auto_plan(moved["estimated_peak_bytes"])
+    assert slow["ladder_plan"]["offloaded_bytes"] and not slow["offloaded_bytes"]  # both ladders walked
+    assert len(tagged) == len(set(tagged)) == slow["partitions_tried"] > 1
+    memoised = [key for key in counted if key is not None]
+    assert memoised and len(memoised) == len(set(memoised))  # never counted twice
+
+
+def test_an_untiled_graph_with_one_value_over_the_budget_is_tiled_without_partitioning_it() -> None:
+    from autosp.compiler.memory.planner import _over_any_budget
+
+    gm = torch.fx.symbolic_trace(lambda x: (x * 2).sum())
+    x, mul, total, _ = gm.graph.nodes
+    x.meta["val"], mul.meta["val"], total.meta["val"] = torch.zeros(1024), torch.zeros(1024), torch.zeros(())
+    assert _over_any_budget(gm, None) is None and _over_any_budget(gm, 4096) is None
+    assert _over_any_budget(gm, 4095) is mul
+
+
 def test_the_exposed_seconds_of_a_copy_are_what_its_directions_compute_cannot_hide() -> None:
     rates = _rates(1e3)  # 1 kB/s; 1 GFLOP/s
     assert exposed_copy_seconds(3_000, forward_flops=1e9, rates=rates) == 2.0 + 1.0  # 3 s each way vs 1 s and 2 s

@@ -613,12 +613,23 @@ def _planner_search(monkeypatch, longest: dict[str, int]) -> dict:
 
 def test_the_planners_search_runs_on_its_last_rung_then_simulates_the_answer_with_the_planner(monkeypatch):
     """Deeper than `EXACT_LAYERS` the planner is simulated whole (~10x a 2- and 3-layer pair at 8B): the search
-    runs on its last rung (extrapolated) and only the answer is simulated whole with the planner."""
+    runs on its last rung (extrapolated) and only the answer and one granule above are simulated whole with the
+    planner."""
     row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 2560})
     assert row["max_seq_len"] == 2560 and row["first_oom_seq_len"] == 3072
     assert row["extra"]["searched_on"] == {"sac": sim.LAST_RUNG_SAC, "planner_confirmed": True}
     assert [p["sac"] for p in row["probes"] if p["seq_len"] == 2560][-1] == "auto"  # the answer, the planner's
-    assert sum(p["sac"] == "auto" for p in row["probes"]) == 1 and row["config"]["sac"] == "auto"
+    assert [p["seq_len"] for p in row["probes"] if p["sac"] == "auto"] == [2560, 3072]
+    assert row["config"]["sac"] == "auto"
+
+
+def test_where_the_planner_fits_above_its_last_rungs_answer_the_search_goes_on_above_with_the_planner(monkeypatch):
+    """Where host memory binds the last rung (it moves every saved value) the planner can keep some on the device
+    and train longer: its probe one granule above the rung's answer fits, and its own search goes on from there."""
+    row = _planner_search(monkeypatch, {sim.LAST_RUNG_SAC: 2560, "auto": 4096})
+    assert row["max_seq_len"] == 4096 and row["first_oom_seq_len"] == 4608 and row["status"] == "found"
+    auto = [p["seq_len"] for p in row["probes"] if p["sac"] == "auto"]
+    assert auto[:2] == [2560, 3072] and {4096, 4608} <= set(auto) and row["config"]["sac"] == "auto"
 
 
 def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_with_the_planner(monkeypatch):
@@ -628,11 +639,24 @@ def test_where_the_planner_fails_its_last_rungs_answer_the_search_goes_on_below_
     assert {p["seq_len"] for p in row["probes"] if p["sac"] == "auto"} >= {2560, 2048, 1536}
 
 
+def test_the_last_rung_keeps_the_model_state_where_the_whole_depth_planner_does():
+    """autosp's default moves the optimizer state to host memory where the device cannot hold the model state: a
+    decision of the full depth (Llama-3.1-8B on one h100-80gb: 32 layers' state does not fit, 2 or 3 layers' does),
+    so the last rung's 2- and 3-layer programs are given it, not left to decide it for their few layers."""
+    from autosp.experiments.simulate import lengths
+
+    cfg = RunConfig(method="autosp", model="llama-3.1-8b", seq_len=1, world_size=1, dtype="bfloat16", sac="auto")
+    on_h100 = lengths._last_rung(cfg, get_device_model("h100-80gb"))
+    assert on_h100.sac == sim.LAST_RUNG_SAC and on_h100.offload == "auto,optimizer"
+    assert lengths._last_rung(cfg, get_device_model("h200-141gb")).offload == "activations=auto"  # 128 GB fits
+    assert lengths._last_rung(cfg.replace(model="tiny"), get_device_model("h100-80gb")) is None  # simulated whole
+
+
 @pytest.mark.long
 def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     """Measured on fake tensors: a 5-layer tiny at 14 MiB, the search on the last rung (the planner simulated whole
-    at its answer only) and the planner's own search, every probe whole, find the same length (2,560; the planner
-    there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
+    at its answer and one granule above) and the planner's own search, every probe whole, find the same length
+    (2,560; the planner there recomputes attention in one layer, less than its last rung). ~110 CPU-s."""
     from autosp.experiments.simulate import lengths
 
     cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny", num_layers=5), seq_len=1, world_size=2,
@@ -640,9 +664,15 @@ def test_the_planners_longest_length_is_its_last_rungs(monkeypatch):
     device = get_device_model("cpu", 14 * MIB)
     on_rung = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     sim.extrapolate._PREDICTIONS.clear()
-    monkeypatch.setattr(lengths, "_last_rung", lambda cfg: None)
+    monkeypatch.setattr(lengths, "_last_rung", lambda cfg, device: None)
     whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     assert on_rung["extra"]["searched_on"]["planner_confirmed"] is True
     assert on_rung["max_seq_len"] == whole["max_seq_len"] == 2560 and whole["first_oom_seq_len"] == 3072
+    # the planner simulated whole at the answer and one granule above: the whole search's probes there, to the byte
+    planner = {p["seq_len"]: (p["status"], p["peak_mem_bytes"]) for p in on_rung["probes"] if p["sac"] == "auto"}
+    assert planner == {p["seq_len"]: (p["status"], p["peak_mem_bytes"]) for p in whole["probes"]
+                       if p["seq_len"] in (2560, 3072)}
+    assert on_rung["extra"]["sac_auto"] == whole["extra"]["sac_auto"]
+    assert on_rung["peak_mem_bytes"] == whole["peak_mem_bytes"]
     plan = on_rung["extra"]["sac_auto"][0]
     assert plan["fits"] and plan["collective_recompute_layers"] < plan["layers"]  # not the last rung

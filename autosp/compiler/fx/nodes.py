@@ -86,10 +86,13 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` that a pass may rewrite while `gm` stays as it is (nodes' meta dicts copied shallowly: the fake
-    values are shared)."""
+    values are shared). Its Python code is generated when first run or read (torch's lazy graph module): the
+    memory planner copies a deep model's graph per rung and runs only the chosen one."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph._codegen = gm.graph._codegen
-    return fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)

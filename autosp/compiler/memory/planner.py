@@ -152,6 +152,10 @@ def plan_partition(
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
     partitions = 0
+    # a rung's partition and each of its variants are the same whichever ladder asks (the time ranking re-walks
+    # the ladder without host memory): made once per graph
+    partitioned: dict[tuple[int, int, int], tuple[fx.GraphModule, fx.GraphModule]] = {}
+    made: dict[tuple[tuple[int, int, int], str | None], _Trial] = {}
 
     def fits(t: _Trial) -> bool:
         host_ok = t.offload is None or host_budget_bytes is None or t.offload.nbytes <= host_budget_bytes
@@ -159,11 +163,15 @@ def plan_partition(
 
     def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None) -> _Trial:
         """The partitioned rung with the saved values of `scope` in host memory (None: all on the device)."""
+        if (rung, scope) in made:
+            trials.append(made[rung, scope])
+            return trials[-1]
         if scope is not None:
             fw, bw = copy_graph(fw), copy_graph(bw)  # the partition is reused by the next scope
         report = offload_boundaries(fw, bw, num_fwd_outputs, scope) if scope else None
         peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
         trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
+        made[rung, scope] = trials[-1]
         return trials[-1]
 
     def trial(tokenwise: int, attention: int, collectives: int = 0, moves: str = offload) -> _Trial:
@@ -171,10 +179,13 @@ def plan_partition(
         saved values; the first that fits, or the last tried."""
         nonlocal partitions
         rung = (tokenwise, attention, collectives)
-        gm = copy_graph(joint_gm)
-        tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        partitions += 1
+        if rung not in partitioned:
+            gm = copy_graph(joint_gm)
+            tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
+            partitioned[rung] = min_cut_rematerialization_partition(gm, joint_inputs,
+                                                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
+            partitions += 1
+        fw, bw = partitioned[rung]
         if moves == "activations":
             return variant(rung, fw, bw, "boundaries")
         t = variant(rung, fw, bw, None)
@@ -211,6 +222,8 @@ def plan_partition(
 
     def ladder(moves: str) -> _Trial:
         """The first rung that fits (`moves`: the offload mode its rungs use), else the last."""
+        if tile_first and (over := _over_any_budget(joint_gm, budget)) is not None:
+            raise TileFirst(f"{over.name} alone is {node_nbytes(over)} bytes, over the budget of {budget}")
         chosen = trial(0, 0, moves=moves)
         if tile_first and not fits(trials[0]):
             raise TileFirst(f"estimated peak {trials[0].peak} bytes over the budget of {budget}")
@@ -230,6 +243,16 @@ def plan_partition(
                 offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, offload_scope=chosen.scope,
                 fits=fits(chosen), partitions_tried=partitions)
     return chosen.fw_module, chosen.bw_module, {**plan.to_dict(), **ranking}, chosen.offload
+
+
+def _over_any_budget(joint_gm: fx.GraphModule, budget: int | None) -> fx.Node | None:
+    """A forward op whose output alone is over `budget`, or None: no partition of the graph fits then (the replay
+    books every value a partition computes, in forward or recomputed in backward), so `tile_first` need not
+    partition the untiled graph to know it does not fit."""
+    if budget is None:
+        return None
+    return next((node for node in forward_nodes(joint_gm.graph) if node.op == "call_function" and not is_view(node)
+                 and isinstance(node.meta.get("val"), torch.Tensor) and node_nbytes(node) > budget), None)
 
 
 def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx.GraphModule,
@@ -355,8 +378,43 @@ def _node_flops(node: fx.Node) -> int:
 
     if node.target is operator.getitem or getitem_source(node) is not None:
         return 0
-    flops = _attention_flops(node) if is_attention_forward(node) else count_flops_fx(node)
+    if is_attention_forward(node):
+        flops = _attention_flops(node)
+    else:
+        key = _flop_key(node)
+        if key is None:
+            flops = count_flops_fx(node)
+        elif (flops := _COUNTED_FLOPS.get(key, -1)) == -1:
+            flops = _COUNTED_FLOPS[key] = count_flops_fx(node)
     return flops if flops else node_nbytes(node) // max(1, _itemsize(node))
+
+
+#: torch's flop counter by op and argument shapes (`_flop_key`): it runs the op on fake tensors, and a deep model's
+#: graphs repeat the same ops and shapes in every layer
+_COUNTED_FLOPS: dict[Any, int | None] = {}
+
+
+def _flop_key(node: fx.Node) -> Any:
+    """What torch's flop count of `node` depends on: its op and its arguments, each tensor by shape, stride and
+    dtype; None where an argument is neither a tensor, a number nor a plain constant (not memoised)."""
+    def key(arg: Any) -> Any:
+        if isinstance(arg, fx.Node):
+            val = arg.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise TypeError
+            return (tuple(val.shape), tuple(val.stride()), val.dtype)
+        if isinstance(arg, (list, tuple)):
+            return tuple(map(key, arg))
+        if arg is None or isinstance(arg, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+            return (type(arg), arg)
+        raise TypeError
+
+    try:
+        found = (node.target, key(node.args), tuple((name, key(v)) for name, v in node.kwargs.items()))
+        hash(found)  # a symbolic size does not hash
+    except TypeError:
+        return None
+    return found
 
 
 def _attention_flops(node: fx.Node) -> int:

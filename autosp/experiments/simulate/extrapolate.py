@@ -101,6 +101,29 @@ def planned_by_device(cfg: RunConfig) -> str | None:
     return None
 
 
+def model_state_at_depth(cfg: RunConfig, device: DeviceModel) -> RunConfig:
+    """`cfg` with autosp's `offload` for the optimizer state and the parameters decided (`autosp.api.state_offload`)
+    for the model at its full depth on `device`, as its whole-depth program decides them: a program of fewer
+    layers, extrapolated, decides for its own few (Llama-3.1-8B on an h100-80gb: 2 layers' state fits, 32 layers'
+    does not). Unchanged where nothing is left to decide."""
+    from autosp.api import state_offload
+    from autosp.compiler.memory import OffloadPlan
+    from autosp.harness.runner import DTYPES
+    from autosp.harness.strategy import get_strategy
+    from autosp.models import build_model
+    from baselines.autosp_method import compile_options
+
+    if cfg.method != "autosp" or "auto" not in (OffloadPlan.parse(cfg.offload).optimizer,
+                                                  OffloadPlan.parse(cfg.offload).params):
+        return cfg
+    zero = get_strategy(cfg.method).zero_stage(cfg)
+    model = build_model(cfg.model, dtype=DTYPES[cfg.dtype], device="meta")
+    budget = device.usable_bytes - device.fixed_bytes if cfg.memory_budget is None else cfg.memory_budget
+    plan = state_offload(compile_options(cfg, zero), model, zero=zero, group_size=cfg.world_size,
+                         device_bytes=budget)
+    return cfg.replace(offload=str(plan))
+
+
 def _layers_reach_their_neighbours(cfg: RunConfig) -> bool:
     """Whether a layer's program reaches into the next layers' (FSDP2 prefetches the next layer's parameters in
     forward and backward and reduce-scatters the previous one's gradients), so that a 2-layer model, all boundary,

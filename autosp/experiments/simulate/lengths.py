@@ -15,7 +15,12 @@ from autosp.experiments.simulate.config import (
     SimulationError,
 )
 from autosp.experiments.simulate.devices import DeviceModel
-from autosp.experiments.simulate.extrapolate import LAST_RUNG_SAC, planned_by_device, predict_peak
+from autosp.experiments.simulate.extrapolate import (
+    LAST_RUNG_SAC,
+    model_state_at_depth,
+    planned_by_device,
+    predict_peak,
+)
 from autosp.experiments.simulate.programs import shared_rank_programs
 from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
@@ -126,12 +131,12 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
 
     The memory planner (`--sac auto`) deeper than `EXACT_LAYERS` is simulated whole, ~10x a 2- and 3-layer pair
     at 8B: its search runs on the planner's last rung instead (`LAST_RUNG_SAC`, extrapolated), whose longest
-    length is the planner's — a length its last rung cannot train, no rung can (each earlier rung keeps more on
-    the device), and at the last rung's longest length the planner needs nothing less — and the answer is then
-    simulated whole with the planner itself. Where that disagrees (the planner's estimate chose a rung that does
-    not fit), the search goes on below with the planner's own probes. Where the host budget binds (the last rung
-    moves every saved value to host memory, the planner can keep some on the device), the answer is a lower
-    bound on the planner's length, never above it."""
+    length is the planner's where the device binds — a length its last rung cannot train, no rung can (each
+    earlier rung keeps more on the device) — and then simulates the planner itself, whole, at that length and one
+    granule above (`_planner_around`): the answer is the planner's own. Where the planner fails there (its
+    estimate chose a rung that does not fit) its search goes on below; where it fits one granule above (host
+    memory bound the last rung, which moves every saved value; the planner keeps some on the device) it goes on
+    above, each probe the planner whole."""
     from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
 
     granularity = granularity or default_granularity(cfg.world_size)
@@ -139,7 +144,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     probes: list[dict[str, Any]] = []
     started = time.monotonic()
     limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
-    last_rung = _last_rung(cfg)
+    last_rung = _last_rung(cfg, device)
 
     def probe_of(run_cfg: RunConfig, on_curve: bool):
         def probe(seq_len: int) -> tuple[str, int | None, int | None]:
@@ -160,16 +165,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start, **search)
         confirmed = None
         if last_rung is not None and outcome.max_seq_len:
-            answer = outcome.max_seq_len
-            planner = probe_of(cfg, False)
-            result = planner(answer)
-            confirmed = result[0] == "ok"
-            if not confirmed:  # the planner itself, below the last rung's answer, from its probe there
-                rung_probes = outcome.probes
-                outcome = search_max_length(planner, max_len=answer, measured=[(answer, result)], **search)
-                outcome.probes = rung_probes + outcome.probes
-            else:
-                outcome.probes.append((answer, result[0]))
+            outcome, confirmed = _planner_around(outcome, probe_of(cfg, False), granularity, max_len, search)
     best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len
                  and (last_rung is None or r["config"]["sac"] == cfg.sac)), None)
     best = best or next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
@@ -192,12 +188,33 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     return row
 
 
-def _last_rung(cfg: RunConfig) -> RunConfig | None:
-    """The planner's last rung, where a search runs on it (see `simulated_search`); None where it does not."""
+def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, search: dict[str, Any]
+                    ) -> tuple[Any, bool]:
+    """The planner's own answer from its last rung's (`simulated_search`): the planner simulated whole at the
+    rung's longest length and one granule above; where it fits at the first and not the second, that is the
+    answer; else its search goes on from those two probes, below (a rung the planner's estimate chose that does
+    not fit) or above (host memory bound the last rung, which moves every saved value; the planner keeps some on
+    the device). So the answer is always the planner's, simulated whole there and one granule above (unless that
+    is past `max_len`). Returns (the outcome, whether the planner fits at the rung's answer)."""
+    from autosp.experiments.search import search_max_length
+
+    answer = rung.max_seq_len
+    measured = [(answer, planner(answer))]
+    confirmed = measured[0][1][0] == "ok"
+    if confirmed and answer + granularity <= max_len:
+        measured.append((answer + granularity, planner(answer + granularity)))
+    outcome = search_max_length(planner, max_len=max_len if confirmed else answer, measured=measured, **search)
+    outcome.probes = rung.probes + outcome.probes
+    return outcome, confirmed
+
+
+def _last_rung(cfg: RunConfig, device: DeviceModel) -> RunConfig | None:
+    """The planner's last rung, where a search runs on it (see `simulated_search`), with the model state where the
+    whole-depth planner keeps it (`model_state_at_depth`); None where it does not."""
     from autosp.models import get_preset
 
     if planned_by_device(cfg) and get_preset(cfg.model).num_layers > EXACT_LAYERS:
-        return cfg.replace(sac=LAST_RUNG_SAC)
+        return model_state_at_depth(cfg.replace(sac=LAST_RUNG_SAC), device)
     return None
 
 
