@@ -99,7 +99,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
             ctx.current[node] = ctx.original[node]
             ctx.whole.add(node)
             return
-        if not indices.is_frontier(ctx, node):
+        if not (indices.is_frontier(ctx, node) or indices.is_token_lookup(ctx, node)):
             ctx.current[node] = ctx.original[node]
             expert_counts.follow(ctx, node)
             return

@@ -95,14 +95,10 @@ def find(gm: fx.GraphModule, trainable: set[fx.Node]) -> list[EagerAttention]:
 
 
 def _region_around(softmax: fx.Node, trainable: set[fx.Node], order: dict[fx.Node, int]) -> EagerAttention | None:
-    back, node = [], softmax
-    while node.target not in MATMULS:  # up the score chain: the one trainable [.., S, S + k] input of each op
-        inputs = [n for n in node.all_input_nodes if n in trainable and _is_scores(n)]
-        if len(inputs) != 1:
-            return None
-        node = inputs[0]
-        back.append(node)
-    scores = node
+    back = _score_chain(softmax, trainable)
+    if back is None:
+        return None
+    scores = back[-1]
     forward, node = [], softmax
     while node.target not in MATMULS:  # down: single users until `probs @ v`
         if len(node.users) != 1:
@@ -124,6 +120,61 @@ def _region_around(softmax: fx.Node, trainable: set[fx.Node], order: dict[fx.Nod
         if any(g is not attend and g in with_gate for g in gate.all_input_nodes):
             inside, output = with_gate, gate
     return EagerAttention(scores, softmax, attend, output, tuple(sorted(inside, key=order.__getitem__)))
+
+
+def _score_chain(softmax: fx.Node, trainable: set[fx.Node]) -> list[fx.Node] | None:
+    """Up from the softmax to `q @ kT` through the one trainable [.., S, S + k] input of each op (None: no such
+    chain); the matmul last."""
+    back, node = [], softmax
+    while node.target not in MATMULS:
+        inputs = [n for n in node.all_input_nodes if n in trainable and _is_scores(n)]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+        back.append(node)
+    return back
+
+
+def refuse_joined_keys(gm: fx.GraphModule, trainable: set[fx.Node]) -> None:
+    """Hand-written attention whose queries see the sequence's S keys joined along it with m more entries (`q @ kT`
+    of [.., S, S + m] over keys made by a `cat` of S keys and m others, then a softmax over them: DeepSeek-V4's
+    compressed attention, keys pooled over windows of positions) is refused in one line naming it: a pooled entry is
+    a function of global positions whose window straddles the shards, which AutoSP does not rebuild."""
+    for node in gm.graph.nodes:
+        scores = _value(node)
+        if node.target not in MATMULS or node not in trainable or scores is None or scores.dim() < 3:
+            continue
+        queries, keys = scores.shape[-2], scores.shape[-1]
+        if not keys > queries > 1 or not _joined(node.args[1], queries, keys) or not _softmax_after(node):
+            continue
+        raise SequenceParallelError(
+            f"attention {node_label(node)} attends over the sequence's {queries} keys joined with {keys - queries} "
+            "more entries along it (keys pooled over windows of positions: compressed attention); each pooled entry "
+            "is a function of global positions whose window straddles the shards, so AutoSP cannot shard this "
+            "attention yet (sliding-window layers it can)")
+
+
+def _joined(keys: fx.Node, queries: int, total: int, depth: int = 8) -> bool:
+    """`keys` is computed (within `depth` ops) from a `cat` of `queries` keys and more entries into `total`."""
+    frontier = [keys]
+    for _ in range(depth):
+        for node in frontier:
+            if node.target in (torch.cat, "cat") and total in _value(node).shape:
+                dim = list(_value(node).shape).index(total)
+                parts = [_value(n).shape[dim] for n in node.args[0] if isinstance(n, fx.Node) and _value(n) is not None]
+                if queries in parts:
+                    return True
+        frontier = [n for node in frontier for n in node.all_input_nodes]
+    return False
+
+
+def _softmax_after(matmul: fx.Node, depth: int = 8) -> bool:
+    frontier = [matmul]
+    for _ in range(depth):
+        frontier = [u for node in frontier for u in node.users]
+        if any(n.target in SOFTMAXES for n in frontier):
+            return True
+    return False
 
 
 def _feedback(chain: set[fx.Node], scores: fx.Node, end: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
