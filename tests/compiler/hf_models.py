@@ -12,6 +12,10 @@ _MLA = dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_i
             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, n_group=1, topk_group=1, **_MOE)
 
+V4 = dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,
+           sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2,
+           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, **_MOE)
+
 #: family -> (model class, config class, config overrides, from_config keywords)
 FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     # the load-balancing loss as people train it (output_router_logits), weighted so an error in it shows
@@ -36,6 +40,13 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "glm-moe-dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
                     dict(_MLA, index_topk=8, index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"]),
                     {}),
+    # DeepSeek-V4 with sliding-window layers (sinks, eager attention), hyper-connections, hash routing by token id
+    # (`tid2eid[input_ids]`, a random table here: HF initialises it to zeros) in both layers; the compressed layers
+    # are refused (`V4` with their layer types, test_hf_frontier)
+    "deepseek-v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(V4, layer_types=["sliding_attention"] * 2), {}),
+    "deepseek-v4-batched-mm": ("DeepseekV4ForCausalLM", "DeepseekV4Config",
+                               dict(V4, layer_types=["sliding_attention"] * 2),
+                               dict(experts_implementation="batched_mm")),
     # attention sinks (per-head logits joining the softmax, eager attention) and alternating sliding windows
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(num_local_experts=4, head_dim=16, sliding_window=8,
@@ -102,7 +113,12 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
     model_class, config_class, overrides, keywords = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides})
-    return getattr(transformers, model_class)._from_config(config, **keywords).train()
+    model = getattr(transformers, model_class)._from_config(config, **keywords).train()
+    for name, table in model.named_buffers():  # hash routing's token -> experts table: zeros until a checkpoint
+        if name.endswith("tid2eid"):
+            table.copy_(torch.randint(0, config.n_routed_experts, table.shape,
+                                      generator=torch.Generator().manual_seed(seed)))
+    return model
 
 
 def build_hf_flex(family: str, seed: int = 0) -> nn.Module:

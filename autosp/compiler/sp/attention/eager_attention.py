@@ -8,12 +8,14 @@ keys and dropped after the softmax), reached from a trainable [.., S, S] `q @ kT
 each, and consumed by `probs @ v` over [.., S, S]. Ops computed from the chain that only feed it back (the row
 max subtracted before the softmax) belong to the region, and so does a gate: one `probs @ v * g` whose `g` is
 computed from the scores (Granite SWA's sink, `sigmoid(logsumexp(scores) - sink)` per head and query: after the
-all-to-all this rank holds every key of its heads, so the logsumexp is local). Every other input (scale, cap, mask, sink logits) must
-be a full value. The pass then treats the whole region as one attention: all-to-alls on q, kT and v (heads
-scattered, sequence gathered), the region runs unchanged on this rank's heads over the full sequence, and one
-all-to-all brings the output back to the shard. Per-head inputs ([.., H, S, *]: masks, sinks) are cut to this
-rank's heads; with a padded sequence the padded keys are hidden from real queries right before the softmax (see
-`padding`). The scores of this rank's heads are [.., S, S + k], as the model's own eager attention makes them.
+all-to-all this rank holds every key of its heads, so the logsumexp is local). Every other input (scale, cap, mask,
+sink logits) must be a full value. The pass then treats the whole region as one attention: all-to-alls on q, kT and
+v (heads scattered, sequence gathered), the region runs unchanged on this rank's heads over the full sequence (each
+op checked to keep the heads apart), and one all-to-all brings the output back to the shard. Per-head inputs
+([.., H, S, *] masks and sinks, [1, H, 1] gate sinks) are cut to this rank's heads; with a padded sequence the
+padded keys are hidden from real queries right before the softmax and the logsumexp (see `padding`). The scores of
+this rank's heads are [.., S, S + k], as the model's own eager attention makes them. Keys joined along the sequence
+with pooled entries (compressed attention) are refused by name (`refuse_joined_keys`).
 """
 from __future__ import annotations
 
@@ -266,7 +268,7 @@ def _check_per_head(ctx: SPContext, node: fx.Node, label: str, heads: int, per_r
     if not isinstance(before, torch.Tensor):
         return
     grown = padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len
-    cut = [(b, a) for b, a in zip(before.shape, after.shape) if b != a]
+    cut = [(b, a) for b, a in zip(before.shape, after.shape, strict=False) if b != a]
     if before.dim() != after.dim() or cut.count((heads, per_rank)) != 1 \
             or any(a - b != grown for b, a in cut if (b, a) != (heads, per_rank)):
         raise SequenceParallelError(f"attention {label}: {node.name} ({getattr(node.target, '__name__', node.target)})"

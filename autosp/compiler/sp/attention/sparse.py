@@ -20,10 +20,9 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
-from autosp.compiler.fx import attention_args, is_attention
-from autosp.compiler.fx.layers import module_path
+from autosp.compiler.fx import attention_args, is_attention, module_path
 from autosp.compiler.sp import padding
-from autosp.compiler.sp.spec import SPContext, node_label
+from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
 _GATHER = "autosp_sparse_gather"  # meta: the sequence dim along which this node's value is all-gathered
@@ -108,18 +107,30 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     if args.get("is_causal"):
         raise SequenceParallelError(f"attention {label}: a causal flag with gathered keys would align the shard's "
                                     "queries with the first keys; AutoSP shards DeepSeek sparse attention with a mask")
-    if padding.padded_length(ctx.seq_len, ctx.sp_size) != ctx.seq_len:
-        raise SequenceParallelError(
-            f"attention {label}: DeepSeek sparse attention needs the sequence length ({ctx.seq_len}) divisible by "
-            f"the SP degree {ctx.sp_size} (a padded query's row selects no key); pad the batch to a multiple")
     spec = ctx.spec(query)
     if isinstance(mask, fx.Node) and not ctx.is_local(mask):
         mask_shape = ctx.original[mask].shape
         dim = spec.dim - (ctx.current[query].dim() - len(mask_shape))
         if mask_shape[dim] == ctx.seq_len:
             node.replace_input_with(mask, ctx.localize(mask, dim, spec, before=node))
+            mask = attention_args(node)["attn_mask"]
+    if isinstance(mask, fx.Node) and spec.padding:
+        _open_padded_rows(ctx, node, mask, spec)
     node.meta["example_value"] = ctx.current[node] = ctx.run(node)
     ctx.specs[node] = spec
+
+
+def _open_padded_rows(ctx: SPContext, node: fx.Node, mask: fx.Node, spec: ShardSpec) -> None:
+    """A padded query (past the sequence's end, on the last rank) selects no key, and a row of nothing but masked
+    keys is NaN: its row sees every key instead (its output is never used: padded positions are label-ignored)."""
+    rows = ctx.current[mask].dim() - spec.dim  # the query dim, counted from the right
+    positions = ctx.emit(node, torch.arange, (spec.start, spec.start + spec.length))
+    pad = ctx.emit(node, torch.ge, (positions, ctx.seq_len))
+    pad = ctx.emit(node, "view", (pad, [-1] + [1] * (rows - 1)))
+    opened = ctx.emit(node, torch.logical_or, (mask, pad)) if ctx.current[mask].dtype == torch.bool else \
+        ctx.emit(node, "masked_fill", (mask, pad, 0.0))
+    ctx.specs[opened] = ctx.specs.get(mask, spec)
+    node.replace_input_with(mask, opened)
 
 
 def _gathered(node: fx.Node) -> list[fx.Node]:
