@@ -124,3 +124,66 @@ def _reduce_scatter_sum_fake(x, group_size, group_name):
     if x.numel() % group_size:
         raise ValueError(f"reduce_scatter_sum: {x.numel()} elements not divisible by {group_size}")
     return x.new_empty(x.numel() // group_size)
+
+
+@custom_op("all_gather_sequence", mutates_args=())
+def all_gather_sequence(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
+    """Every rank's equal shard of `x` joined along `dim` in rank order: the full sequence of a value every rank
+    needs whole (DeepSeek sparse attention's indexer keys and MLA's latent KV, `sp/attention/sparse`). Its gradient
+    is the reduce-scatter along `dim`: each rank's part of the gradient, summed over the ranks that used it."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty(group_size * moved.shape[0], *moved.shape[1:])
+    dist.all_gather_single(out, moved, group=_resolve_process_group(group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+@all_gather_sequence.register_fake
+def _all_gather_sequence_fake(x, dim, group_size, group_name):
+    shape = list(x.shape)
+    shape[dim] *= group_size
+    return x.new_empty(shape)
+
+
+@custom_op("reduce_scatter_sequence", mutates_args=())
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's chunk (of `group_size` along `dim`) of `x` summed over the group: `all_gather_sequence`'s
+    gradient, and its own gradient is that gather."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty(moved.shape[0] // group_size, *moved.shape[1:])
+    dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=_resolve_process_group(group_name))
+    return out.movedim(0, dim).contiguous()
+
+
+@reduce_scatter_sequence.register_fake
+def _reduce_scatter_sequence_fake(x, dim, group_size, group_name):
+    shape = list(x.shape)
+    if shape[dim] % group_size:
+        raise ValueError(f"reduce_scatter_sequence: dim {dim} of size {shape[dim]} not divisible by {group_size}")
+    shape[dim] //= group_size
+    return x.new_empty(shape)
+
+
+@declare_transient_bytes(op("all_gather_sequence"))
+def _all_gather_sequence_scratch(x, dim, group_size, group_name):
+    return (group_size + 1) * nbytes(x)  # this rank's shard made contiguous, and every rank's before the move back
+
+
+@declare_transient_bytes(op("reduce_scatter_sequence"))
+def _reduce_scatter_sequence_scratch(x, dim, group_size, group_name):
+    return nbytes(x)  # the full gradient made contiguous along `dim`
+
+
+def _all_gather_sequence_backward(ctx, grad):
+    return reduce_scatter_sequence(grad, ctx.dim, ctx.group_size, ctx.group_name), None, None, None
+
+
+def _reduce_scatter_sequence_backward(ctx, grad):
+    return all_gather_sequence(grad, ctx.dim, ctx.group_size, ctx.group_name), None, None, None
+
+
+def _sequence_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.group_size, ctx.group_name = inputs
+
+
+all_gather_sequence.register_autograd(_all_gather_sequence_backward, setup_context=_sequence_setup)
+reduce_scatter_sequence.register_autograd(_reduce_scatter_sequence_backward, setup_context=_sequence_setup)

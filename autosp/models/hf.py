@@ -1,6 +1,7 @@
 """`hf:<preset>`: the preset's hyper-parameters built as HF transformers' own LlamaForCausalLM
 (`hf-mistral:` / `hf-qwen2:` build Mistral / Qwen2 instead, `-w<N>` with a sliding window of N tokens;
-`hf-mixtral:` / `hf-deepseek-v3:` a mixture of experts / multi-head latent attention with experts).
+`hf-mixtral:` / `hf-deepseek-v3:` a mixture of experts / multi-head latent attention with experts,
+`hf-deepseek-v32:` the latter with DeepSeek sparse attention).
 
 Real third-party model code, so the compiler and baselines are tested on what users actually train.
 transformers is an optional extra (`pip install "autosp[hf]"`).
@@ -14,6 +15,9 @@ from autosp.errors import ConfigError
 from autosp.models.presets import HFVariant, ModelPreset
 
 MOE_EXPERTS, MOE_TOP_K = 4, 2  # routed experts per MoE layer and experts per token (hf-mixtral, hf-deepseek-v3)
+# DeepSeek-V3.2's indexer (hf-deepseek-v32): its heads and head dim as a share of the preset's (64 of 128 heads,
+# 128 wide, in the real model), and the keys it keeps per query (2048 in the real model)
+INDEX_TOPK = 256
 
 
 def _family_config(preset: ModelPreset, variant: HFVariant) -> dict:
@@ -21,7 +25,8 @@ def _family_config(preset: ModelPreset, variant: HFVariant) -> dict:
 
     DeepSeek-V3: latent query rank hidden/2, latent key/value rank hidden/4, each head's dims split half rope,
     half no-rope (values a full head), one dense layer then MoE layers of routed experts a quarter of the
-    preset's MLP wide plus one shared expert, one routing group."""
+    preset's MLP wide plus one shared expert, one routing group. DeepSeek-V3.2: the same, and an indexer of half
+    the heads, each a head wide, keeping INDEX_TOPK keys per query."""
     if variant.family == "mistral":
         return {"sliding_window": variant.sliding_window}
     if variant.family == "qwen2":
@@ -29,6 +34,9 @@ def _family_config(preset: ModelPreset, variant: HFVariant) -> dict:
                 "max_window_layers": preset.num_layers // 2}
     if variant.family == "mixtral":
         return {"num_local_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K}
+    if variant.family == "deepseek-v32":
+        return {**_family_config(preset, HFVariant("deepseek-v3", None)), "index_topk": INDEX_TOPK,
+                "index_n_heads": max(1, preset.num_attention_heads // 2), "index_head_dim": preset.head_dim}
     if variant.family == "deepseek-v3":
         return {"num_key_value_heads": preset.num_attention_heads, "q_lora_rank": preset.hidden_size // 2,
                 "kv_lora_rank": preset.hidden_size // 4, "qk_rope_head_dim": preset.head_dim // 2,
@@ -50,7 +58,7 @@ def build_hf_llama(preset: ModelPreset, variant: HFVariant = HFVariant("llama", 
             'pip install "autosp[hf]" or use the model name without "hf:"'
         ) from exc
     family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
-              "deepseek-v3": "DeepseekV3"}[variant.family]
+              "deepseek-v3": "DeepseekV3", "deepseek-v32": "DeepseekV32"}[variant.family]
     config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
     config = config_class(**{
         "vocab_size": preset.vocab_size,

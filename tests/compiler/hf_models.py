@@ -8,6 +8,13 @@ from torch import nn
 COMMON = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
 _MOE = dict(num_experts_per_tok=2)
+_MLA = dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+            first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, n_group=1, topk_group=1, **_MOE)
+
+V4 = dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,
+           sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2,
+           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, **_MOE)
 
 #: family -> (model class, config class, config overrides, from_config keywords)
 FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
@@ -25,10 +32,21 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, **_MOE), {}),
     # multi-head latent attention (latent q/kv projections, split rope/no-rope head dims, keys copied into a
     # fresh buffer) and routed + shared experts after one dense layer
-    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
-                    dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
-                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                         qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, **_MOE), {}),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", _MLA, {}),
+    # DeepSeek sparse attention: V3's MLA and MoE, and a lightning indexer (2 heads of 16) keeping 8 keys per query;
+    # GLM-MoE-DSA the same with interleaved indexer rope, its second layer reusing the first one's selection
+    "deepseek-v32": ("DeepseekV32ForCausalLM", "DeepseekV32Config",
+                     dict(_MLA, index_topk=8, index_head_dim=16, index_n_heads=2), {}),
+    "glm-moe-dsa": ("GlmMoeDsaForCausalLM", "GlmMoeDsaConfig",
+                    dict(_MLA, index_topk=8, index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"]),
+                    {}),
+    # DeepSeek-V4 with sliding-window layers (sinks, eager attention), hyper-connections, hash routing by token id
+    # (`tid2eid[input_ids]`, a random table here: HF initialises it to zeros) in both layers; the compressed layers
+    # are refused (`V4` with their layer types, test_hf_frontier)
+    "deepseek-v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(V4, layer_types=["sliding_attention"] * 2), {}),
+    "deepseek-v4-batched-mm": ("DeepseekV4ForCausalLM", "DeepseekV4Config",
+                               dict(V4, layer_types=["sliding_attention"] * 2),
+                               dict(experts_implementation="batched_mm")),
     # attention sinks (per-head logits joining the softmax, eager attention) and alternating sliding windows
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(num_local_experts=4, head_dim=16, sliding_window=8,
@@ -38,6 +56,13 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                      dict(num_local_experts=4, head_dim=16, sliding_window=8,
                           layer_types=["sliding_attention", "full_attention"], **_MOE),
                      dict(attn_implementation="flex_attention")),
+    # a sink gate after the attention, sigmoid(logsumexp(scores) - sink) per head and query (eager attention, HF's
+    # default for these), alternating sliding windows; Granite-MoE's experts
+    "granite-swa": ("GraniteSWAForCausalLM", "GraniteSWAConfig",
+                    dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), {}),
+    "granitemoe-swa": ("GraniteMoeSWAForCausalLM", "GraniteMoeSWAConfig",
+                       dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                            num_local_experts=4, **_MOE), {}),
     # plain Llama (HF's default attention: SDPA), and through HF's flex attention (build_hf_flex: its backward
     # allowed on CPU)
     "llama": ("LlamaForCausalLM", "LlamaConfig", {}, {}),
@@ -88,7 +113,12 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
     model_class, config_class, overrides, keywords = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**COMMON, **overrides})
-    return getattr(transformers, model_class)._from_config(config, **keywords).train()
+    model = getattr(transformers, model_class)._from_config(config, **keywords).train()
+    for name, table in model.named_buffers():  # hash routing's token -> experts table: zeros until a checkpoint
+        if name.endswith("tid2eid"):
+            table.copy_(torch.randint(0, config.n_routed_experts, table.shape,
+                                      generator=torch.Generator().manual_seed(seed)))
+    return model
 
 
 def build_hf_flex(family: str, seed: int = 0) -> nn.Module:

@@ -6,7 +6,6 @@ import torch
 import autosp.comm  # noqa: F401
 from autosp.compiler.fx.layers import module_path
 from autosp.compiler.sp.walk import sequence_parallel_pass
-from autosp.compiler.tracing import install_output_hooks, tracing_config
 from autosp.errors import SequenceParallelError
 from tests.compiler.graphs import capture
 from tests.compiler.hf_models import build_hf
@@ -51,27 +50,3 @@ def test_an_error_inside_a_step_names_that_step(monkeypatch):
     assert message.startswith("AutoSP's SP pass failed at ") and "in sp/walk.py:_rewrite" in message, message
     assert "KeyError" in message and "\n" not in message
 
-
-def test_deepseek_v4_hash_routed_batched_experts_name_the_experts_and_what_was_full():
-    """HF DeepSeek-V4 (sliding layers, hash routing by token id, batched_mm experts): the experts' bmm gets weights
-    selected for every token of the full sequence against this rank's tokens; once torch's raw batch2 shape error,
-    now one line naming the experts module and that the selected weights were full (issue 46's table)."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.DeepseekV4Config(
-        vocab_size=64, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
-        layer_types=["sliding_attention"] * 2, sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2,
-        index_head_dim=16, index_topk=8, hc_mult=2, use_cache=False, pad_token_id=0)
-    model = transformers.DeepseekV4ForCausalLM._from_config(config, experts_implementation="batched_mm").train()
-    install_output_hooks(model)
-    ids = torch.randint(0, 64, (1, 32))
-    with tracing_config():
-        gm, _ = capture(model, input_ids=ids, labels=ids)
-    with pytest.raises(SequenceParallelError) as refusal:
-        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
-    message = str(refusal.value)
-    assert message.startswith("AutoSP's SP pass failed at model.layers.0.mlp.experts (bmm"), message
-    assert "seeing [selected_weights: full (64, 64, 64); " in message and "sequence on dim 0, 16 of 32]" in message
-    assert "Expected size for first two dimensions of batch2 tensor" in message and "\n" not in message

@@ -108,7 +108,15 @@ def test_hf_mixtral_and_deepseek_v3_are_moe_and_mla_with_the_presets_sizes():
         assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n or "_a_proj" in n)
 
 
-@pytest.mark.parametrize("model", ["hf-mixtral:tiny", "hf-deepseek-v3:tiny"])
+def test_hf_deepseek_v32_is_deepseek_v3_with_an_indexer():
+    model = build_model("hf-deepseek-v32:tiny")
+    c = model.config
+    assert type(model).__name__ == "DeepseekV32ForCausalLM" and get_preset("hf-deepseek-v32:tiny") == get_preset("tiny")
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk, c.kv_lora_rank) == (2, 16, 256, 16)
+    assert type(build_model("hf-deepseek-v3:tiny")).__name__ == "DeepseekV3ForCausalLM"  # not taken for v32
+
+
+@pytest.mark.parametrize("model", ["hf-mixtral:tiny", "hf-deepseek-v3:tiny", "hf-deepseek-v32:tiny"])
 def test_autosp_check_passes_on_the_moe_and_mla_harness_models(model):
     """With the tiled loss: on MLA it once came out wrong (the key buffer's in-place fills were dead-code
     eliminated)."""

@@ -38,7 +38,7 @@ COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d"
 #: design); the ring's attention is both a collective and attention.
 AUTOSP_COLLECTIVE_OPS = frozenset({"all_to_all", "all_reduce_sum", "all_gather_shard", "reduce_scatter_sum",
                                    "ring_attention", "ring_attention_backward", "from_previous_rank",
-                                   "to_previous_rank"})
+                                   "to_previous_rank", "all_gather_sequence", "reduce_scatter_sequence"})
 #: attention kernels, treated as SDPA's (the op SAC exists to keep)
 AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it

@@ -56,6 +56,7 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
         sites.append(AttentionSite(node, node_label(node), math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3],
                                    q.shape[-2], q.shape[-1]))
     trainable = indices.trainable_nodes(gm.graph, {n: n.meta.get("example_value") for n in gm.graph.nodes})
+    eager_attention.refuse_joined_keys(gm, trainable)
     for region in eager_attention.find(gm, trainable):
         q = region.query.meta["example_value"]
         sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],

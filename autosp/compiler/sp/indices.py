@@ -10,11 +10,15 @@ the chain that computed its value where nothing else needs that value full (the 
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
+
+TOKEN_LOOKUP = "autosp_token_lookup"
 
 
 def trainable_nodes(graph: fx.Graph, original: dict[fx.Node, object]) -> set[fx.Node]:
@@ -54,6 +58,22 @@ def is_frontier(ctx: SPContext, node: fx.Node) -> bool:
     if not isinstance(ctx.original.get(node), torch.Tensor) or node not in ctx.trainable:
         return False
     return any(is_index_value(ctx, n) and sequence_dim(ctx, n) is not None for n in node.all_input_nodes)
+
+
+def is_token_lookup(ctx: SPContext, node: fx.Node) -> bool:
+    """`table[ids]`: a fixed integer table (no trainable value flows into it, no sequence dim) read at full index
+    values along the sequence (DeepSeek-V4's hash routing, `tid2eid[input_ids]`): a per-token value, so the walk
+    reads it for this rank's tokens only. Marked, so routing indices computed from it are not taken for positions
+    (`routing.holds_global_positions`)."""
+    if node.target is not operator.getitem or not isinstance(node.args[1], fx.Node):
+        return False
+    table, ids = node.args
+    value = ctx.original.get(table)
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or table in ctx.trainable \
+            or ctx.seq_len in value.shape or not is_index_value(ctx, ids) or sequence_dim(ctx, ids) is None:
+        return False
+    node.meta[TOKEN_LOOKUP] = True
+    return True
 
 
 def localize_frontier(ctx: SPContext, node: fx.Node) -> None:

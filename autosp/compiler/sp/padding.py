@@ -72,9 +72,9 @@ def attention_mask(ctx: SPContext, mask: fx.Node | None, is_causal: bool, before
 
 
 def hide_padding_keys(ctx: SPContext, softmax: fx.Node) -> None:
-    """Hand-written attention: before its softmax over [.., S', S' + k] scores (k extra columns after the keys:
-    sinks), real queries lose the padded keys and padded queries see uniform scores (whatever the model's own mask
-    made of the padded rows and columns)."""
+    """Hand-written attention: before its softmax (or a sink gate's logsumexp) over [.., S', S' + k] scores (k extra
+    columns after the keys: sinks), real queries lose the padded keys and padded queries see uniform scores
+    (whatever the model's own mask made of the padded rows and columns)."""
     padded = padded_length(ctx.seq_len, ctx.sp_size)
     if padded == ctx.seq_len:
         return

@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from autosp.compiler.sp.indices import TOKEN_LOOKUP
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -31,10 +32,10 @@ def holds_global_positions(ctx: SPContext, index: fx.Node, seen: dict[fx.Node, b
     """True if `index` is computed from a full index value this rank narrowed (positions, ids) without passing
     through the model's trainable computation (router scores, whose top-k/argsort are local choices)."""
     if index not in seen:
-        seen[index] = False  # shared ancestors are visited once
-        seen[index] = index in ctx.full_of or any(
+        seen[index] = False  # shared ancestors are visited once; a token's looked-up values are not positions
+        seen[index] = not index.meta.get(TOKEN_LOOKUP) and (index in ctx.full_of or any(
             holds_global_positions(ctx, n, seen) for n in index.all_input_nodes
-            if ctx.is_local(n) and n not in ctx.trainable)
+            if ctx.is_local(n) and n not in ctx.trainable))
     return seen[index]
 
 

@@ -82,6 +82,7 @@ class SPContext:
     specs: dict[fx.Node, Any] = field(default_factory=dict)  # local nodes -> ShardSpec (tuple of them for tuples)
     full_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a localized node -> the full value it came from
     rank_local: dict[fx.Node, None] = field(default_factory=dict)  # full-shaped per-rank values (`expert_counts`)
+    whole: set[fx.Node] = field(default_factory=set)  # full values computed from all-gathered shards (`sparse`)
     _localized: dict[tuple[fx.Node, ShardSpec], fx.Node] = field(default_factory=dict)
     ulysses_size: int = 0  # hybrid Ulysses x Ring: all-to-alls inside groups of this size (0: the SP degree)
     ulysses_group: str = ""

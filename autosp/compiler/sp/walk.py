@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
-from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks
+from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks, sparse
 from autosp.compiler.sp.attribution import attributed
 from autosp.compiler.sp.recurrence import conv, delta_rule, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
@@ -55,10 +55,12 @@ def sequence_parallel_pass(
                     trainable=indices.trainable_nodes(gm.graph, original),
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
+    sparse.find(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
     for node in list(gm.graph.nodes):
         try:
             with attributed(ctx, node):  # an internal error names this node, its module and the step that raised
                 _rewrite(ctx, node)
+                sparse.gather(ctx, node)
         except SequenceParallelError as e:
             raise unsharded.in_kernel(node, e) from e
     index_chains.narrow_index_chains(ctx)  # index values only ever used on the shard (rotary tables) run on it
@@ -75,6 +77,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     if node.op in ("placeholder", "get_attr", "output"):
         ctx.current[node] = ctx.original[node]
         return
+    if sparse.is_sparse(node):
+        sparse.rewrite(ctx, node)
+        return
     if is_attention(node):
         communicate.rewrite_attention(ctx, node)
         return
@@ -90,7 +95,11 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
             eager_attention.rewrite(ctx, region)
         return
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
-        if not indices.is_frontier(ctx, node):
+        if any(n in ctx.whole for n in node.all_input_nodes):  # computed from gathered values: full, as they are
+            ctx.current[node] = ctx.original[node]
+            ctx.whole.add(node)
+            return
+        if not (indices.is_frontier(ctx, node) or indices.is_token_lookup(ctx, node)):
             ctx.current[node] = ctx.original[node]
             expert_counts.follow(ctx, node)
             return

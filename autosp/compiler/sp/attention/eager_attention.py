@@ -1,16 +1,21 @@
-"""Attention written by hand: `matmul -> scale -> [soft-cap] -> mask -> [sinks] -> softmax -> [dropout] -> matmul`.
+"""Attention written by hand: `matmul -> scale -> [soft-cap] -> mask -> [sinks] -> softmax -> [dropout] -> matmul
+-> [gate]`.
 
 Models whose SDPA path is off (eager attention, logit soft-capping, attention sinks) compute attention as a chain
 of ops between two matmuls. The chain is recognised in the graph from its shape, not from names: a softmax over
 the last dim of [.., S, S + k] scores (k extra key columns: gpt-oss's per-head sink logits, concatenated after the
 keys and dropped after the softmax), reached from a trainable [.., S, S] `q @ kT` through ops with one score input
 each, and consumed by `probs @ v` over [.., S, S]. Ops computed from the chain that only feed it back (the row
-max subtracted before the softmax) belong to the region. Every other input (scale, cap, mask, sink logits) must
-be a full value. The pass then treats the whole region as one attention: all-to-alls on q, kT and v (heads
-scattered, sequence gathered), the region runs unchanged on this rank's heads over the full sequence, and one
-all-to-all brings the output back to the shard. Per-head inputs ([.., H, S, *]: masks, sinks) are cut to this
-rank's heads; with a padded sequence the padded keys are hidden from real queries right before the softmax (see
-`padding`). The scores of this rank's heads are [.., S, S + k], as the model's own eager attention makes them.
+max subtracted before the softmax) belong to the region, and so does a gate: one `probs @ v * g` whose `g` is
+computed from the scores (Granite SWA's sink, `sigmoid(logsumexp(scores) - sink)` per head and query: after the
+all-to-all this rank holds every key of its heads, so the logsumexp is local). Every other input (scale, cap, mask,
+sink logits) must be a full value. The pass then treats the whole region as one attention: all-to-alls on q, kT and
+v (heads scattered, sequence gathered), the region runs unchanged on this rank's heads over the full sequence (each
+op checked to keep the heads apart), and one all-to-all brings the output back to the shard. Per-head inputs
+([.., H, S, *] masks and sinks, [1, H, 1] gate sinks) are cut to this rank's heads; with a padded sequence the
+padded keys are hidden from real queries right before the softmax and the logsumexp (see `padding`). The scores of
+this rank's heads are [.., S, S + k], as the model's own eager attention makes them. Keys joined along the sequence
+with pooled entries (compressed attention) are refused by name (`refuse_joined_keys`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
 MATMULS = {torch.matmul, operator.matmul, "matmul", torch.bmm, "bmm"}
+GATES = {operator.mul, torch.mul, "mul"}
+LOGSUMEXPS = {torch.logsumexp, "logsumexp"}  # over the keys, as the softmax: padded keys hidden from it too
 SOFTMAXES = {F.softmax, torch.softmax, "softmax"}
 DROPOUTS = {F.dropout, torch.dropout, "dropout"}
 _META = "autosp_eager_attention"
@@ -37,7 +44,8 @@ ALL_TO_ALL = op("all_to_all").default
 class EagerAttention:
     scores: fx.Node  # q @ kT
     softmax: fx.Node
-    output: fx.Node  # probs @ v
+    attend: fx.Node  # probs @ v
+    output: fx.Node  # the region's last node: `attend`, or the gate on it
     chain: tuple[fx.Node, ...]  # scores .. output and what only feeds them back, in graph order
 
     @property
@@ -50,7 +58,7 @@ class EagerAttention:
 
     @property
     def value(self) -> fx.Node:
-        return self.output.args[1]
+        return self.attend.args[1]
 
 
 def _value(node: object):
@@ -89,33 +97,92 @@ def find(gm: fx.GraphModule, trainable: set[fx.Node]) -> list[EagerAttention]:
 
 
 def _region_around(softmax: fx.Node, trainable: set[fx.Node], order: dict[fx.Node, int]) -> EagerAttention | None:
-    back, node = [], softmax
-    while node.target not in MATMULS:  # up the score chain: the one trainable [.., S, S + k] input of each op
-        inputs = [n for n in node.all_input_nodes if n in trainable and _is_scores(n)]
-        if len(inputs) != 1:
-            return None
-        node = inputs[0]
-        back.append(node)
-    scores = node
+    back = _score_chain(softmax, trainable)
+    if back is None:
+        return None
+    scores = back[-1]
     forward, node = [], softmax
     while node.target not in MATMULS:  # down: single users until `probs @ v`
         if len(node.users) != 1:
             return None
         node = next(iter(node.users))
         forward.append(node)
-    output = node
+    attend = node
     probs = forward[-2] if len(forward) > 1 else softmax
-    if output.args[0] is not probs or len(scores.args) != 2 or not _is_square_scores(scores) \
+    if attend.args[0] is not probs or len(scores.args) != 2 or not _is_square_scores(scores) \
             or not _is_square_scores(probs):
         return None
     chain = {*back, softmax, *forward}
-    return EagerAttention(scores, softmax, output, tuple(sorted(chain | _feedback(chain, scores, output, order),
-                                                               key=order.__getitem__)))
+    inside = chain | _feedback(chain, scores, attend, order)
+    output = attend
+    gate = next(iter(attend.users)) if len(attend.users) == 1 else None
+    if gate is not None and gate.target in GATES:
+        with_gate = chain | {gate}
+        with_gate |= _feedback(with_gate, scores, gate, order)
+        if any(g is not attend and g in with_gate for g in gate.all_input_nodes):
+            inside, output = with_gate, gate
+    return EagerAttention(scores, softmax, attend, output, tuple(sorted(inside, key=order.__getitem__)))
 
 
-def _feedback(chain: set[fx.Node], scores: fx.Node, output: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
-    """Nodes computed from the chain whose every use is back in the chain (or in another such node)."""
-    between = [n for n in scores.graph.nodes if order[scores] < order[n] < order[output] and n not in chain]
+def _score_chain(softmax: fx.Node, trainable: set[fx.Node]) -> list[fx.Node] | None:
+    """Up from the softmax to `q @ kT` through the one trainable [.., S, S + k] input of each op (None: no such
+    chain); the matmul last."""
+    back, node = [], softmax
+    while node.target not in MATMULS:
+        inputs = [n for n in node.all_input_nodes if n in trainable and _is_scores(n)]
+        if len(inputs) != 1:
+            return None
+        node = inputs[0]
+        back.append(node)
+    return back
+
+
+def refuse_joined_keys(gm: fx.GraphModule, trainable: set[fx.Node]) -> None:
+    """Hand-written attention whose queries see the sequence's S keys joined along it with m more entries (`q @ kT`
+    of [.., S, S + m] over keys made by a `cat` of S keys and m others, then a softmax over them: DeepSeek-V4's
+    compressed attention, keys pooled over windows of positions) is refused in one line naming it: a pooled entry is
+    a function of global positions whose window straddles the shards, which AutoSP does not rebuild."""
+    for node in gm.graph.nodes:
+        scores = _value(node)
+        if node.target not in MATMULS or node not in trainable or scores is None or scores.dim() < 3:
+            continue
+        queries, keys = scores.shape[-2], scores.shape[-1]
+        if not keys > queries > 1 or not _joined(node.args[1], queries, keys) or not _softmax_after(node):
+            continue
+        raise SequenceParallelError(
+            f"attention {node_label(node)} attends over the sequence's {queries} keys joined with {keys - queries} "
+            "more entries along it (keys pooled over windows of positions: compressed attention); each pooled entry "
+            "is a function of global positions whose window straddles the shards, so AutoSP cannot shard this "
+            "attention yet (sliding-window layers it can)")
+
+
+def _joined(keys: fx.Node, queries: int, total: int, depth: int = 8) -> bool:
+    """`keys` is computed (within `depth` ops) from a `cat` of `queries` keys and more entries into `total`."""
+    frontier = [keys]
+    for _ in range(depth):
+        for node in frontier:
+            if node.target in (torch.cat, "cat") and total in _value(node).shape:
+                dim = list(_value(node).shape).index(total)
+                parts = [_value(n).shape[dim] for n in node.args[0] if isinstance(n, fx.Node) and _value(n) is not None]
+                if queries in parts:
+                    return True
+        frontier = [n for node in frontier for n in node.all_input_nodes]
+    return False
+
+
+def _softmax_after(matmul: fx.Node, depth: int = 8) -> bool:
+    frontier = [matmul]
+    for _ in range(depth):
+        frontier = [u for node in frontier for u in node.users]
+        if any(n.target in SOFTMAXES for n in frontier):
+            return True
+    return False
+
+
+def _feedback(chain: set[fx.Node], scores: fx.Node, end: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:
+    """Nodes computed from the chain (between `scores` and `end`) whose every use is back in the chain (or in
+    another such node)."""
+    between = [n for n in scores.graph.nodes if order[scores] < order[n] < order[end] and n not in chain]
     reached = {scores} | chain
     derived = [n for n in between if any(i in reached for i in n.all_input_nodes) and not reached.add(n)]
     inside = set(chain)
@@ -162,24 +229,57 @@ def rewrite(ctx: SPContext, region: EagerAttention) -> None:
 
     region.scores.replace_input_with(q, exchange(q, seq_dim, region.scores))
     region.scores.replace_input_with(kt, exchange(kt, ndim - 1, region.scores))
-    region.output.replace_input_with(v, exchange(v, seq_dim, region.output))
+    region.attend.replace_input_with(v, exchange(v, seq_dim, region.attend))
     per_rank = heads // ctx.sp_size
     for node in region.chain:
+        computed = [n for n in node.all_input_nodes if n in inner or n.target is ALL_TO_ALL]
         for side in node.all_input_nodes:
             if side in inner or side in (q, kt, v) or side.target is ALL_TO_ALL:
                 continue
             if ctx.is_local(side):
                 raise SequenceParallelError(f"attention {label}: {node.name} combines the scores with a sharded "
                                             f"value ({side.name}); only full masks and constants can be")
-            node.replace_input_with(side, _full_partner(ctx, side, heads, per_rank, node))
-        if node is region.softmax:
+            node.replace_input_with(side, _full_partner(ctx, side, _heads_dim(ctx, computed, heads, per_rank),
+                                                        heads, per_rank, node))
+        if node is region.softmax or node.target in LOGSUMEXPS:
             padding.hide_padding_keys(ctx, node)
         node.meta["example_value"] = ctx.current[node] = ctx.run(node)
+        _check_per_head(ctx, node, label, heads, per_rank)
     communicate.scatter_heads_back(ctx, region.output, seq_dim, head_dim, expected, ctx.sp_size, ctx.group_name)
 
 
-def _full_partner(ctx: SPContext, side: fx.Node, heads: int, per_rank: int, before: fx.Node) -> fx.Node:
-    """A full mask over [.., S, S] extended to the padded length and cut to this rank's heads."""
+def _heads_dim(ctx: SPContext, computed: list[fx.Node], heads: int, per_rank: int) -> int:
+    """The heads dim, counted from the right, of the region values an op combines: the dim that went from all
+    `heads` (single-process) to this rank's `per_rank` (-3 on [.., H, S, S] scores, -2 on a [.., H, S] logsumexp)."""
+    for n in computed:
+        before, after = ctx.original[n], ctx.current[n]
+        for dim in range(-1, -after.dim() - 1, -1):
+            if before.shape[dim] == heads and after.shape[dim] == per_rank:
+                return dim
+    return -3
+
+
+def _check_per_head(ctx: SPContext, node: fx.Node, label: str, heads: int, per_rank: int) -> None:
+    """A region op on this rank's heads must give the single-process value's shape with heads cut to this rank's
+    (and the sequence padded): one that reduces or reshapes across heads would not compute what single-process does."""
+    from autosp.compiler.sp import padding
+
+    before, after = ctx.original[node], ctx.current[node]
+    if not isinstance(before, torch.Tensor):
+        return
+    grown = padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len
+    cut = [(b, a) for b, a in zip(before.shape, after.shape, strict=False) if b != a]
+    if before.dim() != after.dim() or cut.count((heads, per_rank)) != 1 \
+            or any(a - b != grown for b, a in cut if (b, a) != (heads, per_rank)):
+        raise SequenceParallelError(f"attention {label}: {node.name} ({getattr(node.target, '__name__', node.target)})"
+                                    f" mixes attention heads ({tuple(before.shape)} -> {tuple(after.shape)} on "
+                                    f"{per_rank} of {heads} heads); AutoSP shards hand-written attention by heads")
+
+
+def _full_partner(ctx: SPContext, side: fx.Node, heads_dim: int, heads: int, per_rank: int,
+                  before: fx.Node) -> fx.Node:
+    """A full mask over [.., S, S] (or a per-head sink) extended to the padded length and cut to this rank's heads
+    along `heads_dim` (from the right, as broadcasting aligns it with the region value it meets)."""
     from autosp.compiler.sp import padding
 
     shape = ctx.current[side].shape if isinstance(ctx.current[side], torch.Tensor) else ()
@@ -188,6 +288,6 @@ def _full_partner(ctx: SPContext, side: fx.Node, heads: int, per_rank: int, befo
         if len(shape) >= -dim and shape[dim] == ctx.seq_len:
             node = ctx.pad(node, dim, padding.padded_length(ctx.seq_len, ctx.sp_size) - ctx.seq_len,
                                    0, before)  # any finite value: `hide_padding_keys` decides what padding sees
-    if len(shape) >= 3 and shape[-3] == heads and heads > 1:
-        node = ctx.emit(before, "narrow", (node, len(shape) - 3, ctx.sp_rank * per_rank, per_rank))
+    if len(shape) >= -heads_dim and shape[heads_dim] == heads and heads > 1:
+        node = ctx.emit(before, "narrow", (node, len(shape) + heads_dim, ctx.sp_rank * per_rank, per_rank))
     return node
