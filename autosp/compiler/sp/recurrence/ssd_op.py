@@ -1,0 +1,116 @@
+"""Mamba2's chunked selective scan (SSD) as custom ops, so the SP walk finds the recurrence as one node: HF's kernel
+`mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D, dt_bias, ...)` of Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid,
+Nemotron-H and Zamba2, run whole, by name (its torch path on CPU; mamba_ssm's kernel where HF finds one).
+
+`ssd_scan` is what a traced model calls in place of HF's kernel (`trace_ssd_scans`): the output [B, S, H, P] from a
+zero state. `ssd_scan_with_state` also returns the final state [B, H, P, N]: what each rank runs on its shard. Their
+backward (`ssd_scan_backward`) re-runs the kernel under autograd on the saved inputs, so only the inputs are kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from autosp.comm.library import custom_op
+from autosp.compiler.sp.recurrence.kernels import gradients, original, traced_kernels
+
+#: HF's torch kernel of the SSD chunked scan, a module-level function of these modeling modules
+KERNEL_NAME = "mamba2_chunk_scan"
+
+
+def _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
+    return original(module, KERNEL_NAME)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+                                         return_final_states=True)
+
+
+@custom_op("ssd_scan", mutates_args=())
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool, dt_min: float,
+             dt_max: float, module: str) -> torch.Tensor:
+    """The SSD scan's output [B, S, H, P] (with D's skip connection) from a zero state (HF's kernel in `module`)."""
+    return _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module)[0]
+
+
+@custom_op("ssd_scan_with_state", mutates_args=())
+def ssd_scan_with_state(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool,
+                        dt_min: float, dt_max: float, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, final state [B, H, P, N]) of the SSD scan from a zero state."""
+    out, state = _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module)
+    return out, state
+
+
+@custom_op("ssd_scan_backward", mutates_args=())
+def ssd_scan_backward(grad_out: torch.Tensor, grad_state: torch.Tensor | None, x: torch.Tensor, dt: torch.Tensor,
+                      A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+                      dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
+                      module: str) -> list[torch.Tensor]:
+    """Gradients of (x, dt, A, B, C[, D][, dt_bias]) (those given): the kernel re-run under autograd."""
+    grads = gradients(lambda *inputs: _run(*inputs, chunk_size, dt_softplus, dt_min, dt_max, module),
+                      [x, dt, A, B, C, D, dt_bias], [grad_out, grad_state])
+    return [g for g in grads if g is not None]
+
+
+def _fake_state(x, B):
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[3], B.shape[-1]), dtype=torch.float32)
+
+
+@ssd_scan.register_fake
+def _ssd_scan_fake(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@ssd_scan_with_state.register_fake
+def _ssd_scan_with_state_fake(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
+    return x.new_empty(x.shape, dtype=torch.float32), _fake_state(x, B)
+
+
+@ssd_scan_backward.register_fake
+def _ssd_scan_backward_fake(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, *constants):
+    return [torch.empty_like(t) for t in (x, dt, A, B, C, D, dt_bias) if t is not None]
+
+
+def _setup(ctx, inputs, output):
+    tensors = inputs[:7]
+    ctx.given = [t is not None for t in tensors]
+    ctx.save_for_backward(*[t for t in tensors if t is not None])
+    ctx.constants = inputs[7:]
+
+
+def _grads(ctx, grad_out, grad_state):
+    saved = iter(ctx.saved_tensors)
+    tensors = [next(saved) if given else None for given in ctx.given]
+    grads = iter(ssd_scan_backward(grad_out, grad_state, *tensors, *ctx.constants))
+    return (*[next(grads) if given else None for given in ctx.given], *[None] * len(ctx.constants))
+
+
+ssd_scan.register_autograd(lambda ctx, grad_out: _grads(ctx, grad_out, None), setup_context=_setup)
+ssd_scan_with_state.register_autograd(_grads, setup_context=_setup)
+
+
+@functools.cache
+def _traced_kernel(module: str, hf_kernel):
+    """HF's kernel, as the `ssd_scan` op where the call is the plain training one (no state in or out, no packed
+    documents, no gate); any other call runs HF's kernel inlined (and the walk refuses its chunk loop). One function
+    per kernel, so Dynamo's guards see the same global at every call."""
+
+    def kernel(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+               dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **kwargs):
+        packed = kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None
+        if initial_states is not None or return_final_states or z is not None or packed:
+            return hf_kernel(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                             initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                             return_final_states=return_final_states, z=z, **kwargs)
+        return ssd_scan(hidden_states, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, float(dt_limit[0]),
+                        float(dt_limit[1]), module)
+
+    kernel._autosp_traced = True
+    return kernel
+
+
+def trace_ssd_scans() -> contextlib.AbstractContextManager:
+    """While Dynamo traces, every loaded transformers modeling module's `mamba2_chunk_scan` calls the op."""
+    return traced_kernels(KERNEL_NAME, _traced_kernel)
