@@ -99,6 +99,11 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8,
                         n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
                         moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1, **_MOE), {}),
+    # Mamba1's selective scan (a per channel x state decay, `mamba_selective_scan`) beside attention and experts:
+    # refused (not yet sharded)
+    "jamba": ("JambaForCausalLM", "JambaConfig",
+              dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=4, mamba_d_state=16, mamba_dt_rank=8, use_mamba_kernels=False, **_MOE), {}),
 }
 
 
