@@ -72,3 +72,23 @@ def gradients(run: Callable, inputs: list[torch.Tensor | None], grad_outputs: li
         g = None if x is None else next(result)
         grads.append(torch.zeros_like(x) if x is not None and g is None else g)
     return grads
+
+
+def register_rerun_autograd(output_op, stateful_op, backward_op, tensors: int) -> None:
+    """Autograd for a kernel's pair of ops, `output_op(*tensors, *constants) -> out` and `stateful_op(...) -> (out,
+    final state)`: the first `tensors` arguments (None allowed) are saved, and `backward_op(grad_out, grad_state,
+    *tensors, *constants)` returns the gradients of those given, in order."""
+
+    def setup(ctx, inputs, output):
+        ctx.given = [t is not None for t in inputs[:tensors]]
+        ctx.save_for_backward(*[t for t in inputs[:tensors] if t is not None])
+        ctx.constants = inputs[tensors:]
+
+    def grads(ctx, grad_out, grad_state):
+        saved = iter(ctx.saved_tensors)
+        given = [next(saved) if g else None for g in ctx.given]
+        result = iter(backward_op(grad_out, grad_state, *given, *ctx.constants))
+        return (*[next(result) if g else None for g in ctx.given], *[None] * len(ctx.constants))
+
+    output_op.register_autograd(lambda ctx, grad_out: grads(ctx, grad_out, None), setup_context=setup)
+    stateful_op.register_autograd(grads, setup_context=setup)

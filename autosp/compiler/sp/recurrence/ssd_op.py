@@ -14,7 +14,7 @@ import functools
 import torch
 
 from autosp.comm.library import custom_op
-from autosp.compiler.sp.recurrence.kernels import gradients, original, traced_kernels
+from autosp.compiler.sp.recurrence.kernels import gradients, original, register_rerun_autograd, traced_kernels
 
 #: HF's torch kernel of the SSD chunked scan, a module-level function of these modeling modules
 KERNEL_NAME = "mamba2_chunk_scan"
@@ -73,22 +73,7 @@ def _ssd_scan_backward_fake(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, *c
     return [torch.empty_like(t) for t in (x, dt, A, B, C, D, dt_bias) if t is not None]
 
 
-def _setup(ctx, inputs, output):
-    tensors = inputs[:7]
-    ctx.given = [t is not None for t in tensors]
-    ctx.save_for_backward(*[t for t in tensors if t is not None])
-    ctx.constants = inputs[7:]
-
-
-def _grads(ctx, grad_out, grad_state):
-    saved = iter(ctx.saved_tensors)
-    tensors = [next(saved) if given else None for given in ctx.given]
-    grads = iter(ssd_scan_backward(grad_out, grad_state, *tensors, *ctx.constants))
-    return (*[next(grads) if given else None for given in ctx.given], *[None] * len(ctx.constants))
-
-
-ssd_scan.register_autograd(lambda ctx, grad_out: _grads(ctx, grad_out, None), setup_context=_setup)
-ssd_scan_with_state.register_autograd(_grads, setup_context=_setup)
+register_rerun_autograd(ssd_scan, ssd_scan_with_state, ssd_scan_backward, tensors=7)
 
 
 @functools.cache
