@@ -99,11 +99,16 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8,
                         n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
                         moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1, **_MOE), {}),
-    # Mamba1's selective scan (a per channel x state decay, `mamba_selective_scan`) beside attention and experts:
-    # refused (not yet sharded)
+    # Mamba1's selective scan (a per channel x state decay, `mamba_selective_scan`) beside attention and experts
     "jamba": ("JambaForCausalLM", "JambaConfig",
               dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                    num_experts=4, mamba_d_state=16, mamba_dt_rank=8, use_mamba_kernels=False, **_MOE), {}),
+    # Kimi delta attention (a per-channel gated delta rule, `chunk_kimi_delta_attention`) beside MLA: refused (not yet
+    # sharded)
+    "kimi-linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
+                    dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+                         linear_head_dim=16, linear_num_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                         q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), {}),
 }
 
 

@@ -1,7 +1,8 @@
 """Unmodified HF hybrid models (issue 45) against single-process training at P=2 and P=4: short causal convolutions
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
 (Qwen3-Next with its MoE, Qwen3.5) and Mamba2's SSD scan likewise (Mamba2 alone; Bamba, Falcon-H1 beside attention;
-GraniteMoeHybrid, Nemotron-H with their default experts), beside softmax attention; ZeRO 0 and 3."""
+GraniteMoeHybrid, Nemotron-H with their default experts) and Mamba1's selective scan (Jamba), beside softmax
+attention; ZeRO 0 and 3. Kimi delta attention is refused in one line."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +48,7 @@ CASES = {
     "granitemoehybrid-zero3-2": (2, _hf("granitemoehybrid", 31, zero=3)),
     "nemotron-h-2": (2, _hf("nemotron-h", 32, _SSD_EPS)),
     "jamba-2": (2, _hf("jamba", 32)),
+    "kimi-linear-2": (2, _hf("kimi-linear", 32)),
     "lfm2-4": (4, _hf("lfm2", 32)),
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
     "lfm2-zero3-4": (4, _hf("lfm2", 30, 1e-6, zero=3)),
@@ -59,6 +61,7 @@ CASES = {
     "falcon-h1-4": (4, _hf("falcon-h1", 32)),
     "granitemoehybrid-4": (4, _hf("granitemoehybrid", 32)),
     "nemotron-h-4": (4, _hf("nemotron-h", 32, _SSD_EPS)),
+    "jamba-4": (4, _hf("jamba", 32)),
 }
 
 
@@ -83,8 +86,12 @@ def test_ssd_scan_is_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
 
 
-def test_mamba1_selective_scan_is_refused_in_one_line_naming_its_kernel(runs):
-    runs.assert_refused("jamba-2", "mamba_selective_scan", "not yet sharded")
+def test_mamba1_selective_scan_is_exact_on_two_ranks(runs):
+    runs.assert_exact("jamba-2")
+
+
+def test_kimi_delta_attention_is_refused_in_one_line_naming_its_kernel(runs):
+    runs.assert_refused("kimi-linear-2", "chunk_kimi_delta_attention", "not yet sharded")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,7 @@ def test_a_hybrid_is_exact_on_four_ranks(four_ranks, case):
 
 @pytest.mark.long
 @pytest.mark.parametrize("case", ["lfm2-4", "lfm2-zero3-4", "lfm2-moe-4", "mamba2-4", "mamba2-zero3-4", "falcon-h1-4",
-                                  "granitemoehybrid-4", "nemotron-h-4"])
+                                  "granitemoehybrid-4", "nemotron-h-4", "jamba-4"])
 def test_hybrids_are_exact_on_four_ranks(runs, case):
     runs.assert_exact(case)
 
