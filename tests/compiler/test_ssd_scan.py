@@ -9,8 +9,8 @@ import importlib
 import torch
 
 import autosp.comm  # noqa: F401
-from autosp.comm.library import op
 import autosp.compiler.sp  # noqa: F401  (registers the ops)
+from autosp.comm.library import op
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
 

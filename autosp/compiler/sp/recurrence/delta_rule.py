@@ -7,8 +7,9 @@ maps its incoming state S_in to A S_in + U, and its output at t is q_t^T (A_{..t
 kernel. One scan from the initial state [I | 0] with values [0 | v] (dk extra value channels) gives both halves at
 once: final state [A | U] and output [p_t | o_t], where p_t = (A_{..t}^T q_t)^T and o_t the zero-state output.
 The states pass along the ranks (`states`: P-1 rounds of `from_previous_rank`), so rank r receives S_in, the
-composition of the earlier ranks' pairs in rank order, and its output is o_t + p_t S_in. Backward is autograd through the same ops
-(the exchange's is `to_previous_rank`). Only the small state exchange is sequential; the scans run in parallel.
+composition of the earlier ranks' pairs in rank order, and its output is o_t + p_t S_in. Backward is autograd
+through the same ops (the exchange's is `to_previous_rank`). Only the small state exchange is sequential; the
+scans run in parallel.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-from autosp.comm.library import custom_op
+from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.library import custom_op, op
 from autosp.compiler.sp.recurrence.kernels import gradients, original, traced_kernels
 
 #: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
@@ -111,3 +112,25 @@ def _traced_kernel(module: str, hf_kernel):
 def trace_gated_delta_rules() -> contextlib.AbstractContextManager:
     """While Dynamo traces, every loaded transformers modeling module's `torch_chunk_gated_delta_rule` calls the op."""
     return traced_kernels(KERNEL_NAME, _traced_kernel)
+
+
+def _forward_flops(q, v, chunk_size) -> float:
+    """The chunked rule per head and chunk of C tokens: k k^T, q k^T and the products of the [C, C] matrices with
+    k and v (C^2 (6 dk + 4 dv)), the triangular solve's row updates (2 C^3 / 3), the state's read-outs and update
+    (6 C dk dv)."""
+    batch, length, heads, dk = q.shape
+    dv, chunk = v.shape[-1], min(chunk_size, length)
+    per_token = chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv
+    return float(batch * heads * length * per_token)
+
+
+@declare_cost(op("gated_delta_rule"))
+@declare_cost(op("gated_delta_rule_from"))
+def _gated_delta_rule_cost(q, k, v, g, beta, *rest):
+    chunk_size = rest[-3]
+    return "matmul", _forward_flops(q, v, chunk_size)
+
+
+@declare_cost(op("gated_delta_rule_backward"))
+def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
+    return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(q, v, chunk_size)

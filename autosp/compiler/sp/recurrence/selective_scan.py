@@ -35,8 +35,8 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     if expected is None or any(ctx.specs.get(t) != expected for t in sequences) or \
             any(ctx.is_local(t) for t in (A, D, delta_bias) if t is not None):
         raise SequenceParallelError(
-            f"{node_label(node)}: the selective scan's inputs are not sharded along the sequence (dim 2 of x, dt, B, C, "
-            "z) in rank order with A, D, delta_bias per channel; train this model without sequence parallelism")
+            f"{node_label(node)}: the selective scan's inputs are not sharded along the sequence (dim 2 of x, dt, B, "
+            "C, z) in rank order with A, D, delta_bias per channel; train this model without sequence parallelism")
     emit = ctx.emit
     scan = emit(node, op("selective_scan_with_state").default, node.args)
     out = emit(node, operator.getitem, (scan, 0), spec=spec)

@@ -13,7 +13,9 @@ import functools
 
 import torch
 
-from autosp.comm.library import custom_op
+from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.library import custom_op, op
+from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import gradients, original, register_rerun_autograd, traced_kernels
 
 #: HF's torch kernel of Mamba1's selective scan, a module-level function of these modeling modules
@@ -102,3 +104,31 @@ def _traced_kernel(module: str, hf_kernel):
 def trace_selective_scans() -> contextlib.AbstractContextManager:
     """While Dynamo traces, every loaded transformers modeling module's `mamba_selective_scan` calls the op."""
     return traced_kernels(KERNEL_NAME, _traced_kernel)
+
+
+def _expanded_bytes(x, A) -> int:
+    """The torch kernel's [B, D, S, N] fp32 arrays: the discretised A and B x, each written once and read once."""
+    return 4 * x.shape[0] * x.shape[1] * x.shape[2] * A.shape[-1]
+
+
+@declare_cost(op("selective_scan"))
+@declare_cost(op("selective_scan_with_state"))
+def _selective_scan_cost(x, dt, A, *rest):
+    """Element-wise work per (channel, position, state entry): bound by the [B, D, S, N] arrays it moves."""
+    return "memory", 2.0 * 2 * _expanded_bytes(x, A)
+
+
+@declare_cost(op("selective_scan_backward"))
+def _selective_scan_backward_cost(grad_out, grad_state, x, dt, A, *rest):
+    return "memory", RERUN_BACKWARD_FACTOR * 2.0 * 2 * _expanded_bytes(x, A)
+
+
+@declare_transient_bytes(op("selective_scan"))
+@declare_transient_bytes(op("selective_scan_with_state"))
+def _selective_scan_scratch(x, dt, A, *rest):
+    return 2 * _expanded_bytes(x, A)
+
+
+@declare_transient_bytes(op("selective_scan_backward"))
+def _selective_scan_backward_scratch(grad_out, grad_state, x, dt, A, *rest):
+    return 4 * _expanded_bytes(x, A)  # the re-run forward's arrays kept for autograd, and their gradients

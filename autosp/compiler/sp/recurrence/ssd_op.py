@@ -13,7 +13,9 @@ import functools
 
 import torch
 
-from autosp.comm.library import custom_op
+from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.library import custom_op, op
+from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import gradients, original, register_rerun_autograd, traced_kernels
 
 #: HF's torch kernel of the SSD chunked scan, a module-level function of these modeling modules
@@ -99,3 +101,43 @@ def _traced_kernel(module: str, hf_kernel):
 def trace_ssd_scans() -> contextlib.AbstractContextManager:
     """While Dynamo traces, every loaded transformers modeling module's `mamba2_chunk_scan` calls the op."""
     return traced_kernels(KERNEL_NAME, _traced_kernel)
+
+
+def _forward_flops(x, B, chunk_size) -> float:
+    """SSD's chunked scan: per chunk C B^T and its product with x (2 L Q (N + P) per head), the chunk states B^T x
+    and their read-out C h (2 L P N each)."""
+    batch, length, heads, head_dim = x.shape
+    return 2.0 * batch * length * heads * (chunk_size * (B.shape[-1] + head_dim) + 2 * head_dim * B.shape[-1])
+
+
+@declare_cost(op("ssd_scan"))
+@declare_cost(op("ssd_scan_with_state"))
+def _ssd_scan_cost(x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
+    return "matmul", _forward_flops(x, B, chunk_size)
+
+
+@declare_cost(op("ssd_scan_backward"))
+def _ssd_scan_backward_cost(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
+    return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(x, B, chunk_size)
+
+
+def _scratch(x, B, chunk_size) -> int:
+    """An estimate of the torch kernel's intermediates alive together (fp32): x, its discretised copy and the
+    diagonal and off-diagonal outputs ([L, P] each, per head), B and C per head and B's decayed copy ([L, N] each), the
+    chunks' [Q, Q] decays, scores and masked scores, the chunk states [L/Q, P, N]."""
+    batch, length, heads, head_dim = x.shape
+    state = B.shape[-1]
+    padded = -(-length // chunk_size) * chunk_size
+    per_head = padded * (4 * head_dim + 3 * state + 3 * chunk_size) + padded // chunk_size * head_dim * state
+    return 4 * batch * heads * per_head
+
+
+@declare_transient_bytes(op("ssd_scan"))
+@declare_transient_bytes(op("ssd_scan_with_state"))
+def _ssd_scan_scratch(x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
+    return _scratch(x, B, chunk_size)
+
+
+@declare_transient_bytes(op("ssd_scan_backward"))
+def _ssd_scan_backward_scratch(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
+    return 2 * _scratch(x, B, chunk_size)  # the re-run forward's intermediates kept for autograd, and their gradients
