@@ -117,9 +117,9 @@ def trace_gated_delta_rules() -> contextlib.AbstractContextManager:
 def _forward_flops(q, v, chunk_size) -> float:
     """The chunked rule per head and chunk of C tokens: k k^T, q k^T and the products of the [C, C] matrices with
     k and v (C^2 (6 dk + 4 dv)), the triangular solve's row updates (2 C^3 / 3), the state's read-outs and update
-    (6 C dk dv)."""
-    batch, length, heads, dk = q.shape
-    dv, chunk = v.shape[-1], min(chunk_size, length)
+    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head)."""
+    batch, length, _, dk = q.shape
+    heads, dv, chunk = v.shape[2], v.shape[-1], min(chunk_size, length)
     per_token = chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv
     return float(batch * heads * length * per_token)
 
