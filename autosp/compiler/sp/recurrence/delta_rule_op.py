@@ -15,7 +15,7 @@ import torch
 
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
-from autosp.compiler.sp.recurrence.kernels import gradients, original, traced_kernels
+from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, original, traced_kernels
 
 #: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
 #: recognises it by: the kernel HF's gated delta-net layers call, not a pattern of the inlined chunk loop)
@@ -23,8 +23,9 @@ KERNEL_NAME = "torch_chunk_gated_delta_rule"
 
 
 def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
-    return original(module, KERNEL_NAME)(q, k, v, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                                         output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    return contiguous(original(module, KERNEL_NAME)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
+                                                    initial_state=initial_state, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=l2norm))
 
 
 @custom_op("gated_delta_rule", mutates_args=())
@@ -67,7 +68,7 @@ def _gated_delta_rule_from_fake(q, k, v, g, beta, initial_state, chunk_size, l2n
 @gated_delta_rule_backward.register_fake
 def _gated_delta_rule_backward_fake(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
     wrt = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
-    return [torch.empty_like(x) for x in wrt]
+    return [x.new_empty(x.shape) for x in wrt]
 
 
 def _setup(ctx, inputs, output):

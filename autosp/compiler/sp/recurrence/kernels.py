@@ -18,6 +18,11 @@ import torch
 _ORIGINAL = "_autosp_original_{}"
 
 
+def contiguous(outputs: tuple) -> tuple:
+    """A kernel's outputs laid out as the ops' fake kernels say (contiguous: Inductor asserts their strides)."""
+    return tuple(o.contiguous() for o in outputs)
+
+
 def original(module: str, name: str) -> Callable:
     """HF's kernel `name` of the modeling module `module` (the function the trace replaced, if it did)."""
     loaded = importlib.import_module(module)
@@ -60,7 +65,7 @@ def autograd_inside_op() -> Iterator[None]:
 def gradients(run: Callable, inputs: list[torch.Tensor | None], grad_outputs: list[torch.Tensor | None]
               ) -> list[torch.Tensor | None]:
     """d(run(*inputs))/d(inputs) against `grad_outputs` (None: that output unused), re-running `run` under autograd;
-    None inputs get None, unused ones zeros."""
+    None inputs get None, unused ones zeros; contiguous, as the ops' fake kernels say (Inductor asserts strides)."""
     leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
     with autograd_inside_op(), torch.enable_grad():
         outputs = run(*leaves)
@@ -70,7 +75,7 @@ def gradients(run: Callable, inputs: list[torch.Tensor | None], grad_outputs: li
     grads = []
     for x in leaves:
         g = None if x is None else next(result)
-        grads.append(torch.zeros_like(x) if x is not None and g is None else g)
+        grads.append(None if x is None else x.new_zeros(x.shape) if g is None else g.contiguous())
     return grads
 
 

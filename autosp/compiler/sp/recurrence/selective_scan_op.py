@@ -16,16 +16,22 @@ import torch
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes
-from autosp.compiler.sp.recurrence.kernels import gradients, original, register_rerun_autograd, traced_kernels
+from autosp.compiler.sp.recurrence.kernels import (
+    contiguous,
+    gradients,
+    original,
+    register_rerun_autograd,
+    traced_kernels,
+)
 
 #: HF's torch kernel of Mamba1's selective scan, a module-level function of these modeling modules
 KERNEL_NAME = "mamba_selective_scan"
 
 
 def _run(x, dt, A, B, C, D, z, delta_bias, softplus, use_mambapy, use_associative_scan, module):
-    return original(module, KERNEL_NAME)(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=softplus,
-                                         return_last_state=True, use_mambapy=use_mambapy,
-                                         use_associative_scan=use_associative_scan)
+    return contiguous(original(module, KERNEL_NAME)(x, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                                                    delta_softplus=softplus, return_last_state=True,
+                                                    use_mambapy=use_mambapy, use_associative_scan=use_associative_scan))
 
 
 @custom_op("selective_scan", mutates_args=())
@@ -75,7 +81,7 @@ def _selective_scan_with_state_fake(x, dt, A, B, C, D, z, delta_bias, *constants
 
 @selective_scan_backward.register_fake
 def _selective_scan_backward_fake(grad_out, grad_state, x, dt, A, B, C, D, z, delta_bias, *constants):
-    return [torch.empty_like(t) for t in (x, dt, A, B, C, D, z, delta_bias) if t is not None]
+    return [t.new_empty(t.shape) for t in (x, dt, A, B, C, D, z, delta_bias) if t is not None]
 
 
 register_rerun_autograd(selective_scan, selective_scan_with_state, selective_scan_backward, tensors=8)

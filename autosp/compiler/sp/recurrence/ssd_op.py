@@ -16,16 +16,22 @@ import torch
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes
-from autosp.compiler.sp.recurrence.kernels import gradients, original, register_rerun_autograd, traced_kernels
+from autosp.compiler.sp.recurrence.kernels import (
+    contiguous,
+    gradients,
+    original,
+    register_rerun_autograd,
+    traced_kernels,
+)
 
 #: HF's torch kernel of the SSD chunked scan, a module-level function of these modeling modules
 KERNEL_NAME = "mamba2_chunk_scan"
 
 
 def _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
-    return original(module, KERNEL_NAME)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
-                                         return_final_states=True)
+    return contiguous(original(module, KERNEL_NAME)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                                    dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+                                                    return_final_states=True))
 
 
 @custom_op("ssd_scan", mutates_args=())
@@ -72,7 +78,7 @@ def _ssd_scan_with_state_fake(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplu
 
 @ssd_scan_backward.register_fake
 def _ssd_scan_backward_fake(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, *constants):
-    return [torch.empty_like(t) for t in (x, dt, A, B, C, D, dt_bias) if t is not None]
+    return [t.new_empty(t.shape) for t in (x, dt, A, B, C, D, dt_bias) if t is not None]
 
 
 register_rerun_autograd(ssd_scan, ssd_scan_with_state, ssd_scan_backward, tensors=7)
