@@ -2,7 +2,7 @@
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
 (Qwen3-Next with its MoE, Qwen3.5) and Mamba2's SSD scan likewise (Mamba2 alone; Bamba, Falcon-H1 beside attention;
 GraniteMoeHybrid, Nemotron-H with their default experts) and Mamba1's selective scan (Jamba), beside softmax
-attention; ZeRO 0 and 3. Kimi delta attention is refused in one line."""
+attention; ZeRO 0 and 3. Kimi delta attention and lightning attention (MiniMax) are refused in one line."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +53,7 @@ CASES = {
     "qwen3.5-inductor-2": (2, _hf("qwen3.5", 64, _GDN_EPS, _GDN_STEPS, backend="inductor")),
     "mamba2-inductor-2": (2, _hf("mamba2", 62, backend="inductor")),
     "kimi-linear-2": (2, _hf("kimi-linear", 32)),
+    "minimax-2": (2, _hf("minimax", 32)),
     "lfm2-4": (4, _hf("lfm2", 32)),
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
     "lfm2-zero3-4": (4, _hf("lfm2", 30, 1e-6, zero=3)),
@@ -101,6 +102,11 @@ def test_mamba1_selective_scan_is_exact_on_two_ranks(runs):
 
 def test_kimi_delta_attention_is_refused_in_one_line_naming_its_kernel(runs):
     runs.assert_refused("kimi-linear-2", "chunk_kimi_delta_attention", "not yet sharded")
+
+
+def test_lightning_attention_is_refused_in_one_line(runs):
+    # written inline in the layer (no module-level kernel to name): refused where its block products mix two shards
+    runs.assert_refused("minimax-2", "model.layers.0.self_attn", "sharded sequence")
 
 
 @pytest.fixture(scope="module")
