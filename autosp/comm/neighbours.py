@@ -26,7 +26,7 @@ def _all_gathered(x: torch.Tensor, group_size: int, group_name: str) -> tuple[to
 def _shifted(x: torch.Tensor, group_size: int, group_name: str, offset: int) -> torch.Tensor:
     gathered, rank = _all_gathered(x, group_size, group_name)
     source = rank + offset
-    return gathered[source].clone() if 0 <= source < group_size else torch.zeros_like(x)
+    return gathered[source].clone() if 0 <= source < group_size else x.new_zeros(x.shape)
 
 
 @custom_op("from_previous_rank", mutates_args=())
@@ -41,14 +41,16 @@ def to_previous_rank(x: torch.Tensor, group_size: int, group_name: str) -> torch
     return _shifted(x, group_size, group_name, 1)
 
 
+# contiguous, as the kernels return them, whatever `x`'s layout (a causal convolution's halo is a narrow of a
+# transposed activation): Inductor asserts the kernels' strides against these
 @from_previous_rank.register_fake
 def _from_previous_rank_fake(x, group_size, group_name):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @to_previous_rank.register_fake
 def _to_previous_rank_fake(x, group_size, group_name):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @declare_transient_bytes(op("from_previous_rank"))

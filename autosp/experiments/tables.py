@@ -253,10 +253,11 @@ def _length_cell(method: str, best: pd.Series, failed: pd.Series, bounded: set[s
 
 
 def headline_table(trainability: pd.DataFrame, devices: list[str] | None = None) -> pd.DataFrame:
-    """The README's headline, eight columns: one row per model and setting (measured or simulated, said first), AutoSP
-    as it runs by default (`autosp`; the paper's setting and other specs are in the full tables), the strongest peer
-    of each class of `PEER_CLASSES` that ran there (its longest trainable length over the ZeRO stages it ran, named where the
-    class has several methods), and AutoSP's ratio to the strongest of them all. `>=` marks lower bounds."""
+    """The README's headline, eight columns: one row per model and setting (measured or simulated, said first),
+    AutoSP as it runs by default (`autosp`; the paper's setting and other specs are in the full tables), the
+    strongest peer of each class of `PEER_CLASSES` that ran there (its longest trainable length over the ZeRO stages
+    it ran, named where the class has several methods), and AutoSP's ratio to the strongest of them all. `>=` marks
+    lower bounds."""
     table = trainability.assign(n=pd.to_numeric(trainability["max_seq_len"], errors="coerce").astype(float))
     names = table["device_name"] if "device_name" in table else table["device"]
     # a device type (cpu, a100-80gb) names the setting; a measured GPU's own name stands in for plain "cuda"

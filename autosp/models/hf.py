@@ -1,7 +1,8 @@
 """`hf:<preset>`: the preset's hyper-parameters built as HF transformers' own LlamaForCausalLM
 (`hf-mistral:` / `hf-qwen2:` build Mistral / Qwen2 instead, `-w<N>` with a sliding window of N tokens;
 `hf-mixtral:` / `hf-deepseek-v3:` a mixture of experts / multi-head latent attention with experts,
-`hf-deepseek-v32:` the latter with DeepSeek sparse attention).
+`hf-deepseek-v32:` the latter with DeepSeek sparse attention; `hf-qwen3.5:` Qwen3.5's hybrid of gated delta-net
+linear attention and full attention).
 
 Real third-party model code, so the compiler and baselines are tested on what users actually train.
 transformers is an optional extra (`pip install "autosp[hf]"`).
@@ -44,7 +45,19 @@ def _family_config(preset: ModelPreset, variant: HFVariant) -> dict:
                 "n_routed_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K, "n_shared_experts": 1,
                 "moe_intermediate_size": preset.intermediate_size // 4, "first_k_dense_replace": 1,
                 "n_group": 1, "topk_group": 1}
+    if variant.family == "qwen3.5":
+        return {"layer_types": qwen3_5_layer_types(preset.num_layers), "head_dim": preset.head_dim,
+                "linear_num_value_heads": preset.num_attention_heads,
+                "linear_num_key_heads": preset.num_key_value_heads, "linear_key_head_dim": preset.head_dim,
+                "linear_value_head_dim": preset.head_dim}
     return {}
+
+
+def qwen3_5_layer_types(num_layers: int) -> list[str]:
+    """Qwen3.5's layout: three gated delta-net layers, then one full-attention layer (the last layer full attention
+    when the model has fewer than four); its linear heads are the preset's query/KV heads at the preset's head dim."""
+    interval = min(4, num_layers)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
 
 
 def build_hf_llama(preset: ModelPreset, variant: HFVariant = HFVariant("llama", None)) -> nn.Module:
@@ -58,8 +71,9 @@ def build_hf_llama(preset: ModelPreset, variant: HFVariant = HFVariant("llama", 
             'pip install "autosp[hf]" or use the model name without "hf:"'
         ) from exc
     family = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
-              "deepseek-v3": "DeepseekV3", "deepseek-v32": "DeepseekV32"}[variant.family]
-    config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
+              "deepseek-v3": "DeepseekV3", "deepseek-v32": "DeepseekV32", "qwen3.5": "Qwen3_5"}[variant.family]
+    config_name = "Qwen3_5TextConfig" if variant.family == "qwen3.5" else f"{family}Config"
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, f"{family}ForCausalLM")
     config = config_class(**{
         "vocab_size": preset.vocab_size,
         "hidden_size": preset.hidden_size,

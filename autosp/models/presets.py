@@ -14,9 +14,11 @@ from autosp.errors import ConfigError
 HF_PREFIX = "hf:"
 # hf:<preset> (Llama), hf-mistral:<preset>, hf-qwen2:<preset> (-w<N> adds a sliding attention window of N tokens),
 # hf-mixtral:<preset> (mixture of experts), hf-deepseek-v3:<preset> (multi-head latent attention + experts),
-# hf-deepseek-v32:<preset> (the same with DeepSeek sparse attention's indexer)
-HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek-v3", "deepseek-v32")
-_HF_NAME = re.compile(r"^hf(?:-(?:(mistral|qwen2)(?:-w([1-9][0-9]*))?|(mixtral|deepseek-v32|deepseek-v3)))?:(.+)$")
+# hf-deepseek-v32:<preset> (the same with DeepSeek sparse attention's indexer),
+# hf-qwen3.5:<preset> (Qwen3.5's hybrid: gated delta-net layers, every fourth layer full attention)
+HF_FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "deepseek-v3", "deepseek-v32", "qwen3.5")
+_HF_NAME = re.compile(r"^hf(?:-(?:(mistral|qwen2)(?:-w([1-9][0-9]*))?|"
+                      r"(mixtral|deepseek-v32|deepseek-v3|qwen3\.5)))?:(.+)$")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def preset_names() -> list[str]:
 def model_names() -> list[str]:
     """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form (also ``hf-mistral:``,
     ``hf-qwen2:``, with ``-w<N>`` for a sliding window of N tokens, e.g. ``hf-mistral-w64:tiny``, and
-    ``hf-mixtral:``, ``hf-deepseek-v3:``, ``hf-deepseek-v32:``)."""
+    ``hf-mixtral:``, ``hf-deepseek-v3:``, ``hf-deepseek-v32:``, ``hf-qwen3.5:``)."""
     return preset_names() + [HF_PREFIX + name for name in _PRESETS]
 
 

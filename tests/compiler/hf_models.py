@@ -104,6 +104,41 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
                 dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                      linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16), {}),
+    # Mamba2 / SSD layers (their short convolution, then the chunked selective scan; chunks of 8 tokens so a shard
+    # holds several): Mamba2 alone (no attention at all), Bamba and Falcon-H1 beside attention, GraniteMoeHybrid and
+    # Nemotron-H with their experts (Nemotron-H: mamba, attention, MoE layers)
+    "mamba2": ("Mamba2ForCausalLM", "Mamba2Config",
+               dict(num_heads=8, head_dim=16, state_size=16, n_groups=2, expand=2, chunk_size=8), {}),
+    "bamba": ("BambaForCausalLM", "BambaConfig",
+              dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                   mamba_chunk_size=8), {}),
+    "falcon-h1": ("FalconH1ForCausalLM", "FalconH1Config",
+                  dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_ssm=128,
+                       mamba_chunk_size=8, head_dim=16), {}),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                         dict(layer_types=["mamba", "attention"], num_local_experts=4, shared_intermediate_size=32,
+                              mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                              mamba_chunk_size=8, **_MOE), {}),
+    "nemotron-h": ("NemotronHForCausalLM", "NemotronHConfig",
+                   dict(layers_block_type=["mamba", "attention", "moe"], num_hidden_layers=3, head_dim=16,
+                        mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=8,
+                        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1, **_MOE), {}),
+    # Mamba1's selective scan (a per channel x state decay, `mamba_selective_scan`) beside attention and experts
+    "jamba": ("JambaForCausalLM", "JambaConfig",
+              dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=4, mamba_d_state=16, mamba_dt_rank=8, use_mamba_kernels=False, **_MOE), {}),
+    # Kimi delta attention (a per-channel gated delta rule, `chunk_kimi_delta_attention`) beside MLA: refused (not yet
+    # sharded)
+    "kimi-linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
+                    dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+                         linear_head_dim=16, linear_num_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                         q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), {}),
+    # lightning attention (MiniMax: a block-wise linear attention with a decayed carried state) beside attention and
+    # experts: refused (not yet sharded)
+    "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig",
+                dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, head_dim=16, block_size=8,
+                     **_MOE), {}),
 }
 
 

@@ -119,3 +119,42 @@ def test_devices_that_share_a_simulated_program_each_get_their_own_time():
     a100_time, gcd_time = a100["extra"]["time"], gcd["extra"]["time"]
     assert gcd_time["seconds_by_class"]["matmul"] == pytest.approx(a100_time["seconds_by_class"]["matmul"] * 312 / 181)
     assert gcd_time["iteration_s"] > a100_time["iteration_s"]
+
+
+def test_an_exchange_with_the_previous_rank_is_the_all_gather_it_is_implemented_as():
+    from autosp.comm.neighbours import from_previous_rank
+
+    def program():
+        from_previous_rank(torch.randn(1000), 4, "default")  # every rank's 4,000 bytes gathered: 3/4 of 16,000 sent
+
+    assert clocked(program).by_class["collective"] == pytest.approx(12_000 / 1e8)
+
+
+def test_the_ssd_scan_costs_its_declared_chunked_matmuls_forward_and_three_times_that_backward():
+    from autosp.comm.library import op
+
+    def program():
+        x = torch.randn(1, 32, 4, 8, requires_grad=True)  # [B, L, H, P]
+        B, C = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)  # [B, L, G, N]
+        op("ssd_scan")(x, torch.randn(1, 32, 4), -torch.rand(4), B, C, None, None, 8, True, 0.0, float("inf"),
+                       "transformers.models.mamba2.modeling_mamba2").sum().backward()
+
+    forward = 2 * 32 * 4 * (8 * (16 + 8) + 2 * 8 * 16)  # 2 L H (Q (N + P) + 2 P N)
+    assert clocked(program).by_class["matmul"] == pytest.approx(4 * forward / 2e12)
+
+
+def test_a_simulated_hybrids_step_carries_its_state_exchanges_and_its_scans_flops():
+    """Qwen3.5 tiny at P=2 (one gated delta-net layer, then full attention), 512 tokens: the state entering rank 1's
+    shard is a [1, 4, 16, 16] fp32 state (4 value heads, head dims 16), gathered from both ranks forward and its
+    gradient backward; the scan runs on rank 0's 256 tokens with 16 + 16 value channels (the [I | 0] probe)."""
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method="autosp", model="hf-qwen3.5:tiny", world_size=2, seq_len=512, compile_backend="aot_eager")
+    peak, _ = sim.extrapolate.predict_peak(cfg, get_device_model("h100-80gb"))
+    events = peak.trace.events
+    state = 4 * 16 * 16 * 4
+    exchanges = [e for e in events if e[0] == "collective" and e[2] == "all_gather" and e[1] == 2 * state]
+    assert len(exchanges) == 2  # the state forward, its gradient backward
+    chunk, dk, dv = 64, 16, 32
+    scan = 4 * 256 * (chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv)
+    matmuls = [e[1] for e in events if e[0] == "matmul"]
+    assert any(q == pytest.approx(scan) for q in matmuls) and any(q == pytest.approx(3 * scan) for q in matmuls)

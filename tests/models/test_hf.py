@@ -133,3 +133,15 @@ def test_autosp_check_passes_on_the_moe_and_mla_harness_models(model):
 def test_unknown_hf_family_is_a_config_error(name):
     with pytest.raises(ConfigError, match="unknown model"):
         get_preset(name)
+
+
+def test_hf_qwen3_5_is_the_hybrid_of_gated_delta_nets_and_full_attention_at_the_presets_sizes():
+    model = build_model("hf-qwen3.5:small")  # 4 layers: three gated delta-nets, then full attention
+    c = model.config
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and get_preset("hf-qwen3.5:small") == get_preset("small")
+    assert c.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (c.linear_num_value_heads, c.linear_num_key_heads, c.linear_key_head_dim, c.hidden_size) == (8, 4, 16, 128)
+    assert build_model("hf-qwen3.5:tiny").config.layer_types == ["linear_attention", "full_attention"]
+    ids = torch.randint(0, 2048, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].linear_attn.A_log.grad is not None

@@ -1,7 +1,8 @@
 """Step 1, analysis: find attention and read the model's batch/sequence/head layout off the graph.
 
 No user tags: the sequence length is the query length every `scaled_dot_product_attention` (or flex_attention)
-sees, and the sequence-carrying inputs are the user inputs with a dimension of that size.
+sees (or, in a model without attention such as Mamba2, what its recurrences' scans see: `recurrence`), and the
+sequence-carrying inputs are the user inputs with a dimension of that size.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.fx as fx
 from autosp.compiler.fx import attention_args, is_attention
 from autosp.compiler.sp import indices
 from autosp.compiler.sp.attention import eager_attention, flex
+from autosp.compiler.sp.recurrence import delta_rule, selective_scan, ssd
 from autosp.compiler.sp.spec import node_label
 from autosp.errors import SequenceParallelError
 
@@ -61,14 +63,19 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
         q = region.query.meta["example_value"]
         sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],
                                    q.shape[-3], q.shape[-2], q.shape[-1]))
-    if not sites:
+    # a recurrence's scan (Mamba2 has no attention at all) mixes along the sequence as attention does: [B, S, ...]
+    # (Mamba1's [B, D, S])
+    scans = {n.args[0].meta["example_value"].shape[1] for n in gm.graph.nodes
+             if delta_rule.is_gated_delta_rule(n) or ssd.is_ssd_scan(n)}
+    scans |= {n.args[0].meta["example_value"].shape[2] for n in gm.graph.nodes if selective_scan.is_selective_scan(n)}
+    if not sites and not scans:
         raise SequenceParallelError(
-            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention or a hand-written "
-            "softmax(q @ k.transpose(-2, -1)) @ v in the model's graph"
+            "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention, a hand-written "
+            "softmax(q @ k.transpose(-2, -1)) @ v, or a recurrence kernel it shards in the model's graph"
         )
-    lengths = {s.seq_len for s in sites}
+    lengths = {s.seq_len for s in sites} | scans
     if len(lengths) > 1:
-        raise SequenceParallelError(f"attention layers see different sequence lengths {sorted(lengths)}")
+        raise SequenceParallelError(f"attention and recurrent layers see different sequence lengths {sorted(lengths)}")
     seq_len = lengths.pop()
     sequence_inputs = tuple(
         (n.name, dim)

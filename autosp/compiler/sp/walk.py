@@ -3,10 +3,10 @@
 Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
-attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo and the gated delta rule its
-incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global
-(`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every
-other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
+attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo, the gated delta rule and Mamba's
+scans their incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions
+become global (`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`),
+and every other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, lo
 from autosp.compiler.sp.analysis import analyze
 from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks, sparse
 from autosp.compiler.sp.attribution import attributed
-from autosp.compiler.sp.recurrence import conv, delta_rule, unsharded
+from autosp.compiler.sp.recurrence import conv, delta_rule, selective_scan, ssd, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -118,6 +118,12 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     if delta_rule.is_gated_delta_rule(node):
         delta_rule.rewrite(ctx, node)
+        return
+    if ssd.is_ssd_scan(node):
+        ssd.rewrite(ctx, node)
+        return
+    if selective_scan.is_selective_scan(node):
+        selective_scan.rewrite(ctx, node)
         return
     if conv.is_sequence_convolution(ctx, node):
         conv.rewrite(ctx, node)

@@ -9,6 +9,10 @@ An executed aten (or autosp_sp::, c10d) op is one of:
   five matmuls to the forward's two), at the attention rate; the ring's K/V passes run beside it;
 - a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d): its ring volume over the group at the
   link the group spans (`DeviceRates.collective_seconds`), on the communication stream;
+- an exchange with the neighbouring rank (autosp_sp::from_previous_rank / to_previous_rank: a causal convolution's
+  halo, a recurrence's state passed along the ranks): an all-gather of every rank's tensor, as it is implemented;
+- an opaque kernel that declares its cost (`autosp.comm.costs`: a recurrence's chunked scan): the FLOPs at the matmul
+  rate, or the bytes at the HBM rate, it declares;
 - a host copy: an op between device and host storages (the tracker's host set: autosp_sp::offload, the reloads,
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from autosp.comm.costs import declared_cost
 from autosp.timing import DeviceRates, StepTime, Timeline
 
 MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_scaled_mm": (0, 1)}
@@ -40,6 +45,7 @@ COLLECTIVE_KINDS = (("all_to_all", "all_to_all"), ("alltoall", "all_to_all"), ("
                     ("gather", "all_gather"), ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"),
                     ("broadcast", "broadcast"))
 WAITS = ("wait_tensor", "autosp_sp::wait")
+NEIGHBOUR_EXCHANGES = ("autosp_sp::from_previous_rank", "autosp_sp::to_previous_rank")
 FREE = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "barrier")
 
 
@@ -101,6 +107,10 @@ class StepClock:
         if any(mark in name for mark in WAITS):
             trace.add("memory", 0.0, reads, writes)
             return
+        if name in NEIGHBOUR_EXCHANGES:  # every rank's tensor gathered (autosp.comm.neighbours)
+            group = _group_size(func, args, kwargs)
+            trace.add("collective", group * sum(map(_nbytes, ins)), reads, writes | reads, "all_gather", group)
+            return
         if kind := _collective_kind(name):
             nbytes = max([sum(_nbytes(t) for t in _tensors(a)) for a in args] + [sum(map(_nbytes, outs))])
             trace.add("collective", nbytes, reads, writes | reads, kind, _group_size(func, args, kwargs))
@@ -112,6 +122,9 @@ class StepClock:
             return
         if flops := _attention_flops(func, name, args, kwargs):
             trace.add("attention", flops, reads, writes)
+            return
+        if cost := declared_cost(func, args, kwargs):
+            trace.add(cost[0], cost[1], reads, writes)
             return
         if (operands := MATMULS.get(name.split("::")[-1].split(".")[0])) and len(ins) > max(operands):
             a, b = (t for i, t in enumerate(_positional_tensors(args)) if i in operands)

@@ -6,10 +6,10 @@ The rule's state update is affine in the state: S_t = A_t S_{t-1} + k_t (beta_t 
 maps its incoming state S_in to A S_in + U, and its output at t is q_t^T (A_{..t} S_in + U_t) read through the
 kernel. One scan from the initial state [I | 0] with values [0 | v] (dk extra value channels) gives both halves at
 once: final state [A | U] and output [p_t | o_t], where p_t = (A_{..t}^T q_t)^T and o_t the zero-state output.
-The states pass along the ranks in P-1 rounds of `from_previous_rank` (round j: each rank sends A S_recv + U,
-its shard's final state given what it received), so after the last round rank r holds S_in, the composition of the
-earlier ranks' pairs in rank order, and its output is o_t + p_t S_in. Backward is autograd through the same ops
-(the exchange's is `to_previous_rank`). Only the small state exchange is sequential; the scans run in parallel.
+The states pass along the ranks (`states`: P-1 rounds of `from_previous_rank`), so rank r receives S_in, the
+composition of the earlier ranks' pairs in rank order, and its output is o_t + p_t S_in. Backward is autograd
+through the same ops (the exchange's is `to_previous_rank`). Only the small state exchange is sequential; the
+scans run in parallel.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
+from autosp.compiler.sp.recurrence.states import incoming_state
 from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
 from autosp.errors import SequenceParallelError
 
@@ -53,13 +54,7 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     final = emit(before, operator.getitem, (scan, 1))
     transition = emit(before, "narrow", (final, -1, 0, dk))
     own = emit(before, "narrow", (final, -1, dk, dv))
-    # P-1 rounds: after round j, ranks <= j+1 hold the state entering their shard; every rank takes part in each
-    # round (rank 0 receives zeros), so forward and backward run the same exchanges on every rank
-    sent = own
-    for round_ in range(ctx.sp_size - 1):
-        incoming = emit(before, op("from_previous_rank").default, (sent, ctx.sp_size, ctx.group_name))
-        if round_ < ctx.sp_size - 2:
-            sent = emit(before, torch.add, (emit(before, torch.matmul, (transition, incoming)), own))
+    incoming = incoming_state(ctx, before, own, lambda state: emit(before, torch.matmul, (transition, state)))
     zero_state_out = emit(before, "narrow", (out, -1, dk, dv), spec=spec)
     readout = emit(before, "narrow", (out, -1, 0, dk))
     correction = emit(before, torch.einsum, ("blhk,bhkv->blhv", readout, incoming))

@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import sys
-from collections.abc import Iterator
 
 import torch
 
-from autosp.comm.library import custom_op
+from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.library import custom_op, op
+from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, original, traced_kernels
 
 #: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
 #: recognises it by: the kernel HF's gated delta-net layers call, not a pattern of the inlined chunk loop)
 KERNEL_NAME = "torch_chunk_gated_delta_rule"
 
 
-def _kernel(module: str):
-    return getattr(importlib.import_module(module), f"_autosp_original_{KERNEL_NAME}", None) or getattr(
-        importlib.import_module(module), KERNEL_NAME)
-
-
 def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
-    return _kernel(module)(q, k, v, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                           output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    return contiguous(original(module, KERNEL_NAME)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
+                                                    initial_state=initial_state, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=l2norm))
 
 
 @custom_op("gated_delta_rule", mutates_args=())
@@ -55,31 +50,9 @@ def gated_delta_rule_backward(grad_out: torch.Tensor, grad_state: torch.Tensor |
                               initial_state: torch.Tensor | None, chunk_size: int, l2norm: bool,
                               module: str) -> list[torch.Tensor]:
     """Gradients of (q, k, v, g, beta[, initial_state]): the kernel re-run under autograd."""
-    inputs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
-    state = None if initial_state is None else initial_state.detach().requires_grad_()
-    with _autograd_inside_op(), torch.enable_grad():
-        out, final = _run(*inputs, state, chunk_size, l2norm, module)
-        outputs, grads = [out], [grad_out]
-        if grad_state is not None:
-            outputs.append(final)
-            grads.append(grad_state)
-        wrt = inputs + ([state] if state is not None else [])
-        result = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    return [torch.zeros_like(x) if r is None else r for r, x in zip(result, wrt, strict=True)]
-
-
-@contextlib.contextmanager
-def _autograd_inside_op() -> Iterator[None]:
-    """Autograd recording inside a custom op's kernel, which the dispatcher runs with the autograd keys excluded."""
-    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther]
-    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
-    for key in keys:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
-        yield
-    finally:
-        for key, was in zip(keys, excluded, strict=True):
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+    grads = gradients(lambda *inputs: _run(*inputs, chunk_size, l2norm, module),
+                      [q, k, v, g, beta, initial_state], [grad_out, grad_state])
+    return grads[:5] if initial_state is None else grads
 
 
 @gated_delta_rule.register_fake
@@ -95,7 +68,7 @@ def _gated_delta_rule_from_fake(q, k, v, g, beta, initial_state, chunk_size, l2n
 @gated_delta_rule_backward.register_fake
 def _gated_delta_rule_backward_fake(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
     wrt = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
-    return [torch.empty_like(x) for x in wrt]
+    return [x.new_empty(x.shape) for x in wrt]
 
 
 def _setup(ctx, inputs, output):
@@ -119,7 +92,7 @@ gated_delta_rule_from.register_autograd(_gated_delta_rule_from_grad, setup_conte
 
 
 @functools.cache
-def _traced_kernel(module: str, original):
+def _traced_kernel(module: str, hf_kernel):
     """HF's kernel, as the `gated_delta_rule` op where the call is the plain training one (no state in or out, no
     packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop). One function
     per kernel, so Dynamo's guards see the same global at every call."""
@@ -128,29 +101,37 @@ def _traced_kernel(module: str, original):
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
         packed = cu_seqlens is not None or any(name.startswith("cu_seq") for name in kwargs)
         if initial_state is not None or output_final_state or packed:
-            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            cu_seqlens=cu_seqlens, **kwargs)
+            return hf_kernel(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             cu_seqlens=cu_seqlens, **kwargs)
         return gated_delta_rule(query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel, module), None
 
     kernel._autosp_traced = True
     return kernel
 
 
-@contextlib.contextmanager
-def trace_gated_delta_rules() -> Iterator[None]:
+def trace_gated_delta_rules() -> contextlib.AbstractContextManager:
     """While Dynamo traces, every loaded transformers modeling module's `torch_chunk_gated_delta_rule` calls the op."""
-    patched = []
-    for name, module in list(sys.modules.items()):
-        original = getattr(module, KERNEL_NAME, None) if name.startswith("transformers.models.") else None
-        if original is None or getattr(original, "_autosp_traced", False):
-            continue
-        kernel = _traced_kernel(name, original)
-        setattr(module, f"_autosp_original_{KERNEL_NAME}", original)
-        setattr(module, KERNEL_NAME, kernel)
-        patched.append((module, original))
-    try:
-        yield
-    finally:
-        for module, original in patched:
-            setattr(module, KERNEL_NAME, original)
+    return traced_kernels(KERNEL_NAME, _traced_kernel)
+
+
+def _forward_flops(q, v, chunk_size) -> float:
+    """The chunked rule per head and chunk of C tokens: k k^T, q k^T and the products of the [C, C] matrices with
+    k and v (C^2 (6 dk + 4 dv)), the triangular solve's row updates (2 C^3 / 3), the state's read-outs and update
+    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head)."""
+    batch, length, _, dk = q.shape
+    heads, dv, chunk = v.shape[2], v.shape[-1], min(chunk_size, length)
+    per_token = chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv
+    return float(batch * heads * length * per_token)
+
+
+@declare_cost(op("gated_delta_rule"))
+@declare_cost(op("gated_delta_rule_from"))
+def _gated_delta_rule_cost(q, k, v, g, beta, *rest):
+    chunk_size = rest[-3]
+    return "matmul", _forward_flops(q, v, chunk_size)
+
+
+@declare_cost(op("gated_delta_rule_backward"))
+def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
+    return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(q, v, chunk_size)

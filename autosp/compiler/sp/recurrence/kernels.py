@@ -1,0 +1,99 @@
+"""HF's module-level recurrence kernels as AutoSP's custom ops while Dynamo traces, so the SP walk finds a
+recurrence as one node (recognised by the kernel HF's layers call, not by a pattern of its inlined chunk loop).
+
+`traced_kernels(name, make)` puts `make(module_name, original)` in place of the function `name` of every loaded
+`transformers.models.*` module for the duration of the trace; `original(module_name, name)` is HF's function there
+(what the ops run). `autograd_inside_op` lets an op's backward re-run HF's kernel under autograd on its saved inputs
+(so only the inputs are kept, as a checkpoint would).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+
+_ORIGINAL = "_autosp_original_{}"
+
+
+def contiguous(outputs: tuple) -> tuple:
+    """A kernel's outputs laid out as the ops' fake kernels say (contiguous: Inductor asserts their strides)."""
+    return tuple(o.contiguous() for o in outputs)
+
+
+def original(module: str, name: str) -> Callable:
+    """HF's kernel `name` of the modeling module `module` (the function the trace replaced, if it did)."""
+    loaded = importlib.import_module(module)
+    return getattr(loaded, _ORIGINAL.format(name), None) or getattr(loaded, name)
+
+
+@contextlib.contextmanager
+def traced_kernels(name: str, make: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """While Dynamo traces, every loaded transformers modeling module's function `name` is `make(module, original)`
+    (which must return the same function for the same arguments, so Dynamo's guards see one global)."""
+    patched = []
+    for module_name, module in list(sys.modules.items()):
+        kernel = getattr(module, name, None) if module_name.startswith("transformers.models.") else None
+        if kernel is None or getattr(kernel, "_autosp_traced", False):
+            continue
+        setattr(module, _ORIGINAL.format(name), kernel)
+        setattr(module, name, make(module_name, kernel))
+        patched.append((module, kernel))
+    try:
+        yield
+    finally:
+        for module, kernel in patched:
+            setattr(module, name, kernel)
+
+
+@contextlib.contextmanager
+def autograd_inside_op() -> Iterator[None]:
+    """Autograd recording inside a custom op's kernel, which the dispatcher runs with the autograd keys excluded."""
+    keys = [torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther]
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
+    for key in keys:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, was in zip(keys, excluded, strict=True):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
+
+
+def gradients(run: Callable, inputs: list[torch.Tensor | None], grad_outputs: list[torch.Tensor | None]
+              ) -> list[torch.Tensor | None]:
+    """d(run(*inputs))/d(inputs) against `grad_outputs` (None: that output unused), re-running `run` under autograd;
+    None inputs get None, unused ones zeros; contiguous, as the ops' fake kernels say (Inductor asserts strides)."""
+    leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
+    with autograd_inside_op(), torch.enable_grad():
+        outputs = run(*leaves)
+        used = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
+        wrt = [x for x in leaves if x is not None]
+        result = iter(torch.autograd.grad([o for o, _ in used], wrt, [g for _, g in used], allow_unused=True))
+    grads = []
+    for x in leaves:
+        g = None if x is None else next(result)
+        grads.append(None if x is None else x.new_zeros(x.shape) if g is None else g.contiguous())
+    return grads
+
+
+def register_rerun_autograd(output_op, stateful_op, backward_op, tensors: int) -> None:
+    """Autograd for a kernel's pair of ops, `output_op(*tensors, *constants) -> out` and `stateful_op(...) -> (out,
+    final state)`: the first `tensors` arguments (None allowed) are saved, and `backward_op(grad_out, grad_state,
+    *tensors, *constants)` returns the gradients of those given, in order."""
+
+    def setup(ctx, inputs, output):
+        ctx.given = [t is not None for t in inputs[:tensors]]
+        ctx.save_for_backward(*[t for t in inputs[:tensors] if t is not None])
+        ctx.constants = inputs[tensors:]
+
+    def grads(ctx, grad_out, grad_state):
+        saved = iter(ctx.saved_tensors)
+        given = [next(saved) if g else None for g in ctx.given]
+        result = iter(backward_op(grad_out, grad_state, *given, *ctx.constants))
+        return (*[next(result) if g else None for g in ctx.given], *[None] * len(ctx.constants))
+
+    output_op.register_autograd(lambda ctx, grad_out: grads(ctx, grad_out, None), setup_context=setup)
+    stateful_op.register_autograd(grads, setup_context=setup)

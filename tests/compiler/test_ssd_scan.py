@@ -1,0 +1,60 @@
+"""Mamba2's SSD scan as AutoSP's ops (`autosp_sp::ssd_scan`, `ssd_scan_with_state`) against HF's kernel called
+directly: outputs, final state and every input's gradient (the ops' backward re-runs the kernel under autograd), and
+the identity the sharded rewrite rests on: a sequence's output is its first half's, then its second half's from a zero
+state corrected by C_t . (decay since the half's start) h_mid, with h_mid the first half's final state."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+import autosp.comm  # noqa: F401
+import autosp.compiler.sp  # noqa: F401  (registers the ops)
+from autosp.comm.library import op
+
+MODULE = "transformers.models.mamba2.modeling_mamba2"
+
+
+def _inputs(seq_len: int = 12, heads: int = 4, groups: int = 2, head_dim: int = 3, state: int = 5):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, seq_len, heads, head_dim, generator=g)
+    dt = torch.randn(2, seq_len, heads, generator=g)
+    A = -torch.rand(heads, generator=g) - 0.5
+    B, C = (torch.randn(2, seq_len, groups, state, generator=g) for _ in range(2))
+    D, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    return [t.requires_grad_() for t in (x, dt, A, B, C, D, dt_bias)]
+
+
+def _hf(x, dt, A, B, C, D, dt_bias, chunk_size=4):
+    kernel = importlib.import_module(MODULE).mamba2_chunk_scan
+    return kernel(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")),
+                  return_final_states=True)
+
+
+def test_the_ops_outputs_and_gradients_are_hf_kernels():
+    inputs = _inputs()
+    out, state = op("ssd_scan_with_state")(*inputs, 4, True, 0.0, float("inf"), MODULE)
+    ref_out, ref_state = _hf(*inputs)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(state, ref_state)
+    grads = torch.autograd.grad((out.sum() + (state * 0.5).sum()), inputs)
+    ref = torch.autograd.grad((ref_out.sum() + (ref_state * 0.5).sum()), inputs, retain_graph=True)
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got, want)
+    only_out = torch.autograd.grad(op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE).square().sum(), inputs)
+    ref_only = torch.autograd.grad(ref_out.square().sum(), inputs)
+    for got, want in zip(only_out, ref_only, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_two_halves_from_a_zero_state_corrected_by_the_first_halfs_state_are_the_whole_scan():
+    x, dt, A, B, C, D, dt_bias = (t.detach() for t in _inputs())
+    whole, _ = _hf(x, dt, A, B, C, D, dt_bias)
+    halves = [[t[:, s] for t in (x, dt, B, C)] for s in (slice(0, 6), slice(6, 12))]
+    first, h_mid = _hf(halves[0][0], halves[0][1], A, halves[0][2], halves[0][3], D, dt_bias)
+    second, _ = _hf(halves[1][0], halves[1][1], A, halves[1][2], halves[1][3], D, dt_bias)
+    decay = torch.exp(torch.cumsum(torch.nn.functional.softplus(halves[1][1] + dt_bias) * A, 1))
+    readout = halves[1][3].repeat_interleave(2, dim=2)
+    corrected = second + torch.einsum("blh,blhn,bhpn->blhp", decay, readout, h_mid)
+    torch.testing.assert_close(torch.cat([first, corrected], 1), whole)
+    assert (second - whole[:, 6:]).abs().max() > 1e-2  # the correction is not nothing
