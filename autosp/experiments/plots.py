@@ -572,7 +572,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         print(f"wrote {' '.join(args.out)}")
         return 0
     records = records_from_args(args)
-    if args.kind == "trainability":
+    if args.kind == "peers":
+        from autosp.experiments.peer_plot import peers_figure
+
+        peers_figure(records, args.model, args.out)
+    elif args.kind == "trainability":
         trainability_figure(trainability_table(records, checks=load_checks(args.checks) if args.checks else None),
                             args.out)
     elif args.kind == "memory":
@@ -587,13 +591,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def add_plot_parser(subparsers: argparse._SubParsersAction) -> None:
-    """`autosp plot trainability|throughput|memory|sac|simulated --in FILES... --out figure.png [figure.pdf]`
-    (simulated: --in an `autosp simulate-table` Markdown table, e.g. results/simulated_table.md)."""
+    """`autosp plot trainability|throughput|memory|sac|simulated|peers --in FILES... --out figure.png [figure.pdf]`
+    (simulated: --in an `autosp simulate-table` Markdown table, e.g. results/simulated_table.md; peers: one model's
+    lengths per GPU setting beside the published peers, `autosp.experiments.peer_plot`)."""
     p = subparsers.add_parser("plot", help="paper-style figures (with the paper's claims) from result records")
-    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "simulated"])
+    p.add_argument("kind", choices=["trainability", "throughput", "memory", "sac", "simulated", "peers"])
     add_records_arguments(p)
     p.add_argument("--out", nargs="+", required=True, help="figure files, format by suffix (.png, .pdf)")
     p.add_argument("--ratio-to", default="ulysses", help="throughput: reference method")
     p.add_argument("--checks", nargs="*", default=[], help="trainability: `autosp check --json-out` reports")
     p.add_argument("--baseline", default="single", help="memory: the method reductions are taken against")
+    p.add_argument("--model", default="llama-3.1-8b", help="peers: the model (hf: forms count as the same model)")
     p.set_defaults(func=_cmd_plot)
