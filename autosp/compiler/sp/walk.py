@@ -55,7 +55,7 @@ def sequence_parallel_pass(
                     trainable=indices.trainable_nodes(gm.graph, original),
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
-    sparse.find(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
+    sparse.mark(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
     for node in list(gm.graph.nodes):
         try:
             with attributed(ctx, node):  # an internal error names this node, its module and the step that raised
