@@ -3,7 +3,8 @@
 Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
-attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo and the gated delta rule its
+attention gets all-to-alls (`communicate`, `flex`; DeepSeek sparse attention instead gathers its keys' latents
+whole, `sparse`), causal convolutions a halo and the gated delta rule its
 incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global
 (`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every
 other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
