@@ -109,7 +109,8 @@ class _GatedAttention(torch.nn.Module):
 
 
 @pytest.mark.parametrize("gate, phrase", [
-    (lambda scores: torch.logsumexp(scores, dim=-1).mean(1, keepdim=True).sigmoid()[..., None], "mixes attention heads"),
+    (lambda scores: torch.logsumexp(scores, dim=-1).mean(1, keepdim=True).sigmoid()[..., None],
+     "mixes attention heads"),
     (lambda scores: torch.logsumexp(scores, dim=-2).sigmoid()[..., None], "takes a logsumexp over dim 2 of the scores"),
 ])
 def test_a_gate_that_mixes_heads_or_reduces_over_queries_is_refused(gate, phrase):
