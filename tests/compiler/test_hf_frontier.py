@@ -90,3 +90,42 @@ def test_deepseek_v4_compressed_attention_is_refused_naming_the_attention_and_ca
     message = str(refusal.value)
     assert message.startswith("attention model.layers.1.self_attn (") and "\n" not in message, message
     assert "32 keys joined with 8 more entries along it" in message and "compressed attention" in message, message
+
+
+class _GatedAttention(torch.nn.Module):
+    """Hand-written attention with a sink gate on its output, `gate(scores)` choosing how the gate reads them."""
+
+    def __init__(self, gate) -> None:
+        super().__init__()
+        self.embed, self.qkv, self.out = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 96), torch.nn.Linear(32, 64)
+        self.gate = gate
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        q, k, v = self.qkv(self.embed(input_ids)).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) * 8 ** -0.5
+        attended = torch.softmax(scores, dim=-1) @ v * self.gate(scores)
+        return self.out(attended.transpose(1, 2).reshape(b, s, 32)).sum()
+
+
+@pytest.mark.parametrize("gate, phrase", [
+    (lambda scores: torch.logsumexp(scores, dim=-1).mean(1, keepdim=True).sigmoid()[..., None],
+     "mixes attention heads"),
+    (lambda scores: torch.logsumexp(scores, dim=-2).sigmoid()[..., None], "takes a logsumexp over dim 2 of the scores"),
+])
+def test_a_gate_that_mixes_heads_or_reduces_over_queries_is_refused(gate, phrase):
+    """A gate is computed on this rank's heads over every key: one averaging over heads, or a logsumexp over the
+    queries, is not what single-process training computes, and is refused naming the attention."""
+    gm, _ = capture(_GatedAttention(gate), input_ids=torch.randint(0, 64, (1, 16)))
+    with pytest.raises(SequenceParallelError) as refusal:
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
+    assert str(refusal.value).startswith("attention ") and phrase in str(refusal.value), refusal.value
+
+
+def test_a_per_head_sink_gate_of_a_hand_written_attention_is_rewritten_as_one_region():
+    """Granite SWA's gate shape: the gate's logsumexp and sink sit inside the region (four all-to-alls, no refusal)."""
+    sinks = torch.zeros(4)
+    gm, _ = capture(_GatedAttention(lambda scores: (torch.logsumexp(scores, dim=-1) - sinks.view(1, -1, 1))
+                                    .sigmoid()[..., None]), input_ids=torch.randint(0, 64, (1, 16)))
+    sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
+    assert sum(1 for n in gm.graph.nodes if "all_to_all" in str(n.target)) == 4

@@ -3,10 +3,11 @@
 Every value is either *full* (as in single-device training: parameters, index tensors, anything not yet touched
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
-attention gets all-to-alls (`communicate`, `flex`), causal convolutions a halo, the gated delta rule and Mamba's
-scans their incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions
-become global (`loss`), slices of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`),
-and every other op runs unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
+attention gets all-to-alls (`communicate`, `flex`; DeepSeek sparse attention instead gathers its keys' latents
+whole, `sparse`), causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the
+ranks before (`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of
+the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged
+on the shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def sequence_parallel_pass(
                     trainable=indices.trainable_nodes(gm.graph, original),
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
-    sparse.find(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
+    sparse.mark(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
     for node in list(gm.graph.nodes):
         try:
             with attributed(ctx, node):  # an internal error names this node, its module and the step that raised

@@ -161,9 +161,13 @@ class RankProgram:
             resident = set(tracker.sizes())
             gradients: set[int] = set()
             saved: set[int] = set()
-            hooks = [p.register_post_accumulate_grad_hook(
-                lambda p: gradients.add(tracker.track(local_shard(p.grad))))
-                for p in model.parameters() if p.requires_grad]
+            def book(p: torch.nn.Parameter) -> None:
+                """A gradient, counted; a compiled backward also fires this hook, with no gradient, for a parameter it
+                gives none (DeepSeek-V3.2's indexer, run under no_grad)."""
+                if p.grad is not None:
+                    gradients.add(tracker.track(local_shard(p.grad)))
+
+            hooks = [p.register_post_accumulate_grad_hook(book) for p in model.parameters() if p.requires_grad]
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 # the step's own tensors only: a shared program compiles a new length inside its measured step,

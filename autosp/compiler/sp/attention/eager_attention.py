@@ -241,6 +241,9 @@ def rewrite(ctx: SPContext, region: EagerAttention) -> None:
                                             f"value ({side.name}); only full masks and constants can be")
             node.replace_input_with(side, _full_partner(ctx, side, _heads_dim(ctx, computed, heads, per_rank),
                                                         heads, per_rank, node))
+        if node.target in LOGSUMEXPS and _reduced_dim(node) != ctx.current[node.args[0]].dim() - 1:
+            raise SequenceParallelError(f"attention {label}: {node.name} takes a logsumexp over dim "
+                                        f"{_reduced_dim(node)} of the scores; AutoSP follows one over the keys only")
         if node is region.softmax or node.target in LOGSUMEXPS:
             padding.hide_padding_keys(ctx, node)
         node.meta["example_value"] = ctx.current[node] = ctx.run(node)
@@ -248,11 +251,19 @@ def rewrite(ctx: SPContext, region: EagerAttention) -> None:
     communicate.scatter_heads_back(ctx, region.output, seq_dim, head_dim, expected, ctx.sp_size, ctx.group_name)
 
 
+def _reduced_dim(node: fx.Node) -> int | None:
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    return dim % _value(node.args[0]).dim() if isinstance(dim, int) else None
+
+
 def _heads_dim(ctx: SPContext, computed: list[fx.Node], heads: int, per_rank: int) -> int:
     """The heads dim, counted from the right, of the region values an op combines: the dim that went from all
     `heads` (single-process) to this rank's `per_rank` (-3 on [.., H, S, S] scores, -2 on a [.., H, S] logsumexp)."""
     for n in computed:
-        before, after = ctx.original[n], ctx.current[n]
+        before, after = ctx.original.get(n), ctx.current[n]  # an all-to-all the pass made has no original value
+        if before is None:
+            before = ctx.original[n.args[0]]
         for dim in range(-1, -after.dim() - 1, -1):
             if before.shape[dim] == heads and after.shape[dim] == per_rank:
                 return dim

@@ -4,17 +4,19 @@ A lightning indexer scores every key for each query (`relu(q_idx @ k_idx^T)` wei
 the top k keys; their positions become the attention's mask. Both halves need every key for this rank's queries:
 - the indexer: its keys (one small head, [.., D_idx, S] at the matmul) are all-gathered along the sequence, so each
   rank scores its own queries against every key and picks the same top k as single-process training;
-- the attention: the narrowest values the keys and values are computed from inside the attention module (MLA's
-  compressed latent, kv_lora_rank + rope dims per token) are all-gathered, every rank expands them to all heads'
-  keys and values over the whole sequence, and attends its own queries (the mask's rows of its positions) over them.
+- the attention: the first projections inside the attention module that only the keys and values are computed
+  from (MLA's compressed latent, kv_lora_rank + rope dims per token) are all-gathered, every rank expands them to
+  all heads' keys and values over the whole sequence, and attends its own queries (the mask's rows of its
+  positions) over them.
 No all-to-all: per layer a rank sends (D_idx + latent) values per token of its shard, where Ulysses would send its
-queries, keys and values of every head and take the output back. The gathers' gradients are reduce-scatters
-(`autosp_sp::all_gather_sequence`). Everything computed from gathered values alone is full (`SPContext.whole`).
+queries, keys and values of every head and take the output back. The price is memory: each rank holds every
+head's keys and values over the whole sequence (P times Ulysses' share); the mask is [S/P, S] rows, not [S, S].
+The gathers' gradients are reduce-scatters (`autosp_sp::all_gather_sequence`). Everything computed from gathered
+values alone is full (`SPContext.whole`).
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -34,17 +36,9 @@ VIEWS = {operator.getitem, "view", "narrow", "select", "__getitem__"}
 ALL_GATHER = op("all_gather_sequence").default
 
 
-@dataclass(frozen=True)
-class SparseAttention:
-    attention: fx.Node  # the SDPA whose mask the indexer's top k makes
-    index_keys: fx.Node  # the indexer's keys at its score matmul, gathered along `index_dim`
-    index_dim: int
-    latents: tuple[fx.Node, ...]  # what the attention's keys and values are computed from, gathered along dim 1
-
-
-def find(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> list[SparseAttention]:
-    """Every attention whose mask a top k over [.., S, S] indexer scores makes; marks what the walk gathers."""
-    found = []
+def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
+    """Marks every attention whose mask a top k over [.., S, S] indexer scores makes, and what the walk gathers for
+    it: the indexer's keys at its score matmul and the attention's latents."""
     for topk in [n for n in gm.graph.nodes if n.target in TOPKS]:
         scores = _value(topk.args[0])
         if scores is None or scores.dim() < 2 or scores.shape[-1] != seq_len or scores.shape[-2] != seq_len:
@@ -66,13 +60,11 @@ def find(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> list[Spar
             latents = _latents(args["key"], args["value"], args["query"], attention, seq_len, trainable)
             for latent in latents:
                 latent.meta[_GATHER] = 1
-            attention.meta[_SPARSE] = True
-            found.append(SparseAttention(attention, keys, key_dim, latents))
-    return found
+            attention.meta[_SPARSE] = tuple(node_label(n) for n in latents)  # named in a refusal
 
 
 def is_sparse(node: fx.Node) -> bool:
-    return bool(node.meta.get(_SPARSE))
+    return _SPARSE in node.meta
 
 
 def gather(ctx: SPContext, node: fx.Node) -> None:
@@ -102,8 +94,8 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     if not ctx.is_local(query) or ctx.is_local(key) or ctx.is_local(value):
         raise SequenceParallelError(
             f"attention {label}: DeepSeek sparse attention gathers the keys and values whole and keeps the queries "
-            f"sharded, but the keys or values here are still computed from sharded values other than "
-            f"{', '.join(n.name for n in _gathered(node))}")
+            "sharded, but here the keys or values are computed from sharded values besides the projections gathered "
+            f"({', '.join(node.meta[_SPARSE]) or 'none found'})")
     if args.get("is_causal"):
         raise SequenceParallelError(f"attention {label}: a causal flag with gathered keys would align the shard's "
                                     "queries with the first keys; AutoSP shards DeepSeek sparse attention with a mask")
@@ -131,10 +123,6 @@ def _open_padded_rows(ctx: SPContext, node: fx.Node, mask: fx.Node, spec: ShardS
         ctx.emit(node, "masked_fill", (mask, pad, 0.0))
     ctx.specs[opened] = ctx.specs.get(mask, spec)
     node.replace_input_with(mask, opened)
-
-
-def _gathered(node: fx.Node) -> list[fx.Node]:
-    return [n for n in _ancestors([node]) if _GATHER in n.meta]
 
 
 def _value(node: object) -> torch.Tensor | None:
