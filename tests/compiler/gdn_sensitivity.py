@@ -34,9 +34,10 @@ def gradients(family: str, seq_len: int, steps: int, chunk_size: int) -> dict[st
 
 
 if __name__ == "__main__":
-    for family, seq_len, steps in (("qwen3-next", 31, 2), ("qwen3.5", 30, 1)):
+    for family, seq_len, steps, chunks in (("qwen3-next", 31, 2, (16, 8)), ("qwen3.5", 30, 1, (16, 8)),
+                                           ("qwen3.5", 64, 1, (32,))):
         reference = gradients(family, seq_len, steps, 64)
-        for chunk in (16, 8):
+        for chunk in chunks:
             other = gradients(family, seq_len, steps, chunk)
             print(family, seq_len, f"step {steps}", f"chunk {chunk}",
                   max((relative_error(other[n], reference[n]), n) for n in reference))

@@ -91,9 +91,12 @@ def test_ssd_scan_is_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
 
 
-@pytest.mark.parametrize("case", ["qwen3.5-inductor-2", "mamba2-inductor-2"])
-def test_recurrences_are_exact_through_inductor(runs, case):
-    runs.assert_exact(case)
+def test_recurrences_are_exact_through_inductor(runs):
+    runs.assert_exact("mamba2-inductor-2")
+    # Qwen3.5's A_log gradient 4.6e-4 apart (every other gradient, the loss and the parameters within 1e-4): single-
+    # process training with HF's kernel at chunk size 32 (each rank's shard here) instead of 64 moves it 4.8e-4
+    # (`python -m tests.compiler.gdn_sensitivity`), the kernel's own fp32 floor at 64 tokens
+    runs.assert_exact("qwen3.5-inductor-2", gradient_floor=5e-4)
 
 
 def test_mamba1_selective_scan_is_exact_on_two_ranks(runs):

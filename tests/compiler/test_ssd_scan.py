@@ -58,3 +58,28 @@ def test_two_halves_from_a_zero_state_corrected_by_the_first_halfs_state_are_the
     corrected = second + torch.einsum("blh,blhn,bhpn->blhp", decay, readout, h_mid)
     torch.testing.assert_close(torch.cat([first, corrected], 1), whole)
     assert (second - whole[:, 6:]).abs().max() > 1e-2  # the correction is not nothing
+
+
+def test_the_planner_sees_the_scans_scratch_and_the_clock_its_flops():
+    """The liveness replay charges the kernel's intermediates while the op runs (`autosp.comm.transients`): the
+    forward's, and twice that in backward (the re-run forward's kept for autograd, and their gradients)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.comm.costs import declared_cost
+    from autosp.comm.transients import transient_bytes
+
+    inputs = _inputs()
+
+    def step(*inputs):
+        out = op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE)
+        return torch.autograd.grad(out.sum(), inputs)
+
+    gm = make_fx(step)(*inputs)
+    (forward,) = [n for n in gm.graph.nodes if n.target == op("ssd_scan").default]
+    (backward,) = [n for n in gm.graph.nodes if n.target == op("ssd_scan_backward").default]
+    # [2, 12, 4, 3] x, chunks of 4, state 5: per head 12 (4 * 3 + 3 * 5 + 3 * 4) + 3 * 3 * 5 fp32 values
+    assert transient_bytes(forward) == 4 * 2 * 4 * (12 * (12 + 15 + 12) + 3 * 15)
+    assert transient_bytes(backward) == 2 * transient_bytes(forward)
+    flops = 2 * 2 * 12 * 4 * (4 * (5 + 3) + 2 * 3 * 5)  # 2 B L H (Q (N + P) + 2 P N)
+    assert declared_cost(forward.target, tuple(n.meta["val"] if hasattr(n, "meta") else n for n in forward.args),
+                         {}) == ("matmul", flops)

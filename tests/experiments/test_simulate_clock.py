@@ -145,10 +145,11 @@ def test_the_ssd_scan_costs_its_declared_chunked_matmuls_forward_and_three_times
 
 def test_a_simulated_hybrids_step_carries_its_state_exchanges_and_its_scans_flops():
     """Qwen3.5 tiny at P=2 (one gated delta-net layer, then full attention), 512 tokens: the state entering rank 1's
-    shard is a [1, 4, 16, 16] fp32 state (4 value heads, head dims 16), gathered from both ranks forward and its
-    gradient backward; the scan runs on rank 0's 256 tokens with 16 + 16 value channels (the [I | 0] probe)."""
+    shard is a [1, 4, 16, 16] fp32 state (4 value heads, head dims 16; in a bf16 model too), gathered from both ranks
+    forward and its gradient backward; the scan runs on rank 0's 256 tokens with 16 + 16 value channels (the [I | 0]
+    probe)."""
     sim.extrapolate._PREDICTIONS.clear()
-    cfg = RunConfig(method="autosp", model="hf-qwen3.5:tiny", world_size=2, seq_len=512, compile_backend="aot_eager")
+    cfg = RunConfig(method="autosp", model="hf-qwen3.5:tiny", world_size=2, seq_len=512, dtype="bfloat16")
     peak, _ = sim.extrapolate.predict_peak(cfg, get_device_model("h100-80gb"))
     events = peak.trace.events
     state = 4 * 16 * 16 * 4

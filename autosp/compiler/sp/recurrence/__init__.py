@@ -1,4 +1,5 @@
 """Causal sequence mixing other than attention, part of the `sp` stage: short causal convolutions with a halo from
-the previous rank (`conv`), the gated delta rule with each shard's incoming state passed along the ranks
-(`delta_rule`, its kernel as custom ops: `delta_rule_op`), and the refusal, naming the kernel, of the recurrences
-not yet sharded (`unsharded`). The walk uses these modules directly."""
+the previous rank (`conv`); linear recurrences with each shard's incoming state passed along the ranks (`states`):
+the gated delta rule (`delta_rule`), Mamba2's SSD scan (`ssd`) and Mamba1's selective scan (`selective_scan`), each
+HF kernel traced as custom ops (`*_op`, through `kernels`); and the refusal, naming the kernel, of the recurrences
+not yet sharded (`unsharded`). The walk and the analysis use these modules directly."""

@@ -56,7 +56,7 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     own = emit(before, "narrow", (final, -1, dk, dv))
     incoming = incoming_state(ctx, before, own, lambda state: emit(before, torch.matmul, (transition, state)))
     zero_state_out = emit(before, "narrow", (out, -1, dk, dv), spec=spec)
-    readout = emit(before, "narrow", (out, -1, 0, dk))
+    readout = emit(before, "float", (emit(before, "narrow", (out, -1, 0, dk)),))  # the state is fp32 (bf16 models)
     correction = emit(before, torch.einsum, ("blhk,bhkv->blhv", readout, incoming))
     result = emit(before, torch.add, (zero_state_out, emit(before, "to", (correction, ctx.current[v].dtype))),
                   spec=spec)

@@ -15,6 +15,7 @@ import torch
 
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
+from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, original, traced_kernels
 
 #: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
@@ -135,3 +136,24 @@ def _gated_delta_rule_cost(q, k, v, g, beta, *rest):
 @declare_cost(op("gated_delta_rule_backward"))
 def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
     return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(q, v, chunk_size)
+
+
+def _scratch(q, v, chunk_size) -> int:
+    """An estimate of HF's torch kernel's intermediates alive together (fp32, per value head): queries, keys and their
+    beta-weighted and decayed copies ([L, dk] each), the beta-weighted values, the solved values and the output
+    ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each)."""
+    batch, length, _, dk = q.shape
+    heads, dv, chunk = v.shape[2], v.shape[-1], chunk_size
+    padded = -(-length // chunk) * chunk
+    return 4 * batch * heads * padded * (4 * dk + 3 * dv + 3 * chunk)
+
+
+@declare_transient_bytes(op("gated_delta_rule"))
+@declare_transient_bytes(op("gated_delta_rule_from"))
+def _gated_delta_rule_scratch(q, k, v, g, beta, *rest):
+    return _scratch(q, v, rest[-3])
+
+
+@declare_transient_bytes(op("gated_delta_rule_backward"))
+def _gated_delta_rule_backward_scratch(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
+    return 2 * _scratch(q, v, chunk_size)  # the re-run forward's intermediates kept for autograd, and their gradients

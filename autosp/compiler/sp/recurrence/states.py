@@ -31,7 +31,3 @@ def incoming_state(ctx: SPContext, before: fx.Node, own: fx.Node,
     assert incoming is not None, "a recurrence is sharded over two ranks or more"
     return incoming
 
-
-def exchanged_bytes(state_bytes: int, sp_size: int) -> int:
-    """Bytes one rank's P-1 rounds move in forward (each round an all-gather of one state per rank)."""
-    return (sp_size - 1) * sp_size * state_bytes

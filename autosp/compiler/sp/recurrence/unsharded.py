@@ -1,7 +1,7 @@
 """Sequence mixing AutoSP does not shard yet, refused in one line: an op the walk cannot follow inside a model's
-module-level kernel (Mamba's selective scan, the SSD chunk scan, a gated delta rule called with a state or packed
-documents) is refused as that kernel, named, with what to do. (A scan such as `cumsum` along the sharded sequence
-is refused by `routing`.)"""
+module-level kernel (Kimi delta attention's chunk kernel; a gated delta rule, SSD or selective scan called with a state
+or packed documents) is refused as that kernel, named, with what to do. (A scan such as `cumsum` along the sharded
+sequence is refused by `routing`.)"""
 from __future__ import annotations
 
 import torch.fx as fx
