@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
@@ -182,8 +183,9 @@ def plan_partition(
         if rung not in partitioned:
             gm = copy_graph(joint_gm)
             tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
-            partitioned[rung] = min_cut_rematerialization_partition(gm, joint_inputs,
-                                                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
+            with _use_lazy_graph_module(True):  # Python code made only for the graphs that run (the chosen rung's)
+                partitioned[rung] = min_cut_rematerialization_partition(gm, joint_inputs,
+                                                                        num_fwd_outputs=num_fwd_outputs, **kwargs)
             partitions += 1
         fw, bw = partitioned[rung]
         if moves == "activations":
