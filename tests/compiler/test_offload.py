@@ -89,6 +89,23 @@ def test_the_text_parses_once_into_a_plan_and_back():
             OffloadPlan.parse(bad)
 
 
+def test_state_offload_counts_adamws_multi_tensor_temporary_where_torch_steps_that_way(monkeypatch):
+    """On CUDA/ROCm torch steps AdamW multi-tensor, with a temporary as large as the second moments: the model state
+    that fits (parameters, gradients, two moments: 16 B per fp32 parameter) can still not step there (20 B)."""
+    import torch.nn as nn
+    import torch.optim.adam as adam
+
+    from autosp.api import state_offload
+
+    model = nn.Linear(100, 100, bias=False)  # 10,000 fp32 parameters
+    options = CompileOptions(sac="auto")
+    decide = lambda budget: state_offload(options, model, zero=0, group_size=1, device_bytes=budget)  # noqa: E731
+    assert decide(160_000).optimizer == "off"  # on CPU: a per-parameter loop, no such temporary
+    monkeypatch.setattr(adam, "_default_to_fused_or_foreach", lambda params, differentiable, use_fused=False:
+                        (False, True))
+    assert decide(199_999).optimizer == "on" and decide(200_000).optimizer == "off"
+
+
 def test_state_offload_auto_moves_only_what_the_device_cannot_hold():
     """The optimizer state leaves the device only when the model state does not fit it, the parameters only when
     their compute copies and gradients still do not (and only where they may: ZeRO 3 or one rank); no limit, or an

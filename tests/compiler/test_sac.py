@@ -244,7 +244,7 @@ def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_pe
     """The ranking's second ladder (no host memory) asks for rungs the first one partitioned: each rung is
     partitioned once per graph (a deep model's partition is most of a planner probe's CPU), and torch's flop
     count, which runs the op on fake tensors, is made once per op and argument shapes (layers repeat them)."""
-    from autosp.compiler.memory import planner
+    from autosp.compiler.memory import flops, planner
 
     tagged: list[tuple[int, int, int]] = []
     tag = planner.tag_rung
@@ -256,9 +256,9 @@ def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_pe
 
     counted: list[object] = []
     count = fx_utils.count_flops_fx
-    monkeypatch.setattr(fx_utils, "count_flops_fx", lambda node: counted.append(planner._flop_key(node))
+    monkeypatch.setattr(fx_utils, "count_flops_fx", lambda node: counted.append(flops._flop_key(node))
                         or count(node))
-    planner._COUNTED_FLOPS.clear()
+    flops._COUNTED_FLOPS.clear()
     with planning_rates(_rates(1e3)):
         _, slow = _auto_plan(moved["estimated_peak_bytes"])
     assert slow["ladder_plan"]["offloaded_bytes"] and not slow["offloaded_bytes"]  # both ladders walked
@@ -561,7 +561,7 @@ def test_recompute_flops_count_attention_recomputed_in_its_rng_wrapper() -> None
     partitioner tag): its FLOPs are in the plan's `recompute_flops` (they were missing: 1.5 GFLOP recorded where
     attention alone re-ran 189 GFLOP, tiny at 27K tokens)."""
     from autosp.compiler.fx.node_kinds import is_attention_forward
-    from autosp.compiler.memory.planner import _attention_flops, recompute_flops
+    from autosp.compiler.memory.flops import _attention_flops, recompute_flops
     from tests.compiler.test_attention_chunks import _backward
 
     full, _ = _backward("tiny-mha", 256, 1, "full")

@@ -1,7 +1,8 @@
 """Passes 4 and 6, memory: what backward keeps, recomputes or finds in host memory. The checkpointing policies
 (`policy`) as tags on the joint graph (`tags`), the partition function (`partitioner`: tags + torch's min-cut, or the
-memory planner, `planner`, under policy auto), what a partition saved (`records`) and its breakdown by category
-(`saved_report`), the offload pass and its ops (`offload`), the planner's ranking by predicted time (`time_rank`).
+memory planner, `planner`, under policy auto; the FLOPs it prices recompute by, `flops`), what a partition saved
+(`records`) and its breakdown by category (`saved_report`), the offload pass and its ops (`offload`), the planner's
+ranking by predicted time (`time_rank`).
 The names below are what the driver, the harness and the baselines import; the modules are private to this
 package.
 

@@ -46,8 +46,8 @@ from autosp.compiler.memory.tags import tag_joint_graph
 
 #: the modules whose source decides a partition: Inductor's caches are keyed by their contents (`SacPartitioner.uuid`)
 PARTITION_SOURCES = ("autosp.compiler.memory.partitioner", "autosp.compiler.memory.planner",
-                     "autosp.compiler.memory.tags", "autosp.compiler.memory.offload", "autosp.compiler.fx.node_kinds",
-                     "autosp.compiler.fx.layers")
+                     "autosp.compiler.memory.flops", "autosp.compiler.memory.tags", "autosp.compiler.memory.offload",
+                     "autosp.compiler.fx.node_kinds", "autosp.compiler.fx.layers")
 
 
 class SacPartitioner(CustomPartitionerFn):

@@ -15,7 +15,6 @@ docs/measurements/2026-12-02-planner.md ("How the planner decides").
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
@@ -32,13 +32,13 @@ from autosp.compiler.fx import (
     copy_graph,
     forward_nodes,
     getitem_source,
-    is_attention_forward,
     is_attention_value,
     is_collective_value,
     is_pinned_value,
     is_view,
     node_nbytes,
 )
+from autosp.compiler.memory.flops import node_flops, recompute_flops
 from autosp.compiler.memory.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
 from autosp.compiler.memory.records import saved_values
 from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
@@ -182,8 +182,9 @@ def plan_partition(
         if rung not in partitioned:
             gm = copy_graph(joint_gm)
             tag_rung(gm, order[:tokenwise], order[:attention], order[:collectives])
-            partitioned[rung] = min_cut_rematerialization_partition(gm, joint_inputs,
-                                                                    num_fwd_outputs=num_fwd_outputs, **kwargs)
+            with _use_lazy_graph_module(True):  # Python code made only for the graphs that run (the chosen rung's)
+                partitioned[rung] = min_cut_rematerialization_partition(gm, joint_inputs,
+                                                                        num_fwd_outputs=num_fwd_outputs, **kwargs)
             partitions += 1
         fw, bw = partitioned[rung]
         if moves == "activations":
@@ -264,7 +265,7 @@ def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx
     rates = current_rates({t.device for t in _flat_tensors(joint_inputs)})
     if rates is None:
         return chosen, {"ranked_by": "ladder (no device rates)"}
-    forward = sum(_node_flops(node) for node in forward_nodes(joint_gm.graph) if node.op == "call_function")
+    forward = sum(node_flops(node) for node in forward_nodes(joint_gm.graph) if node.op == "call_function")
 
     def cost(t: _Trial) -> float:
         return added_seconds(recompute_flops(t.bw_module), t.offload.nbytes if t.offload else 0, forward, rates)
@@ -357,79 +358,3 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     host = {n.name for n in bw.graph.nodes if _on_host(n)}
     activations = {n.name for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"} - host
     return activations | {n.name for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
-
-
-def recompute_flops(bw: fx.GraphModule) -> int:
-    """FLOPs of the forward ops `bw` re-runs (`_node_flops`)."""
-    total = 0
-    for node in bw.graph.nodes:
-        # a random op recomputed in backward (attention with dropout's RNG state, under every recompute policy)
-        # runs in the partitioner's RNG wrapper, a node of its own that carries no partitioner tag
-        rerun = getattr(node.target, "__name__", "") == "run_with_rng_state"
-        if node.op != "call_function" or (node.meta.get("partitioner_tag") != "is_forward" and not rerun):
-            continue
-        total += _node_flops(node)
-    return total
-
-
-def _node_flops(node: fx.Node) -> int:
-    """FLOPs of one op: torch's flop counter where it has a formula, attention's own, else one per element."""
-    from torch._inductor.fx_utils import count_flops_fx
-
-    if node.target is operator.getitem or getitem_source(node) is not None:
-        return 0
-    if is_attention_forward(node):
-        flops = _attention_flops(node)
-    else:
-        key = _flop_key(node)
-        if key is None:
-            flops = count_flops_fx(node)
-        elif (flops := _COUNTED_FLOPS.get(key, -1)) == -1:
-            flops = _COUNTED_FLOPS[key] = count_flops_fx(node)
-    return flops if flops else node_nbytes(node) // max(1, _itemsize(node))
-
-
-#: torch's flop counter by op and argument shapes (`_flop_key`): it runs the op on fake tensors, and a deep model's
-#: graphs repeat the same ops and shapes in every layer
-_COUNTED_FLOPS: dict[Any, int | None] = {}
-
-
-def _flop_key(node: fx.Node) -> Any:
-    """What torch's flop count of `node` depends on: its op and its arguments, each tensor by shape, stride and
-    dtype; None where an argument is neither a tensor, a number nor a plain constant (not memoised)."""
-    def key(arg: Any) -> Any:
-        if isinstance(arg, fx.Node):
-            val = arg.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise TypeError
-            return (tuple(val.shape), tuple(val.stride()), val.dtype)
-        if isinstance(arg, (list, tuple)):
-            return tuple(map(key, arg))
-        if arg is None or isinstance(arg, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
-            return (type(arg), arg)
-        raise TypeError
-
-    try:
-        found = (node.target, key(node.args), tuple((name, key(v)) for name, v in node.kwargs.items()))
-        hash(found)  # a symbolic size does not hash
-    except TypeError:
-        return None
-    return found
-
-
-def _attention_flops(node: fx.Node) -> int:
-    """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
-    wrapper = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}  # leading (op) or (RNG state tensor, op)
-    args = node.args[wrapper.get(getattr(node.target, "__name__", ""), 0):]
-    query, key = [a.meta["val"] for a in args
-                  if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
-    *batch_heads_sq, head_dim = query.shape
-    numel = 1
-    for d in batch_heads_sq:
-        numel *= int(d)
-    return 4 * numel * int(key.shape[-2]) * int(head_dim)
-
-
-def _itemsize(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.element_size() if isinstance(val, torch.Tensor) else 1

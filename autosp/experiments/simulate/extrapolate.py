@@ -108,6 +108,7 @@ def model_state_at_depth(cfg: RunConfig, device: DeviceModel) -> RunConfig:
     does not). Unchanged where nothing is left to decide."""
     from autosp.api import state_offload
     from autosp.compiler.memory import OffloadPlan
+    from autosp.experiments.simulate.adapters import optimizer_implementation_of
     from autosp.harness.runner import DTYPES
     from autosp.harness.strategy import get_strategy
     from autosp.models import build_model
@@ -119,8 +120,9 @@ def model_state_at_depth(cfg: RunConfig, device: DeviceModel) -> RunConfig:
     zero = get_strategy(cfg.method).zero_stage(cfg)
     model = build_model(cfg.model, dtype=DTYPES[cfg.dtype], device="meta")
     budget = device.usable_bytes - device.fixed_bytes if cfg.memory_budget is None else cfg.memory_budget
-    plan = state_offload(compile_options(cfg, zero), model, zero=zero, group_size=cfg.world_size,
-                         device_bytes=budget)
+    with optimizer_implementation_of(device):  # as the program's setup decides it (`RankProgram`)
+        plan = state_offload(compile_options(cfg, zero), model, zero=zero, group_size=cfg.world_size,
+                             device_bytes=budget)
     return cfg.replace(offload=str(plan))
 
 

@@ -115,7 +115,8 @@ class RankProgram:
             planned = cfg.replace(memory_budget=tensor_memory if cfg.memory_budget is None else cfg.memory_budget,
                                   host_memory_budget=cfg.host_memory_budget or device.host_bytes_per_node)
             before = process_registrations()
-            with _local_world_size(device.ranks_per_node(cfg.world_size)):
+            # the setup decides where the optimizer state lives by how AdamW steps on the device (`autosp.api`)
+            with _local_world_size(device.ranks_per_node(cfg.world_size)), optimizer_implementation_of(device):
                 self.step = self.strategy.setup(self.model, self.ctx, planned)
             # what the setup registered process-wide (alst: its SP groups and Ulysses wrapper) is this program's,
             # installed around its steps; the next program's setup (another depth or device) starts from before
