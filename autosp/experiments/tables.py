@@ -56,6 +56,71 @@ def peers_published() -> pd.DataFrame:
     return table.sort_values(["model", "peer", "device", "world_size"], ignore_index=True)
 
 
+#: a published model of the same architecture as ours (UPipe trains Llama-3-8B: Llama-3.1-8B's shapes)
+SAME_SHAPES = {"llama-3.1-8b": ("llama-3-8b",)}
+#: our methods put beside the published peers' lengths (`peers_table`)
+PEER_COLUMNS = ("autosp", "alst")
+
+
+def _base_model(name: object) -> str:
+    return str(name).rpartition(":")[2]
+
+
+def peer_lengths(records: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per (device, world_size, method): the longest length `model` trains in `records` (searches: their answer;
+    single runs: the longest that fit) and whether it is a lower bound (a single run, or a search that reached its
+    --max-len), and its `mode` (measured or simulated). A method run with options of its own (`method_spec`) is its own
+    method."""
+    rows = records[records["model"].map(_base_model) == model].copy()
+    for column in ("kind", "max_seq_len", "seq_len", "method_spec"):  # a file of searches only, or of runs only
+        if column not in rows:
+            rows[column] = None
+    rows["method"] = rows["method_spec"].fillna(rows["method"])
+    kind = rows["kind"]
+    searches = rows[kind == "search"].assign(length=lambda r: pd.to_numeric(r["max_seq_len"], errors="coerce"),
+                                             bound=lambda r: r["status"] == "no_oom_up_to_max_len")
+    fits = rows[(kind != "search") & (rows["status"] == "ok")]
+    fits = fits.assign(length=pd.to_numeric(fits["seq_len"], errors="coerce"), bound=True)
+    both = pd.concat([searches, fits], ignore_index=True).dropna(subset=["length"])
+    both = both[both["length"] > 0]
+    columns = ["device", "world_size", "method", "length", "bound", "mode"]
+    if both.empty:
+        return pd.DataFrame(columns=columns)
+    both["mode"] = both["mode"].fillna("measured") if "mode" in both else "measured"
+    best = both.sort_values(["length", "bound"], ascending=[True, False]).groupby(
+        ["device", "world_size", "method"], as_index=False).last()
+    return best[columns].reset_index(drop=True)
+
+
+def peers_table(records: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Every published peer anchor (`peers_published`); with `records`, our longest length of each method of
+    `PEER_COLUMNS` at the anchor's model (or one of the same shapes), device type and GPU count (`peer_lengths`:
+    `>=` a lower bound), and autosp's ratio to the published length. A throughput anchor (torchtitan's) is a length it
+    ran at, not its longest: no ratio."""
+    table = peers_published()
+    if records is None:
+        return table
+    ours = pd.concat([peer_lengths(records, model).assign(model=model)
+                      for model in {*table["model"], *SAME_SHAPES}], ignore_index=True)
+    same = {alias: model for model, aliases in SAME_SHAPES.items() for alias in aliases}
+    out = table.drop(columns=["recipe"])
+    for method in PEER_COLUMNS:
+        mine = ours[ours["method"] == method]
+        cells, ratios = [], []
+        for _, anchor in table.iterrows():
+            hit = mine[mine["model"].isin({anchor["model"], same.get(anchor["model"])})
+                       & (mine["device"] == anchor["device"]) & (mine["world_size"] == anchor["world_size"])]
+            best = hit.sort_values("length").iloc[-1] if len(hit) else None
+            cells.append("" if best is None else f"{'>=' if best['bound'] else ''}{int(best['length']):,}")
+            longest = pd.isna(anchor["tokens_per_s_per_gpu"]) and best is not None
+            ratios.append(f"{'>=' if best['bound'] else ''}{best['length'] / anchor['seq_len']:.2f}x" if longest
+                          else "")
+        out[f"{method} (ours)"] = cells
+        if method == "autosp":
+            out["autosp / published"] = ratios
+    return out[[c for c in out.columns if c != "source"] + ["source"]]
+
+
 def alst_table(records: pd.DataFrame) -> pd.DataFrame:
     """ALST's published lengths (headline rows) beside the alst records of the same model, device type and world
     size: a search's longest length and its ratio to the published one; a run at the published length (its status
@@ -507,8 +572,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
     if args.out:
         check_writable(args.out)
-    if args.kind == "peers":  # published numbers only: no records
-        table = peers_published()
+    if args.kind == "peers":  # published numbers, and ours beside them where --in gives records
+        table = peers_table(records_from_args(args) if args.inputs else None)
         print(format_table(table))
         if args.out:
             write_table_files(table, args.out)

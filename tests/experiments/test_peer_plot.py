@@ -30,11 +30,13 @@ RECORDS = pd.DataFrame([
 
 
 def test_each_methods_longest_length_per_setting_and_whether_it_is_a_lower_bound():
-    lengths = peer_lengths(RECORDS, "llama-3.1-8b").set_index(["device", "world_size", "method"])
+    found = peer_lengths(RECORDS, "llama-3.1-8b").set_index(["device", "world_size", "method"])
+    assert set(found["mode"]) == {"measured"}  # records without a mode are measured ones
+    lengths = found[["length", "bound"]]
     assert lengths.loc[("h100-80gb", 8, "autosp")].tolist() == [6_000_000, False]
     assert lengths.loc[("h100-80gb", 8, "alst")].tolist() == [524_288, True]  # the longest run that fit, not the oom
     assert lengths.loc[("h100-80gb", 1, "autosp")].tolist() == [1_048_576, True]  # the search reached its --max-len
-    assert lengths.loc[("h100-80gb", 1, "autosp[paper]"), "length"] == 1024  # a spec is its own method
+    assert found.loc[("h100-80gb", 1, "autosp[paper]"), "length"] == 1024  # a spec is its own method
     assert len(lengths) == 4  # the other model's search is not drawn
 
 
@@ -42,7 +44,7 @@ def test_the_figure_draws_the_published_peers_as_markers_and_refuses_a_model_wit
     fig = draw_peers(RECORDS, "llama-3.1-8b")
     labels = [t.get_text() for t in fig.axes[0].texts]
     assert "alst (published)" in labels and "upipe (published, llama-3-8b)" in labels  # the same shapes
-    assert ">=512K" in labels and "6000000" not in labels
+    assert ">=512K" in labels and "5.72M" in labels  # three significant digits
     assert not any("torchtitan" in text for text in labels)  # a throughput anchor, not a longest length
     with pytest.raises(ConfigError, match="no records and no published lengths of llama-3.2-3b"):
         draw_peers(RECORDS, "llama-3.2-3b")

@@ -312,3 +312,25 @@ def test_the_published_peers_are_data_with_their_sources(capsys) -> None:
     assert "arXiv 2602.21196" in capsys.readouterr().out
     assert main(["table", "alst"]) == 2
     assert "needs --in FILES" in capsys.readouterr().err
+
+
+def test_our_longest_lengths_stand_beside_the_published_peers_with_autosps_ratio() -> None:
+    """`autosp table peers --in RECORDS`: autosp's search answer at each anchor's model (or one of the same shapes),
+    device and GPU count, its ratio to the published length; alst's runs that fit as `>=` lower bounds; nothing beside
+    a throughput anchor's ratio (a length it ran at, not its longest)."""
+    from autosp.experiments.tables import peers_table
+
+    records = pd.DataFrame([
+        dict(search_row("autosp", 4_458_496, model="llama-3.1-8b"), device="h100-80gb", world_size=8),
+        dict(search_row("autosp", 18_866_176, model="llama-3.1-8b"), device="h100-80gb", world_size=32),
+        dict(run_row("alst", 524_288, 1.0), model="hf:llama-3.1-8b", device="h100-80gb", world_size=8),
+        dict(run_row("alst", 3_700_000, 1.0, status="oom"), model="hf:llama-3.1-8b", device="h100-80gb", world_size=8),
+    ])
+    table = peers_table(records).set_index(["peer", "world_size"])
+    assert table.loc[("alst", 8), "autosp (ours)"] == "4,458,496" and table.loc[("alst", 8), "autosp / published"] \
+        == "1.20x"
+    assert table.loc[("upipe", 8), "autosp / published"] == "0.89x"  # Llama-3-8B: Llama-3.1-8B's shapes
+    assert table.loc[("alst", 8), "alst (ours)"] == ">=524,288"  # the run that fit, not the oom at 3.7M
+    assert table.loc[("alst", 32), "autosp / published"] == "1.26x" and table.loc[("upipe", 16), "autosp (ours)"] == ""
+    assert table.loc[("torchtitan", 8), "autosp / published"] == ""
+    assert list(table.columns)[-1] == "source"
