@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from autosp.experiments.plots import _save, _tokens, method_color
+from autosp.experiments.plots import method_color, save_figure, token_label
 from autosp.experiments.tables import SAME_SHAPES, peer_lengths, peers_published
 from autosp.harness.config import ConfigError
 
@@ -56,7 +56,7 @@ def draw_peers(records: pd.DataFrame, model: str, published: pd.DataFrame | None
         ax.annotate(f"{anchor['peer']} (published{'' if anchor['model'] == model else ', ' + anchor['model']})",
                     (x, anchor["seq_len"]), fontsize=6, xytext=(6, -3), textcoords="offset points")
     ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_formatter(plt.FuncFormatter(_tokens))
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(token_label))
     ax.set_xticks(range(len(settings)), [f"{w} x {d}" for d, w in settings], fontsize=8)
     ax.set_ylabel("longest trainable sequence (tokens)")
     ax.set_title(f"{model}: ours (bars) and the published peers (markers)", fontsize=10)
@@ -72,4 +72,4 @@ def draw_peers(records: pd.DataFrame, model: str, published: pd.DataFrame | None
 
 def peers_figure(records: pd.DataFrame, model: str, path: str | Path | list[str | Path]) -> None:
     """`draw_peers` written to each path."""
-    _save(draw_peers(records, model), path)
+    save_figure(draw_peers(records, model), path)

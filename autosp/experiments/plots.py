@@ -80,7 +80,7 @@ def _panel_title(key: tuple, names: list[str]) -> str:
     return text
 
 
-def _save(fig: plt.Figure, paths: str | Path | list[str | Path]) -> None:
+def save_figure(fig: plt.Figure, paths: str | Path | list[str | Path]) -> None:
     """Write each path (format from its suffix: .png, .pdf, ...) atomically: a workflow never sees half a file."""
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         path = Path(path)
@@ -166,7 +166,7 @@ def _series_color(method: str, stage: int | None, multi: set[str]) -> tuple:
     return rgb
 
 
-def _tokens(value: float, _pos: object = None) -> str:
+def token_label(value: float, _pos: object = None) -> str:
     """An axis tick in tokens: 4K, 64K, 1M."""
     if value >= 2**20:
         return f"{value / 2**20:g}M"
@@ -244,7 +244,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     ax.set_xticks(range(len(models)), [_model_tick(m, sub[sub["model"] == m]) for m in models], fontsize=7)
     ax.set_xlim(-0.5, len(models) - 0.5)
     ax.set_yscale("log", base=2)
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_tokens))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(token_label))
     ax.tick_params(axis="y", labelsize=7)
     ax.set_ylabel("max trainable sequence length (tokens)", fontsize=8)
     modes = sorted({_mode(dict(mode=m)) for m in sub.get("mode", pd.Series(["measured"]))})
@@ -369,7 +369,7 @@ def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None) -
 def trainability_figure(table: pd.DataFrame, path: str | Path | list[str | Path],
                         claims: pd.DataFrame | None = None) -> None:
     """`draw_trainability`, written to each path."""
-    _save(draw_trainability(table, claims), path)
+    save_figure(draw_trainability(table, claims), path)
 
 
 def _failed_runs(records: pd.DataFrame | None) -> pd.DataFrame:
@@ -384,7 +384,7 @@ def _failed_runs(records: pd.DataFrame | None) -> pd.DataFrame:
 def throughput_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims: pd.DataFrame | None = None,
                       reference: str = "ulysses", records: pd.DataFrame | None = None) -> None:
     """`draw_throughput`, written to each path."""
-    _save(draw_throughput(table, claims, reference, records), path)
+    save_figure(draw_throughput(table, claims, reference, records), path)
 
 
 def draw_throughput(table: pd.DataFrame, claims: pd.DataFrame | None = None, reference: str = "ulysses",
@@ -437,7 +437,7 @@ def draw_throughput(table: pd.DataFrame, claims: pd.DataFrame | None = None, ref
 def memory_figure(table: pd.DataFrame, path: str | Path | list[str | Path], baseline: str,
                   claims: pd.DataFrame | None = None) -> None:
     """`draw_memory`, written to each path."""
-    _save(draw_memory(table, baseline, claims), path)
+    save_figure(draw_memory(table, baseline, claims), path)
 
 
 def draw_memory(table: pd.DataFrame, baseline: str, claims: pd.DataFrame | None = None) -> plt.Figure:
@@ -489,7 +489,7 @@ def draw_memory(table: pd.DataFrame, baseline: str, claims: pd.DataFrame | None 
 
 def sac_figure(table: pd.DataFrame, path: str | Path | list[str | Path], claims: pd.DataFrame | None = None) -> None:
     """`draw_sac`, written to each path."""
-    _save(draw_sac(table, claims), path)
+    save_figure(draw_sac(table, claims), path)
 
 
 def draw_sac(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Figure:
