@@ -70,3 +70,25 @@ def test_the_second_half_probed_from_identity_and_corrected_by_the_first_halfs_s
     _, whole_final = _hf(kernel, *inputs)
     torch.testing.assert_close(final[..., :DK] @ s_mid + final[..., DK:], whole_final)
     assert (out[..., DK:] - whole[:, 6:]).abs().max() > 1e-2  # the correction is not nothing
+
+
+@pytest.mark.parametrize("family", KERNELS)
+def test_the_planner_sees_the_kernels_scratch_with_kimis_per_channel_decays(family):
+    """The liveness replay charges the kernel's intermediates while the op runs (`autosp.comm.transients`); the
+    per-channel kernel also holds its [L, C, dk] pairwise decays and their product with the keys."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.comm.transients import transient_bytes
+
+    kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
+
+    def step(*inputs):
+        return torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel).sum(), inputs)
+
+    gm = make_fx(step, tracing_mode="fake")(*inputs)  # shapes are all it needs
+    (forward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule").default]
+    (backward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule_backward").default]
+    per_channel = 2 * CHUNK * DK if "kimi" in kernel else 0
+    # batch 2, 2 heads, 12 tokens (3 chunks of 4): per token 4 dk + 3 dv + 3 C (+ 2 C dk) fp32 values
+    assert transient_bytes(forward) == 4 * 2 * 2 * 12 * (4 * DK + 3 * DV + 3 * CHUNK + per_channel)
+    assert transient_bytes(backward) == 2 * transient_bytes(forward)
