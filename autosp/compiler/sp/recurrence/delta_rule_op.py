@@ -25,9 +25,7 @@ from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, origina
 #: HF's torch kernels of the gated delta rule, module-level functions of these modeling modules (the rule AutoSP
 #: recognises them by: the kernels HF's gated delta-net and Kimi delta attention layers call, not a pattern of the
 #: inlined chunk loop)
-GATED_DELTA_NET = "torch_chunk_gated_delta_rule"
-KIMI_DELTA_ATTENTION = "chunk_kimi_delta_attention"
-KERNEL_NAMES = (GATED_DELTA_NET, KIMI_DELTA_ATTENTION)
+KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
 
 
 def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, kernel):
@@ -132,7 +130,8 @@ def trace_gated_delta_rules() -> Iterator[None]:
 def _forward_flops(q, v, chunk_size) -> float:
     """The chunked rule per head and chunk of C tokens: k k^T, q k^T and the products of the [C, C] matrices with
     k and v (C^2 (6 dk + 4 dv)), the triangular solve's row updates (2 C^3 / 3), the state's read-outs and update
-    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head)."""
+    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head). Kimi's
+    per-channel decays make k k^T and q k^T elementwise [C, C, dk] products: the same count."""
     batch, length, _, dk = q.shape
     heads, dv, chunk = v.shape[2], v.shape[-1], min(chunk_size, length)
     per_token = chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv
