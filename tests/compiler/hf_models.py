@@ -128,14 +128,13 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "jamba": ("JambaForCausalLM", "JambaConfig",
               dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                    num_experts=4, mamba_d_state=16, mamba_dt_rank=8, use_mamba_kernels=False, **_MOE), {}),
-    # Kimi delta attention (a per-channel gated delta rule, `chunk_kimi_delta_attention`) beside MLA: refused (not yet
-    # sharded)
+    # Kimi delta attention (a per-channel gated delta rule, `chunk_kimi_delta_attention`) beside MLA
     "kimi-linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
                     dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
                          linear_head_dim=16, linear_num_heads=4, num_key_value_heads=4, kv_lora_rank=16,
                          q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), {}),
     # lightning attention (MiniMax: a block-wise linear attention with a decayed carried state) beside attention and
-    # experts: refused (not yet sharded)
+    # experts: refused (written inline in the layer)
     "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig",
                 dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, head_dim=16, block_size=8,
                      **_MOE), {}),

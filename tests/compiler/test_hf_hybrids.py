@@ -1,8 +1,9 @@
 """Unmodified HF hybrid models (issue 45) against single-process training at P=2 and P=4: short causal convolutions
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
-(Qwen3-Next with its MoE, Qwen3.5) and Mamba2's SSD scan likewise (Mamba2 alone; Bamba, Falcon-H1 beside attention;
-GraniteMoeHybrid, Nemotron-H with their default experts) and Mamba1's selective scan (Jamba), beside softmax
-attention; ZeRO 0 and 3. Kimi delta attention and lightning attention (MiniMax) are refused in one line."""
+(Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
+(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts) and
+Mamba1's selective scan (Jamba), beside softmax attention; ZeRO 0 and 3. Lightning attention (MiniMax) is refused in
+one line."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,7 @@ CASES = {
     "qwen3.5-inductor-2": (2, _hf("qwen3.5", 64, _GDN_EPS, _GDN_STEPS, backend="inductor")),
     "mamba2-inductor-2": (2, _hf("mamba2", 62, backend="inductor")),
     "kimi-linear-2": (2, _hf("kimi-linear", 32)),
+    "kimi-linear-zero3-2": (2, _hf("kimi-linear", 31, zero=3)),  # rank 1's shard padded
     "minimax-2": (2, _hf("minimax", 32)),
     "lfm2-4": (4, _hf("lfm2", 32)),
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
@@ -67,6 +69,7 @@ CASES = {
     "granitemoehybrid-4": (4, _hf("granitemoehybrid", 32)),
     "nemotron-h-4": (4, _hf("nemotron-h", 32, _SSD_EPS)),
     "jamba-4": (4, _hf("jamba", 32)),
+    "kimi-linear-4": (4, _hf("kimi-linear", 32)),
 }
 
 
@@ -103,24 +106,27 @@ def test_mamba1_selective_scan_is_exact_on_two_ranks(runs):
     runs.assert_exact("jamba-2")
 
 
-def test_kimi_delta_attention_is_refused_in_one_line_naming_its_kernel(runs):
-    runs.assert_refused("kimi-linear-2", "chunk_kimi_delta_attention", "not yet sharded")
+@pytest.mark.parametrize("case", ["kimi-linear-2", "kimi-linear-zero3-2"])
+def test_kimi_delta_attention_is_exact_on_two_ranks(runs, case):
+    runs.assert_exact(case)
 
 
 def test_lightning_attention_is_refused_in_one_line(runs):
-    # written inline in the layer (no module-level kernel to name): refused where its block products mix two shards
+    # written inline in the layer's forward (no module-level kernel to trace as an op): a Python loop over the blocks
+    # of the whole sequence, unrolled by Dynamo, with per-block slices of the layer's decay buffers; refused where its
+    # block products mix two shards
     runs.assert_refused("minimax-2", "model.layers.0.self_attn", "sharded sequence")
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> ExactnessRuns:
-    """The default profile's four-rank case, in a launch of its own: Qwen3-Next's causal convolution (the halo) and
-    its gated delta rule (the state passed over three rounds), and Bamba's SSD scan. The long profile runs every
-    four-rank case."""
-    return ExactnessRuns({name: CASES[name] for name in ("qwen3-next-4", "bamba-4")})
+    """The default profile's four-rank cases, in a launch of their own: Qwen3-Next's causal convolution (the halo) and
+    its gated delta rule (the state passed over three rounds), Kimi Linear's per-channel one, and Bamba's SSD scan.
+    The long profile runs every four-rank case."""
+    return ExactnessRuns({name: CASES[name] for name in ("qwen3-next-4", "kimi-linear-4", "bamba-4")})
 
 
-@pytest.mark.parametrize("case", ["qwen3-next-4", "bamba-4"])
+@pytest.mark.parametrize("case", ["qwen3-next-4", "kimi-linear-4", "bamba-4"])
 def test_a_hybrid_is_exact_on_four_ranks(four_ranks, case):
     four_ranks.assert_exact(case)
 

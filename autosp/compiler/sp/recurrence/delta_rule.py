@@ -9,7 +9,8 @@ once: final state [A | U] and output [p_t | o_t], where p_t = (A_{..t}^T q_t)^T 
 The states pass along the ranks (`states`: P-1 rounds of `from_previous_rank`), so rank r receives S_in, the
 composition of the earlier ranks' pairs in rank order, and its output is o_t + p_t S_in. Backward is autograd
 through the same ops (the exchange's is `to_previous_rank`). Only the small state exchange is sequential; the
-scans run in parallel.
+scans run in parallel. Kimi delta attention has a per-channel decay, A_t = diag(e^{g_t}) (I - beta_t k_t k_t^T):
+still affine in the state with each value channel on its own, so the same rewrite (`kernel` names HF's kernel).
 """
 from __future__ import annotations
 

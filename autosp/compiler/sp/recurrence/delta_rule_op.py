@@ -1,5 +1,8 @@
-"""The gated delta rule as custom ops, so the SP walk finds the recurrence as one node: HF's torch kernel
-(`torch_chunk_gated_delta_rule(q, k, v, g, beta, ...)` of Qwen3-Next, Qwen3.5, OLMo-hybrid) run whole, by name.
+"""The gated delta rule as custom ops, so the SP walk finds the recurrence as one node: HF's torch kernels run whole,
+by name — `torch_chunk_gated_delta_rule(q, k, v, g, beta, ...)` of Qwen3-Next, Qwen3.5, OLMo-hybrid (a per-head scalar
+decay g [B, S, H]) and Kimi Linear's `chunk_kimi_delta_attention` (the same call, a per-channel decay g [B, S, H, Dk]).
+Both are affine in the state with each value channel on its own, so one op (the kernel named in its `kernel` argument,
+"module.function") and one rewrite (`delta_rule`) serve both.
 
 `gated_delta_rule` is what a traced model calls in place of HF's kernel (`trace_gated_delta_rules`): the output only,
 from a zero state. `gated_delta_rule_from` also takes an initial state and returns the final one: what each rank runs
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -18,30 +22,32 @@ from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, original, traced_kernels
 
-#: HF's torch kernel of the gated delta rule, a module-level function of these modeling modules (the rule AutoSP
-#: recognises it by: the kernel HF's gated delta-net layers call, not a pattern of the inlined chunk loop)
-KERNEL_NAME = "torch_chunk_gated_delta_rule"
+#: HF's torch kernels of the gated delta rule, module-level functions of these modeling modules (the rule AutoSP
+#: recognises them by: the kernels HF's gated delta-net and Kimi delta attention layers call, not a pattern of the
+#: inlined chunk loop)
+KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
 
 
-def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
-    return contiguous(original(module, KERNEL_NAME)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
-                                                    initial_state=initial_state, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=l2norm))
+def _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, kernel):
+    module, name = kernel.rsplit(".", 1)
+    return contiguous(original(module, name)(q, k, v, g=g, beta=beta, chunk_size=chunk_size,
+                                             initial_state=initial_state, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=l2norm))
 
 
 @custom_op("gated_delta_rule", mutates_args=())
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     chunk_size: int, l2norm: bool, module: str) -> torch.Tensor:
-    """The gated delta rule's output [B, S, Hv, Dv] from a zero state (HF's kernel in `module`)."""
-    return _run(q, k, v, g, beta, None, chunk_size, l2norm, module)[0]
+                     chunk_size: int, l2norm: bool, kernel: str) -> torch.Tensor:
+    """The gated delta rule's output [B, S, Hv, Dv] from a zero state (HF's kernel `kernel`, "module.function")."""
+    return _run(q, k, v, g, beta, None, chunk_size, l2norm, kernel)[0]
 
 
 @custom_op("gated_delta_rule_from", mutates_args=())
 def gated_delta_rule_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           initial_state: torch.Tensor, chunk_size: int, l2norm: bool,
-                          module: str) -> tuple[torch.Tensor, torch.Tensor]:
+                          kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, final state [B, Hv, Dk, Dv]) of the gated delta rule from `initial_state`."""
-    out, state = _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, module)
+    out, state = _run(q, k, v, g, beta, initial_state, chunk_size, l2norm, kernel)
     return out, state
 
 
@@ -49,25 +55,25 @@ def gated_delta_rule_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def gated_delta_rule_backward(grad_out: torch.Tensor, grad_state: torch.Tensor | None, q: torch.Tensor,
                               k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                               initial_state: torch.Tensor | None, chunk_size: int, l2norm: bool,
-                              module: str) -> list[torch.Tensor]:
+                              kernel: str) -> list[torch.Tensor]:
     """Gradients of (q, k, v, g, beta[, initial_state]): the kernel re-run under autograd."""
-    grads = gradients(lambda *inputs: _run(*inputs, chunk_size, l2norm, module),
+    grads = gradients(lambda *inputs: _run(*inputs, chunk_size, l2norm, kernel),
                       [q, k, v, g, beta, initial_state], [grad_out, grad_state])
     return grads[:5] if initial_state is None else grads
 
 
 @gated_delta_rule.register_fake
-def _gated_delta_rule_fake(q, k, v, g, beta, chunk_size, l2norm, module):
+def _gated_delta_rule_fake(q, k, v, g, beta, chunk_size, l2norm, kernel):
     return v.new_empty(v.shape)
 
 
 @gated_delta_rule_from.register_fake
-def _gated_delta_rule_from_fake(q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
+def _gated_delta_rule_from_fake(q, k, v, g, beta, initial_state, chunk_size, l2norm, kernel):
     return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape, dtype=torch.float32)
 
 
 @gated_delta_rule_backward.register_fake
-def _gated_delta_rule_backward_fake(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, l2norm, module):
+def _gated_delta_rule_backward_fake(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, l2norm, kernel):
     wrt = (q, k, v, g, beta) + ((initial_state,) if initial_state is not None else ())
     return [x.new_empty(x.shape) for x in wrt]
 
@@ -93,10 +99,10 @@ gated_delta_rule_from.register_autograd(_gated_delta_rule_from_grad, setup_conte
 
 
 @functools.cache
-def _traced_kernel(module: str, hf_kernel):
-    """HF's kernel, as the `gated_delta_rule` op where the call is the plain training one (no state in or out, no
-    packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop). One function
-    per kernel, so Dynamo's guards see the same global at every call."""
+def _traced_kernel(name: str, module: str, hf_kernel):
+    """HF's kernel `name` of `module`, as the `gated_delta_rule` op where the call is the plain training one (no state
+    in or out, no packed documents); any other call runs HF's kernel inlined (and the walk refuses its chunk loop).
+    One function per kernel, so Dynamo's guards see the same global at every call."""
 
     def kernel(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
@@ -105,21 +111,27 @@ def _traced_kernel(module: str, hf_kernel):
             return hf_kernel(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              cu_seqlens=cu_seqlens, **kwargs)
-        return gated_delta_rule(query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel, module), None
+        return gated_delta_rule(query, key, value, g, beta, chunk_size, use_qk_l2norm_in_kernel,
+                                f"{module}.{name}"), None
 
     kernel._autosp_traced = True
     return kernel
 
 
-def trace_gated_delta_rules() -> contextlib.AbstractContextManager:
-    """While Dynamo traces, every loaded transformers modeling module's `torch_chunk_gated_delta_rule` calls the op."""
-    return traced_kernels(KERNEL_NAME, _traced_kernel)
+@contextlib.contextmanager
+def trace_gated_delta_rules() -> Iterator[None]:
+    """While Dynamo traces, every loaded transformers modeling module's gated delta rule kernels call the op."""
+    with contextlib.ExitStack() as stack:
+        for name in KERNEL_NAMES:
+            stack.enter_context(traced_kernels(name, functools.partial(_traced_kernel, name)))
+        yield
 
 
 def _forward_flops(q, v, chunk_size) -> float:
     """The chunked rule per head and chunk of C tokens: k k^T, q k^T and the products of the [C, C] matrices with
     k and v (C^2 (6 dk + 4 dv)), the triangular solve's row updates (2 C^3 / 3), the state's read-outs and update
-    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head)."""
+    (6 C dk dv), for each value head (queries and keys shared by a group of them are read per value head). Kimi's
+    per-channel decays make k k^T and q k^T elementwise [C, C, dk] products: the same count."""
     batch, length, _, dk = q.shape
     heads, dv, chunk = v.shape[2], v.shape[-1], min(chunk_size, length)
     per_token = chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv
@@ -138,22 +150,25 @@ def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, init
     return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(q, v, chunk_size)
 
 
-def _scratch(q, v, chunk_size) -> int:
+def _scratch(q, v, g, chunk_size) -> int:
     """An estimate of HF's torch kernel's intermediates alive together (fp32, per value head): queries, keys and their
     beta-weighted and decayed copies ([L, dk] each), the beta-weighted values, the solved values and the output
-    ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each)."""
+    ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each); with a per-channel
+    decay (Kimi delta attention, g [B, S, H, Dk]) the pairwise decays and their product with the keys are [L, C, dk]."""
     batch, length, _, dk = q.shape
     heads, dv, chunk = v.shape[2], v.shape[-1], chunk_size
     padded = -(-length // chunk) * chunk
-    return 4 * batch * heads * padded * (4 * dk + 3 * dv + 3 * chunk)
+    per_channel = 2 * chunk * dk if g.dim() == 4 else 0
+    return 4 * batch * heads * padded * (4 * dk + 3 * dv + 3 * chunk + per_channel)
 
 
 @declare_transient_bytes(op("gated_delta_rule"))
 @declare_transient_bytes(op("gated_delta_rule_from"))
 def _gated_delta_rule_scratch(q, k, v, g, beta, *rest):
-    return _scratch(q, v, rest[-3])
+    return _scratch(q, v, g, rest[-3])
 
 
 @declare_transient_bytes(op("gated_delta_rule_backward"))
 def _gated_delta_rule_backward_scratch(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
-    return 2 * _scratch(q, v, chunk_size)  # the re-run forward's intermediates kept for autograd, and their gradients
+    # the re-run forward's intermediates kept for autograd, and their gradients
+    return 2 * _scratch(q, v, g, chunk_size)

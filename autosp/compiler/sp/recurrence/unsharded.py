@@ -1,6 +1,6 @@
 """Sequence mixing AutoSP does not shard yet, refused in one line: an op the walk cannot follow inside a model's
-module-level kernel (Kimi delta attention's chunk kernel; a gated delta rule, SSD or selective scan called with a state
-or packed documents) is refused as that kernel, named, with what to do. (A scan such as `cumsum` along the sharded
+module-level kernel (a gated delta rule, Kimi delta attention, SSD or selective scan called with a state or packed
+documents) is refused as that kernel, named, with what to do. (A scan such as `cumsum` along the sharded
 sequence is refused by `routing`.)"""
 from __future__ import annotations
 

@@ -1,0 +1,94 @@
+"""The gated delta rule as AutoSP's ops (`autosp_sp::gated_delta_rule`, `gated_delta_rule_from`), for both HF kernels
+they run (Qwen3-Next's scalar-decay `torch_chunk_gated_delta_rule`, Kimi Linear's per-channel
+`chunk_kimi_delta_attention`), against the kernel called directly: output, final state and every input's gradient;
+and the identity the sharded rewrite rests on: the second half scanned from [I | 0] with values [0 | v] gives its
+zero-state output and a read-out that, applied to the first half's final state, makes the whole scan."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import autosp.comm  # noqa: F401
+import autosp.compiler.sp  # noqa: F401  (registers the ops)
+from autosp.comm.library import op
+
+KERNELS = {"gated-delta-net": "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule",
+           "kimi-delta-attention": "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"}
+DK, DV, CHUNK = 4, 3, 4
+
+
+def _inputs(kernel: str, seq_len: int = 12, heads: int = 2):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, seq_len, heads, DK, generator=g) for _ in range(2))
+    v = torch.randn(2, seq_len, heads, DV, generator=g)
+    decay_shape = (2, seq_len, heads, DK) if "kimi" in kernel else (2, seq_len, heads)  # per channel / per head
+    decay = -torch.rand(decay_shape, generator=g)
+    beta = torch.rand(2, seq_len, heads, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, decay, beta)]
+
+
+def _hf(kernel: str, q, k, v, g, beta, initial_state=None):
+    module, name = kernel.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)(q, k, v, g=g, beta=beta, chunk_size=CHUNK,
+                                                          initial_state=initial_state, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("family", KERNELS)
+def test_the_ops_outputs_and_gradients_are_hf_kernels(family):
+    kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
+    state = torch.randn(2, 2, DK, DV, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out, final = op("gated_delta_rule_from")(*inputs, state, CHUNK, True, kernel)
+    ref_out, ref_final = _hf(kernel, *inputs, state)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(final, ref_final)
+    grads = torch.autograd.grad(out.sum() + (final * 0.5).sum(), [*inputs, state])
+    ref = torch.autograd.grad(ref_out.sum() + (ref_final * 0.5).sum(), [*inputs, state])
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got, want)
+    only_out = torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel).square().sum(), inputs)
+    ref_only = torch.autograd.grad(_hf(kernel, *inputs)[0].square().sum(), inputs)
+    for got, want in zip(only_out, ref_only, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", KERNELS)
+def test_the_second_half_probed_from_identity_and_corrected_by_the_first_halfs_state_is_the_whole_scan(family):
+    kernel = KERNELS[family]
+    inputs = [t.detach() for t in _inputs(kernel)]
+    whole, _ = _hf(kernel, *inputs)
+    first = [t[:, :6] for t in inputs]
+    q, k, v, g, beta = (t[:, 6:] for t in inputs)
+    _, s_mid = _hf(kernel, *first)
+    probe_v = torch.cat([v.new_zeros(*v.shape[:-1], DK), v], -1)
+    initial = torch.cat([torch.eye(DK).expand(2, 2, DK, DK), torch.zeros(2, 2, DK, DV)], -1)
+    out, final = _hf(kernel, q, k, probe_v, g, beta, initial)
+    second = out[..., DK:] + torch.einsum("blhk,bhkv->blhv", out[..., :DK], s_mid)
+    torch.testing.assert_close(second, whole[:, 6:])
+    _, whole_final = _hf(kernel, *inputs)
+    torch.testing.assert_close(final[..., :DK] @ s_mid + final[..., DK:], whole_final)
+    assert (out[..., DK:] - whole[:, 6:]).abs().max() > 1e-2  # the correction is not nothing
+
+
+@pytest.mark.parametrize("family", KERNELS)
+def test_the_planner_sees_the_kernels_scratch_with_kimis_per_channel_decays(family):
+    """The liveness replay charges the kernel's intermediates while the op runs (`autosp.comm.transients`); the
+    per-channel kernel also holds its [L, C, dk] pairwise decays and their product with the keys."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.comm.transients import transient_bytes
+
+    kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
+
+    def step(*inputs):
+        return torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel).sum(), inputs)
+
+    gm = make_fx(step, tracing_mode="fake")(*inputs)  # shapes are all it needs
+    (forward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule").default]
+    (backward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule_backward").default]
+    per_channel = 2 * CHUNK * DK if "kimi" in kernel else 0
+    # batch 2, 2 heads, 12 tokens (3 chunks of 4): per token 4 dk + 3 dv + 3 C (+ 2 C dk) fp32 values
+    assert transient_bytes(forward) == 4 * 2 * 2 * 12 * (4 * DK + 3 * DV + 3 * CHUNK + per_channel)
+    assert transient_bytes(backward) == 2 * transient_bytes(forward)
