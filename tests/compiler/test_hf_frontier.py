@@ -47,10 +47,16 @@ CASES = {
     "deepseek-v32-4": (4, _hf("deepseek-v32", 62)),
     "glm-moe-dsa-zero3-4": (4, _hf("glm-moe-dsa", 64, zero=3)),
     "deepseek-v4-4": (4, _hf("deepseek-v4", 60, _HC_EPS)),  # not 64: the vocabulary (the table's rows)
+    "deepseek-v4-compressed-2": (2, _hf("deepseek-v4-compressed", 32, _HC_EPS)),
+    "deepseek-v4-compressed-padded-2": (2, _hf("deepseek-v4-compressed", 31, _HC_EPS)),  # windows end mid-shard
+    "deepseek-v4-compressed-zero3-2": (2, _hf("deepseek-v4-compressed", 32, _HC_EPS, zero=3)),
+    "deepseek-v4-compressed-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS)),
+    "deepseek-v4-compressed-zero3-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS, zero=3)),
 }
 SINKS = [c for c in CASES if c.startswith("granite")]
 SPARSE = [c for c in CASES if c.startswith(("deepseek-v32", "glm"))]
-HASH_ROUTED = [c for c in CASES if c.startswith("deepseek-v4")]
+HASH_ROUTED = [c for c in CASES if c.startswith("deepseek-v4") and "compressed" not in c]
+COMPRESSED = [c for c in CASES if c.startswith("deepseek-v4-compressed")]
 
 
 @pytest.fixture(scope="module")
