@@ -5,9 +5,10 @@ by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
 attention gets all-to-alls (`communicate`, `flex`; DeepSeek sparse attention instead gathers its keys' latents
 whole, `sparse`; DeepSeek-V4's compressed attention its keys' and pooled entries' projections, `compressed`),
-causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of
-the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged
-on the shard, its output spec read off the fake-tensor shapes before and after.
+causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the ranks before
+(`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of the sequence
+keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on the
+shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -21,8 +22,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
-from autosp.compiler.sp.attention import (communicate, compressed, eager_attention, flex, flex_masks, hybrid, masks,
-                                          sparse)
+from autosp.compiler.sp.attention import (
+    communicate,
+    compressed,
+    eager_attention,
+    flex,
+    flex_masks,
+    hybrid,
+    masks,
+    sparse,
+)
 from autosp.compiler.sp.attribution import attributed
 from autosp.compiler.sp.recurrence import conv, delta_rule, selective_scan, ssd, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
