@@ -152,3 +152,28 @@ def test_a_per_head_sink_gate_of_a_hand_written_attention_is_rewritten_as_one_re
                                     .sigmoid()[..., None]), input_ids=torch.randint(0, 64, (1, 16)))
     sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
     assert sum(1 for n in gm.graph.nodes if "all_to_all" in str(n.target)) == 4
+
+
+class _PooledKeysOfTheEmbedding(torch.nn.Module):
+    """Keys joined with entries pooled over windows of 4 positions, both the token embedding itself (no projection
+    inside the attention to gather)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.q, self.out = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 64)
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        x = self.embed(input_ids)
+        keys = torch.cat([x, x.view(b, s // 4, 4, 8).mean(2)], dim=1)[:, None]  # [B, 1, S + S/4, D]
+        attended = torch.softmax(self.q(x)[:, None] @ keys.transpose(-2, -1), dim=-1) @ keys
+        return self.out(attended[:, 0]).sum()
+
+
+def test_compressed_attention_without_projections_to_gather_is_refused_naming_it():
+    gm, _ = capture(_PooledKeysOfTheEmbedding(), input_ids=torch.randint(0, 64, (1, 16)))
+    with pytest.raises(SequenceParallelError) as refusal:
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
+    message = str(refusal.value)
+    assert message.startswith("attention ") and "16 keys joined with 4 pooled entries" in message \
+        and "no projection" in message and "\n" not in message, message

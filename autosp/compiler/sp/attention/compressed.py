@@ -80,7 +80,7 @@ def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
             sparse.mark_gather(linear, 1)
         for node in _descendants(attention.scores) & (upstream | {attention.softmax}):
             node.meta[_ROWS] = attention
-        for node in upstream - for_query:
+        for node in upstream - for_query - sparse.ancestors([attention.scores.args[1]]):  # the mask's side
             value = _value(node)
             if node.target in resize.FRESH_LIKE and value is not None and value.dim() >= 2 \
                     and value.shape[-2] == seq_len and (module_path(node) or "").startswith(scope):
