@@ -41,12 +41,17 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                     dict(_MLA, index_topk=8, index_head_dim=16, index_n_heads=2, indexer_types=["full", "shared"]),
                     {}),
     # DeepSeek-V4 with sliding-window layers (sinks, eager attention), hyper-connections, hash routing by token id
-    # (`tid2eid[input_ids]`, a random table here: HF initialises it to zeros) in both layers; the compressed layers
-    # are refused (`V4` with their layer types, test_hf_frontier)
+    # (`tid2eid[input_ids]`, a random table here: HF initialises it to zeros) in both layers
     "deepseek-v4": ("DeepseekV4ForCausalLM", "DeepseekV4Config", dict(V4, layer_types=["sliding_attention"] * 2), {}),
     "deepseek-v4-batched-mm": ("DeepseekV4ForCausalLM", "DeepseekV4Config",
                                dict(V4, layer_types=["sliding_attention"] * 2),
                                dict(experts_implementation="batched_mm")),
+    # its compressed layers: compressed sparse attention (keys pooled over overlapping windows of 4, a lightning
+    # indexer keeping 4 of them per query) and heavily compressed attention (windows of 8), each joined to the
+    # sliding window's keys
+    "deepseek-v4-compressed": ("DeepseekV4ForCausalLM", "DeepseekV4Config",
+                               dict(V4, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"]),
+                               {}),
     # attention sinks (per-head logits joining the softmax, eager attention) and alternating sliding windows
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig",
                 dict(num_local_experts=4, head_dim=16, sliding_window=8,

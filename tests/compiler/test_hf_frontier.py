@@ -3,7 +3,8 @@ and 3: Granite SWA's sink gate, `sigmoid(logsumexp(scores) - sink)` on the atten
 hand-written attention region (per head and query once the all-to-all gave this rank every key of its heads);
 DeepSeek sparse attention (DeepSeek-V3.2, GLM-MoE-DSA): the indexer's keys and MLA's latent gathered, each rank's
 queries selecting and attending over every key; DeepSeek-V4's hash routing by token id (its sliding layers), and
-its compressed attention refused in one line naming it."""
+its compressed attention (CSA, HCA): the projections of its keys and pooled entries gathered, each rank's queries
+attending over every key and pooled entry."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import transformers
 
 import autosp.comm  # noqa: F401
+from autosp.compiler.fx import module_path, user_path
 from autosp.compiler.sp.walk import sequence_parallel_pass
 from autosp.compiler.tracing import install_output_hooks, tracing_config
 from autosp.errors import SequenceParallelError
@@ -47,10 +49,17 @@ CASES = {
     "deepseek-v32-4": (4, _hf("deepseek-v32", 62)),
     "glm-moe-dsa-zero3-4": (4, _hf("glm-moe-dsa", 64, zero=3)),
     "deepseek-v4-4": (4, _hf("deepseek-v4", 60, _HC_EPS)),  # not 64: the vocabulary (the table's rows)
+    "deepseek-v4-compressed-2": (2, _hf("deepseek-v4-compressed", 32, _HC_EPS)),
+    "deepseek-v4-compressed-padded-2": (2, _hf("deepseek-v4-compressed", 31, _HC_EPS)),  # windows end mid-shard
+    "deepseek-v4-compressed-zero3-2": (2, _hf("deepseek-v4-compressed", 32, _HC_EPS, zero=3)),
+    "deepseek-v4-compressed-planner-2": (2, _hf("deepseek-v4-compressed", 32, _HC_EPS, sac="auto")),
+    "deepseek-v4-compressed-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS)),
+    "deepseek-v4-compressed-zero3-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS, zero=3)),
 }
 SINKS = [c for c in CASES if c.startswith("granite")]
 SPARSE = [c for c in CASES if c.startswith(("deepseek-v32", "glm"))]
-HASH_ROUTED = [c for c in CASES if c.startswith("deepseek-v4")]
+HASH_ROUTED = [c for c in CASES if c.startswith("deepseek-v4") and "compressed" not in c]
+COMPRESSED = [c for c in CASES if c.startswith("deepseek-v4-compressed")]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +83,16 @@ def test_deepseek_v4_hash_routing_by_token_id_is_exact(runs, case):
     runs.assert_exact(case)
 
 
-def test_deepseek_v4_compressed_attention_is_refused_naming_the_attention_and_cause():
-    """Compressed and heavily compressed layers (keys joined with pooled entries): one line naming the layer's
-    attention and why, not "no attention found" (one rank's rewrite, no process group)."""
+@pytest.mark.parametrize("case", COMPRESSED)
+def test_deepseek_v4_compressed_attention_is_exact(runs, case):
+    """CSA and HCA layers: the keys', compressor's and indexer's projections gathered, every window pooled whole,
+    this rank's queries attending over every key and pooled entry (31 tokens: a window ends inside rank 1's shard)."""
+    runs.assert_exact(case)
+
+
+def test_deepseek_v4_compressed_attention_gathers_its_projections_and_attends_its_own_rows():
+    """One rank's rewrite (no process group) of a sliding and a CSA layer: the CSA layer's keys, compressor and
+    indexer projections are all-gathered (no all-to-all in it), and its mask buffer holds this rank's query rows."""
     torch.manual_seed(0)
     config = transformers.DeepseekV4Config(**{**COMMON, **V4, "layer_types": [
         "sliding_attention", "compressed_sparse_attention"]})
@@ -85,11 +101,18 @@ def test_deepseek_v4_compressed_attention_is_refused_naming_the_attention_and_ca
     ids = torch.randint(0, 64, (1, 32))
     with tracing_config():
         gm, _ = capture(model, input_ids=ids, labels=ids)
-    with pytest.raises(SequenceParallelError) as refusal:
-        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
-    message = str(refusal.value)
-    assert message.startswith("attention model.layers.1.self_attn (") and "\n" not in message, message
-    assert "32 keys joined with 8 more entries along it" in message and "compressed attention" in message, message
+    sequence_parallel_pass(gm, sp_rank=1, sp_size=2, group_name="unused")
+    layer = "model.layers.1."
+    gathered = sorted(user_path(module_path(n.args[0])).removeprefix(layer) for n in gm.graph.nodes
+                      if "all_gather_sequence" in str(n.target))
+    assert gathered == ["self_attn.compressor.gate_proj", "self_attn.compressor.indexer.gate_proj",
+                        "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.kv_proj",
+                        "self_attn.kv_proj"], gathered
+    assert not [n for n in gm.graph.nodes if "all_to_all" in str(n.target)
+                and user_path(module_path(n) or "").startswith(layer)]
+    bias = next(n for n in gm.graph.nodes if n.target == "new_full" and n.meta["example_value"].shape[-1] == 9
+                and user_path(module_path(n) or "").startswith(layer))  # [B, 1, S, T + 1], filled from the picks
+    assert tuple(bias.meta["example_value"].shape) == (1, 1, 16, 9)  # 16 queries, 8 pooled entries and a spare
 
 
 class _GatedAttention(torch.nn.Module):
@@ -129,3 +152,28 @@ def test_a_per_head_sink_gate_of_a_hand_written_attention_is_rewritten_as_one_re
                                     .sigmoid()[..., None]), input_ids=torch.randint(0, 64, (1, 16)))
     sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
     assert sum(1 for n in gm.graph.nodes if "all_to_all" in str(n.target)) == 4
+
+
+class _PooledKeysOfTheEmbedding(torch.nn.Module):
+    """Keys joined with entries pooled over windows of 4 positions, both the token embedding itself (no projection
+    inside the attention to gather)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.q, self.out = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 64)
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        x = self.embed(input_ids)
+        keys = torch.cat([x, x.view(b, s // 4, 4, 8).mean(2)], dim=1)[:, None]  # [B, 1, S + S/4, D]
+        attended = torch.softmax(self.q(x)[:, None] @ keys.transpose(-2, -1), dim=-1) @ keys
+        return self.out(attended[:, 0]).sum()
+
+
+def test_compressed_attention_without_projections_to_gather_is_refused_naming_it():
+    gm, _ = capture(_PooledKeysOfTheEmbedding(), input_ids=torch.randint(0, 64, (1, 16)))
+    with pytest.raises(SequenceParallelError) as refusal:
+        sequence_parallel_pass(gm, sp_rank=0, sp_size=2, group_name="unused")
+    message = str(refusal.value)
+    assert message.startswith("attention ") and "16 keys joined with 4 pooled entries" in message \
+        and "no projection" in message and "\n" not in message, message

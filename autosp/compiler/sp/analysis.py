@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from autosp.compiler.fx import attention_args, is_attention
 from autosp.compiler.sp import indices
-from autosp.compiler.sp.attention import eager_attention, flex
+from autosp.compiler.sp.attention import compressed, eager_attention, flex
 from autosp.compiler.sp.recurrence import delta_rule, selective_scan, ssd
 from autosp.compiler.sp.spec import node_label
 from autosp.errors import SequenceParallelError
@@ -58,7 +58,6 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
         sites.append(AttentionSite(node, node_label(node), math.prod(q.shape[:-3]), q.shape[-3], k.shape[-3],
                                    q.shape[-2], q.shape[-1]))
     trainable = indices.trainable_nodes(gm.graph, {n: n.meta.get("example_value") for n in gm.graph.nodes})
-    eager_attention.refuse_joined_keys(gm, trainable)
     for region in eager_attention.find(gm, trainable):
         q = region.query.meta["example_value"]
         sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],
@@ -68,6 +67,7 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
     scans = {n.args[0].meta["example_value"].shape[1] for n in gm.graph.nodes
              if delta_rule.is_gated_delta_rule(n) or ssd.is_ssd_scan(n)}
     scans |= {n.args[0].meta["example_value"].shape[2] for n in gm.graph.nodes if selective_scan.is_selective_scan(n)}
+    scans |= {attention.queries for attention in compressed.find(gm, trainable)}  # keys joined with pooled entries
     if not sites and not scans:
         raise SequenceParallelError(
             "no attention found: AutoSP looks for torch.nn.functional.scaled_dot_product_attention, a hand-written "

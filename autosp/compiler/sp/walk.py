@@ -4,10 +4,11 @@ Every value is either *full* (as in single-device training: parameters, index te
 by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec). A node becomes local at the
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
 attention gets all-to-alls (`communicate`, `flex`; DeepSeek sparse attention instead gathers its keys' latents
-whole, `sparse`), causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the
-ranks before (`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of
-the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged
-on the shard, its output spec read off the fake-tensor shapes before and after.
+whole, `sparse`; DeepSeek-V4's compressed attention its keys' and pooled entries' projections, `compressed`),
+causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the ranks before
+(`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of the sequence
+keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on the
+shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -21,7 +22,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autosp.compiler.fx import is_attention
 from autosp.compiler.sp import dropout, expert_counts, index_chains, indices, loss, padding, resize, routing, shard
 from autosp.compiler.sp.analysis import analyze
-from autosp.compiler.sp.attention import communicate, eager_attention, flex, flex_masks, hybrid, masks, sparse
+from autosp.compiler.sp.attention import (
+    communicate,
+    compressed,
+    eager_attention,
+    flex,
+    flex_masks,
+    hybrid,
+    masks,
+    sparse,
+)
 from autosp.compiler.sp.attribution import attributed
 from autosp.compiler.sp.recurrence import conv, delta_rule, selective_scan, ssd, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
@@ -57,6 +67,7 @@ def sequence_parallel_pass(
                     ulysses_size=ulysses if ulysses < sp_size else 0, ulysses_group=groups[0], ring_group=groups[1],
                     attention_chunks=attention_chunks)
     sparse.mark(gm, analysis.seq_len, ctx.trainable)  # DeepSeek sparse attention: what to gather whole
+    compressed.mark(gm, analysis.seq_len, ctx.trainable)  # DeepSeek-V4's compressed attention: the same, and its rows
     for node in list(gm.graph.nodes):
         try:
             with attributed(ctx, node):  # an internal error names this node, its module and the step that raised
@@ -95,6 +106,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         if node is region.output:
             eager_attention.rewrite(ctx, region)
         return
+    if compressed.is_fresh_rows(node):
+        compressed.fresh_rows(ctx, node)
+        return
     if not any(ctx.is_local(n) for n in node.all_input_nodes):
         if any(n in ctx.whole for n in node.all_input_nodes):  # computed from gathered values: full, as they are
             ctx.current[node] = ctx.original[node]
@@ -108,6 +122,7 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
     else:
         routing.localize_pair_positions(ctx, node)
         shard.localize_partners(ctx, node)
+        compressed.localize_rows(ctx, node)
     if dropout.is_sequence_dropout(ctx, node):
         dropout.rewrite(ctx, node)
         return

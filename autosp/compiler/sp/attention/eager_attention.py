@@ -15,7 +15,7 @@ op checked to keep the heads apart), and one all-to-all brings the output back t
 ([.., H, S, *] masks and sinks, [1, H, 1] gate sinks) are cut to this rank's heads; with a padded sequence the
 padded keys are hidden from real queries right before the softmax and the logsumexp (see `padding`). The scores of
 this rank's heads are [.., S, S + k], as the model's own eager attention makes them. Keys joined along the sequence
-with pooled entries (compressed attention) are refused by name (`refuse_joined_keys`).
+with pooled entries (compressed attention, [.., S, S + T] scores) are not such a region: `compressed` shards them.
 """
 from __future__ import annotations
 
@@ -135,48 +135,6 @@ def _score_chain(softmax: fx.Node, trainable: set[fx.Node]) -> list[fx.Node] | N
         node = inputs[0]
         back.append(node)
     return back
-
-
-def refuse_joined_keys(gm: fx.GraphModule, trainable: set[fx.Node]) -> None:
-    """Hand-written attention whose queries see the sequence's S keys joined along it with m more entries (`q @ kT`
-    of [.., S, S + m] over keys made by a `cat` of S keys and m others, then a softmax over them: DeepSeek-V4's
-    compressed attention, keys pooled over windows of positions) is refused in one line naming it: a pooled entry is
-    a function of global positions whose window straddles the shards, which AutoSP does not rebuild."""
-    for node in gm.graph.nodes:
-        scores = _value(node)
-        if node.target not in MATMULS or node not in trainable or scores is None or scores.dim() < 3:
-            continue
-        queries, keys = scores.shape[-2], scores.shape[-1]
-        if not keys > queries > 1 or not _joined(node.args[1], queries, keys) or not _softmax_after(node):
-            continue
-        raise SequenceParallelError(
-            f"attention {node_label(node)} attends over the sequence's {queries} keys joined with {keys - queries} "
-            "more entries along it (keys pooled over windows of positions: compressed attention); each pooled entry "
-            "is a function of global positions whose window straddles the shards, so AutoSP cannot shard this "
-            "attention yet (sliding-window layers it can)")
-
-
-def _joined(keys: fx.Node, queries: int, total: int, depth: int = 8) -> bool:
-    """`keys` is computed (within `depth` ops) from a `cat` of `queries` keys and more entries into `total`."""
-    frontier = [keys]
-    for _ in range(depth):
-        for node in frontier:
-            if node.target in (torch.cat, "cat") and total in _value(node).shape:
-                dim = list(_value(node).shape).index(total)
-                parts = [_value(n).shape[dim] for n in node.args[0] if isinstance(n, fx.Node) and _value(n) is not None]
-                if queries in parts:
-                    return True
-        frontier = [n for node in frontier for n in node.all_input_nodes]
-    return False
-
-
-def _softmax_after(matmul: fx.Node, depth: int = 8) -> bool:
-    frontier = [matmul]
-    for _ in range(depth):
-        frontier = [u for node in frontier for u in node.users]
-        if any(n.target in SOFTMAXES for n in frontier):
-            return True
-    return False
 
 
 def _feedback(chain: set[fx.Node], scores: fx.Node, end: fx.Node, order: dict[fx.Node, int]) -> set[fx.Node]:

@@ -46,7 +46,7 @@ def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
         after = set(_descendants(topk))  # the layer's own attention, and those reusing its selection (GLM's shared)
         attentions = [n for n in _in_graph_order(topk, after) if is_attention(n)
                       and attention_args(n).get("attn_mask") in after]
-        indexer = next((n for n in reversed(_in_graph_order(topk, _ancestors([topk])))
+        indexer = next((n for n in reversed(_in_graph_order(topk, ancestors([topk])))
                         if n.target in MATMULS and _pairs_positions(n, seq_len)), None)
         if not attentions or indexer is None or indexer.args[1] not in trainable:
             continue
@@ -63,6 +63,11 @@ def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
             attention.meta[_SPARSE] = tuple(node_label(n) for n in latents)  # named in a refusal
 
 
+def mark_gather(node: fx.Node, dim: int) -> None:
+    """The walk all-gathers `node`'s value along the sequence on `dim` once it ran on the shard (`gather`)."""
+    node.meta[_GATHER] = dim
+
+
 def is_sparse(node: fx.Node) -> bool:
     return _SPARSE in node.meta
 
@@ -74,7 +79,7 @@ def gather(ctx: SPContext, node: fx.Node) -> None:
     if dim is None:
         return
     if not ctx.is_local(node) or ctx.spec(node).dim != dim:
-        raise SequenceParallelError(f"{node_label(node)}: DeepSeek sparse attention gathers this value along the "
+        raise SequenceParallelError(f"{node_label(node)}: the attention it feeds gathers this value along the "
                                     f"sequence on dim {dim}, but this rank holds it as {ctx.specs.get(node)}")
     users = list(node.users)
     after = node.next
@@ -155,7 +160,7 @@ def _descendants(node: fx.Node) -> list[fx.Node]:
     return sorted(seen, key=order.__getitem__)
 
 
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
     """Every node `nodes` are computed from, counting what is copied in place into views of them (MLA's keys:
     a fresh buffer filled by `copy_` into slices of it)."""
     seen, stack = set(), list(nodes)
@@ -187,9 +192,9 @@ def _latents(key: fx.Node, value: fx.Node, query: fx.Node, attention: fx.Node, s
     """The first projections inside the attention module that only the keys and values are computed from
     (MLA: `kv_a_proj_with_mqa`'s latent; plain attention: the k and v projections)."""
     scope = module_path(attention) or ""
-    for_query = _ancestors([query])
-    candidates = [n for n in _ancestors([key, value]) - for_query
+    for_query = ancestors([query])
+    candidates = [n for n in ancestors([key, value]) - for_query
                   if n.target in LINEARS and n in trainable and (module_path(n) or "").startswith(scope)
                   and _value(n) is not None and _value(n).dim() >= 2 and _value(n).shape[1] == seq_len]
-    firsts = [n for n in candidates if not (_ancestors([n]) & set(candidates))]
+    firsts = [n for n in candidates if not (ancestors([n]) & set(candidates))]
     return tuple(firsts)
