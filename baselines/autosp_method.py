@@ -16,6 +16,7 @@ from torch import nn
 import autosp
 from autosp.api import state_offload
 from autosp.comm.host_optimizer import iter_pairs
+from autosp.comm.host_pool import pool_stats
 from autosp.compiler.memory import (
     OffloadPlan,
     Policy,
@@ -94,7 +95,8 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                 "peak_working_set": peak_working_set(records), "tiles": tiles_of(self.compiled.tiling_reports),
                 **({"sac_auto": plans} if plans else {}), **optimizer,
                 **({"offloaded_bytes": sum(r.nbytes for r in offloads),
-                    "offloaded_values": sum(len(r.values) for r in offloads)} if offloads else {})}
+                    "offloaded_values": sum(len(r.values) for r in offloads),
+                    **({"host_pool": pool_stats()} if pool_stats() else {})} if offloads else {})}
 
 
 def compile_options(cfg: RunConfig, zero: int) -> CompileOptions:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -44,7 +44,7 @@ class HostPool:
     """Chunks of pinned host memory by exact byte size (module docstring)."""
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] = pinned_bytes) -> None:
-        self._allocate = allocate
+        self.allocate = allocate
         self._reserved: dict[str, int] = {}  # what each compiled graph's plan moves per step
         self._slabs: list[torch.Tensor] = []
         self._tail = 0  # first free byte of the newest slab
@@ -70,7 +70,7 @@ class HostPool:
         chunk = self._chunk(nbytes)
         if chunk is None:
             self.stats.misses += 1
-            return self._allocate(nbytes)[: nbytes].view(dtype)[:numel].view(shape)
+            return self.allocate(nbytes)[: nbytes].view(dtype)[:numel].view(shape)
         host = chunk.view(dtype)[:numel].view(shape)
         weakref.finalize(host, self._free[nbytes].append, chunk)
         return host
@@ -84,7 +84,7 @@ class HostPool:
             grow = max(self.capacity - self.stats.slab_bytes, 0)
             if grow < nbytes:
                 return None
-            slab = self._allocate(grow)
+            slab = self.allocate(grow)
             self._slabs.append(slab)
             self._tail = 0
             self.stats.slabs += 1
@@ -112,3 +112,9 @@ def host_pool(device: torch.device) -> HostPool:
     if device not in _pools:
         _pools[device] = HostPool()
     return _pools[device]
+
+
+def pool_stats() -> dict[str, dict[str, int]]:
+    """What each device's pool did so far (`PoolStats`), for a run's record; devices whose pool was never used are
+    left out (a CPU run copies into plain memory: empty)."""
+    return {str(device): asdict(pool.stats) for device, pool in _pools.items() if pool.stats.slabs or pool.stats.misses}

@@ -7,7 +7,7 @@ import gc
 import torch
 import torch.fx as fx
 
-from autosp.comm.host_pool import ALIGNMENT, HostPool, aligned_bytes, host_pool
+from autosp.comm.host_pool import ALIGNMENT, HostPool, aligned_bytes, host_pool, pool_stats
 from autosp.compiler.memory import OFFLOAD_OP, reserve_host_buffers
 
 
@@ -99,3 +99,13 @@ def test_the_offload_pass_reserves_what_its_plan_moves_on_the_device_it_moves_fr
     assert pool.capacity - before == aligned_bytes([1000 * 16 * 2])
     reserve_host_buffers(offload_graph(3000))  # compiled again at another length: replaced, not added
     assert pool.capacity - before == aligned_bytes([3000 * 16 * 2])
+
+
+def test_a_runs_record_carries_what_each_used_pool_did_and_nothing_for_a_cpu_run():
+    device = torch.device("meta")
+    pool = host_pool(device)
+    pool.allocate = CountingAllocator()  # a GPU's pinned slabs, stood in for by plain memory
+    pool.reserve("record", aligned_bytes([64]))
+    held = pool.take((16,), torch.float32)
+    assert pool_stats()["meta"]["carved"] >= 1 and "cpu" not in pool_stats()
+    del held
