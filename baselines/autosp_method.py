@@ -89,6 +89,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
             return optimizer
         plans = [r.plan for r in records if r.plan is not None]
         offloads = self.compiled.offload_reports
+        pool = pool_stats()  # the pinned host buffers (CUDA/ROCm; none on CPU)
         return {"saved_activation_bytes": sum(r.saved_activation_bytes for r in records),
                 "saved_by_category": compiled_breakdown(records), "tiling": self.compiled.tiling,
                 "saved_quadratic": quadratic_saved_values(records, self.seq_len),
@@ -96,7 +97,7 @@ class AutoSPTrainStep(ReplicatedTrainStep):
                 **({"sac_auto": plans} if plans else {}), **optimizer,
                 **({"offloaded_bytes": sum(r.nbytes for r in offloads),
                     "offloaded_values": sum(len(r.values) for r in offloads),
-                    **({"host_pool": pool_stats()} if pool_stats() else {})} if offloads else {})}
+                    **({"host_pool": pool} if pool else {})} if offloads else {})}
 
 
 def compile_options(cfg: RunConfig, zero: int) -> CompileOptions:
