@@ -78,7 +78,7 @@ def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
                 "computed from to gather; compute keys and pooled entries from linear projections of the tokens")
         for linear in firsts:
             sparse.mark_gather(linear, 1)
-        for node in _descendants(attention.scores) & (upstream | {attention.softmax}):
+        for node in sparse.descendants(attention.scores) & (upstream | {attention.softmax}):
             node.meta[_ROWS] = attention
         for node in upstream - for_query - sparse.ancestors([attention.scores.args[1]]):  # the mask's side
             value = _value(node)
@@ -159,11 +159,3 @@ def _softmax_after(matmul: fx.Node, depth: int = 8) -> fx.Node | None:
     return None
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen

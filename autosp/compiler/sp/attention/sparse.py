@@ -43,7 +43,7 @@ def mark(gm: fx.GraphModule, seq_len: int, trainable: set[fx.Node]) -> None:
         scores = _value(topk.args[0])
         if scores is None or scores.dim() < 2 or scores.shape[-1] != seq_len or scores.shape[-2] != seq_len:
             continue
-        after = set(_descendants(topk))  # the layer's own attention, and those reusing its selection (GLM's shared)
+        after = descendants(topk)  # the layer's own attention, and those reusing its selection (GLM's shared)
         attentions = [n for n in _in_graph_order(topk, after) if is_attention(n)
                       and attention_args(n).get("attn_mask") in after]
         indexer = next((n for n in reversed(_in_graph_order(topk, ancestors([topk])))
@@ -149,15 +149,15 @@ def _in_graph_order(anchor: fx.Node, nodes: set[fx.Node]) -> list[fx.Node]:
     return sorted(nodes, key=order.__getitem__)
 
 
-def _descendants(node: fx.Node) -> list[fx.Node]:
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that reads `node`, directly or through others."""
     seen, stack = set(), [node]
     while stack:
         for user in stack.pop().users:
             if user not in seen:
                 seen.add(user)
                 stack.append(user)
-    return sorted(seen, key=order.__getitem__)
+    return seen
 
 
 def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
