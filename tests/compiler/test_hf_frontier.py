@@ -56,15 +56,29 @@ CASES = {
     "deepseek-v4-compressed-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS)),
     "deepseek-v4-compressed-zero3-4": (4, _hf("deepseek-v4-compressed", 60, _HC_EPS, zero=3)),
 }
-SINKS = [c for c in CASES if c.startswith("granite")]
-SPARSE = [c for c in CASES if c.startswith(("deepseek-v32", "glm"))]
-HASH_ROUTED = [c for c in CASES if c.startswith("deepseek-v4") and "compressed" not in c]
-COMPRESSED = [c for c in CASES if c.startswith("deepseek-v4-compressed")]
+#: the default profile's four-rank cases (the gathers at P=4, with and without ZeRO-3); the long profile runs every one
+FOUR_RANKS = ("deepseek-v32-4", "deepseek-v4-compressed-zero3-4")
+
+
+def _cases(prefixes: tuple[str, ...], exclude: str | None = None) -> list:
+    """The cases whose names start with one of `prefixes`: two-rank ones and the default four-rank ones as they are,
+    the other four-rank ones in the long profile (each has two-rank counterparts in the default)."""
+    names = [c for c in CASES if c.startswith(prefixes) and (exclude is None or exclude not in c)]
+    return [c if CASES[c][0] == 2 or c in FOUR_RANKS else pytest.param(c, marks=pytest.mark.long) for c in names]
+
+
+SINKS = _cases(("granite",))
+SPARSE = _cases(("deepseek-v32", "glm"))
+HASH_ROUTED = _cases(("deepseek-v4",), exclude="compressed")
+COMPRESSED = _cases(("deepseek-v4-compressed",))
 
 
 @pytest.fixture(scope="module")
-def runs() -> ExactnessRuns:
-    return ExactnessRuns(CASES)
+def runs(request) -> ExactnessRuns:
+    """One launch per world size runs every case of it, so the four-rank launch holds only the default's four-rank
+    cases unless the long profile runs."""
+    long = request.config.getoption("--long")
+    return ExactnessRuns({n: c for n, c in CASES.items() if long or c[0] == 2 or n in FOUR_RANKS})
 
 
 @pytest.mark.parametrize("case", SINKS)
