@@ -43,15 +43,22 @@ class SequenceParallelModule(torch.nn.Module):
         self.host_masters = host_masters
         self.host_adam = host_adam
 
-    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], *, overlap_step: bool = False,
+                       **kwargs) -> torch.optim.Optimizer:
         """The optimizer for this module's parameters at its ZeRO stage: at stage 1 wrapped in torch's
         ZeroRedundancyOptimizer (state sharded over the ranks sharing the parameters); at stages 2/3 the
         parameters already are this rank's shards, so a plain optimizer holds only their state. With
-        offload=optimizer the class steps host masters on the CPU (`autosp.comm.host_optimizer.HostOptimizer`)."""
+        offload=optimizer the class steps host masters on the CPU (`autosp.comm.host_optimizer.HostOptimizer`);
+        `overlap_step` lets it step each parameter during the backward run inside `optimizer.overlapping()`, as its
+        gradient reaches host memory (exact: `autosp.comm.early_step`; 12 more host bytes per fp32 parameter)."""
+        if overlap_step and self.host_masters is None:
+            raise SequenceParallelError("make_optimizer(overlap_step=True) steps host masters during backward: compile "
+                                        "with offload='optimizer' (or 'auto,optimizer'), or drop overlap_step")
         if self.host_masters is not None:
             use_deepspeed = {"auto": None, "torch": False, "deepspeed": True}[self.host_adam or "auto"]
             optimizer_class = functools.partial(HostOptimizer, optimizer_class=optimizer_class,
-                                                masters=self.host_masters, use_deepspeed=use_deepspeed)
+                                                masters=self.host_masters, use_deepspeed=use_deepspeed,
+                                                overlap_step=overlap_step)
         if self.zero == 1 and dist.get_world_size(self.reduce_group) > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -16,7 +16,9 @@ overlaps whatever backward still runs), and the step uses that copy only if the 
 version counter: clipping or any in-place change after backward makes the step copy it again; ZeRO's flat shards,
 whose gradients are assigned rather than accumulated, are copied in the step). One synchronisation precedes the CPU
 step; the updated parameters go back `non_blocking` (the masters are not written again before the next step's
-synchronisation). Written against torch's CUDA API, not run on a GPU here. On CPU the
+synchronisation). Inside `overlapping()` each streamed gradient's parameter is also stepped at once on a worker
+thread, and `step()` keeps or redoes each such step (`autosp.comm.early_step`). Written against torch's CUDA API,
+not run on a GPU here. On CPU the
 device *is* host memory, so a device run is emulated: the host tensors are allocated inside `HOST_REGION`, which the
 CPU memory meter books as host memory (as it books `autosp_sp::offload`), and `host_region` is what the simulator
 replaces to book the same allocations as host on a simulated device.
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autosp.comm.early_step import EarlySteps
 from autosp.comm.host_copy import side_stream, synchronize_side_streams
 from autosp.errors import SequenceParallelError
 
@@ -162,7 +165,7 @@ class HostOptimizer(torch.optim.Optimizer):
     checkpoints save and restore the fp32 weights, not their bf16 casts."""
 
     def __init__(self, params: Any, *, optimizer_class: type[torch.optim.Optimizer], masters: HostMasters,
-                 use_deepspeed: bool | None = None, **defaults: Any) -> None:
+                 use_deepspeed: bool | None = None, overlap_step: bool = False, **defaults: Any) -> None:
         super().__init__(params, defaults)
         self.masters = masters
         self._pairs = [(p, masters.master(p)) for g in self.param_groups for p in g["params"]]
@@ -186,6 +189,9 @@ class HostOptimizer(torch.optim.Optimizer):
         self.inner = inner if inner is not None else optimizer_class(groups, **defaults)
         self._streamed: dict[int, tuple[weakref.ref, int]] = {}  # id(p) -> (the gradient copied, its version then)
         self.streamed_gradients = 0  # of the last step's gradients, those whose streamed copy it used
+        self.overlap_step = overlap_step  # `overlapping()` steps during backward (opt-in: it costs host memory)
+        self.early = EarlySteps(self.inner, host_region)
+        self.early_steps = 0  # of the last step's parameters, those whose step during backward stood
         stream = weakref.WeakMethod(self._stream_gradient)  # the hook must not keep a replaced optimizer's state
 
         def hook(p: nn.Parameter) -> None:
@@ -208,6 +214,40 @@ class HostOptimizer(torch.optim.Optimizer):
         else:
             buffer.copy_(grad.detach().reshape(buffer.shape))
         self._streamed[id(p)] = (weakref.ref(grad), grad._version)
+        if self.early.active:
+            ready = None
+            if p.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(side_stream(p.device))
+            self.early.submit(p, self.masters.master(p), buffer, ready)
+
+    def _hyper(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    @contextlib.contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Around the step's last backward: each gradient autograd accumulates in it is stepped on the host while
+        backward goes on; `step()` keeps each such step whose gradient was not changed since (module docstring of
+        `autosp.comm.early_step`). A backward that raises rolls its early steps back. Only with `overlap_step`
+        (each parameter stepped early keeps a copy of its master and its state aside: 3 more master-sized host
+        tensors per parameter); otherwise a no-op."""
+        if not self.overlap_step:
+            yield
+            return
+        self.early.begin(self._hyper())
+        try:
+            yield
+        except BaseException:
+            self.early.finish(self._hyper(), keeps=lambda pid: False)
+            raise
+        finally:
+            self.early.active = False
+
+    def _unchanged(self, p: nn.Parameter) -> bool:
+        """`p.grad` is the gradient streamed in backward, not changed since."""
+        streamed = self._streamed.get(id(p))
+        return streamed is not None and p.grad is not None and streamed[0]() is p.grad \
+            and streamed[1] == p.grad._version
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - see the class docstring
@@ -220,15 +260,20 @@ class HostOptimizer(torch.optim.Optimizer):
         if self.masters.params_on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # gradients streamed to host memory in backward (offload=params) have arrived
         synchronize_side_streams()  # the gradients streamed in backward are in host memory
+        by_id = {id(p): p for p, _ in self._pairs}
+        stood = self.early.finish(self._hyper(), keeps=lambda pid: self._unchanged(by_id[pid]))
+        self.early_steps = len(stood)
         devices = set()
         self.streamed_gradients = 0
         for p, master in self._pairs:
-            streamed = self._streamed.pop(id(p), None)
-            if p.grad is None:
+            unchanged = self._unchanged(p)
+            self._streamed.pop(id(p), None)
+            if p.grad is None or id(p) in stood:
                 master.grad = None
+                self.streamed_gradients += id(p) in stood
                 continue
             buffer = self._host_grads[id(p)]
-            if streamed is not None and streamed[0]() is p.grad and streamed[1] == p.grad._version:
+            if unchanged:
                 self.streamed_gradients += 1
             else:  # not accumulated by autograd (a ZeRO shard), or changed since it was streamed
                 buffer.copy_(p.grad.detach().reshape(buffer.shape), non_blocking=p.device.type == "cuda")
@@ -240,7 +285,7 @@ class HostOptimizer(torch.optim.Optimizer):
         with host_region():  # the inner optimizer's state (made at its first step) and temporaries: host memory
             self.inner.step()
         for p, master in self._pairs:
-            if master.grad is not None:
+            if master.grad is not None or id(p) in stood:
                 p.copy_(master, non_blocking=p.device.type == "cuda")
                 master.grad = None
         return loss
@@ -286,7 +331,7 @@ class HostOptimizer(torch.optim.Optimizer):
             for value in self.inner.state.get(master, {}).values():
                 if torch.is_tensor(value):
                     tensors[id(value)] = value
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() * t.element_size() for t in tensors.values()) + self.early.host_bytes()
 
     def device_bytes_saved(self) -> int:
         """Device bytes this rank would hold without the offload, less what it holds with it: the inner state's
