@@ -1,7 +1,8 @@
 """The gated delta rule's declared scratch against what HF's torch kernel allocates (issue 45): Qwen3.5 tiny's shapes
 (4 value heads of 16, chunks of 64), the op's forward and backward run on real tensors under the harness's CPU meter;
-its peak inside the op minus the op's outputs is the kernel's scratch. `python -m tests.experiments.recurrence_scratch_check
-<tokens per rank>...` (docs/measurements/2026-12-05-hybrids-2.md)."""
+its peak inside the op minus the op's outputs is the kernel's scratch.
+`python -m tests.experiments.recurrence_scratch_check <tokens per rank>...` (docs/measurements/2026-12-05-hybrids-2.md).
+"""
 import sys
 
 import torch
