@@ -1,6 +1,6 @@
 """The gated delta rule's declared scratch against what HF's torch kernels allocate (issue 45): Qwen3.5 tiny's shapes
-(4 value heads of 16, chunks of 64; Qwen3.5's kernel and Kimi delta attention's), the op's forward and backward run on real tensors under the harness's CPU meter;
-its peak inside the op minus the op's outputs is the kernel's scratch.
+(4 value heads of 16, chunks of 64; Qwen3.5's kernel and Kimi delta attention's), the op's forward and backward run
+on real tensors under the harness's CPU meter; its peak inside the op minus the op's outputs is the kernel's scratch.
 `python -m tests.experiments.recurrence_scratch_check <tokens per rank>...` (docs/measurements/2026-12-05-hybrids-2.md).
 """
 import itertools
