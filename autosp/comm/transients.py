@@ -8,7 +8,9 @@ were the whole 22% the replay was short, and the step peaked inside the tiled lo
 
 So each op that has such scratch declares it here, next to its kernel, as a function of the op's arguments
 (fake tensors in place of nodes): ``@declare_transient_bytes(op("all_to_all"))``. The replay adds
-that many bytes while the node runs, on top of its inputs and outputs.
+that many bytes while the node runs, on top of its inputs and outputs; so does the simulator's tracker
+(``autosp.experiments.simulate.tracker``) while the op runs on fake tensors, where it runs only its fake kernel
+(`declared_transient_bytes`): one registry for both.
 """
 from __future__ import annotations
 
@@ -53,14 +55,17 @@ def _fake(arg: Any) -> Any:
     return arg
 
 
+def declared_transient_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """Scratch bytes op `func` declared for these (fake) arguments; 0 for an op that declared none."""
+    fn = _DECLARED.get(getattr(func, "overloadpacket", func))
+    return 0 if fn is None else int(fn(*args, **kwargs))
+
+
 def transient_bytes(node: fx.Node) -> int:
-    """Scratch bytes `node`'s op declared for these arguments; 0 for an op that declared none."""
+    """Scratch bytes `node`'s op declared for its arguments' fake values; 0 for an op that declared none."""
     if node.op != "call_function":
         return 0
-    fn = _DECLARED.get(getattr(node.target, "overloadpacket", node.target))
-    if fn is None:
-        return 0
-    return int(fn(*_fake(node.args), **{k: _fake(v) for k, v in node.kwargs.items()}))
+    return declared_transient_bytes(node.target, _fake(node.args), {k: _fake(v) for k, v in node.kwargs.items()})
 
 
 # ------------------------------------------------------------------ aten's CPU flash attention (per-thread tiles)

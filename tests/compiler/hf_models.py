@@ -133,6 +133,14 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "jamba": ("JambaForCausalLM", "JambaConfig",
               dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                    num_experts=4, mamba_d_state=16, mamba_dt_rank=8, use_mamba_kernels=False, **_MOE), {}),
+    # Mamba1 alone (Mamba; FalconMamba with its RMS norms on B, C and dt): the selective scan without attention
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(state_size=16, expand=2, time_step_rank=8), {}),
+    "falcon-mamba": ("FalconMambaForCausalLM", "FalconMambaConfig", dict(state_size=16, expand=2, time_step_rank=8),
+                     {}),
+    # Zamba2: Mamba2 layers and a hybrid layer (a shared attention + MLP block, fed the embeddings, before its mamba)
+    "zamba2": ("Zamba2ForCausalLM", "Zamba2Config",
+               dict(layers_block_type=["mamba", "hybrid"], n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=2,
+                    chunk_size=8, use_mamba_kernels=False, adapter_rank=8), {}),
     # Kimi delta attention (a per-channel gated delta rule, `chunk_kimi_delta_attention`) beside MLA
     "kimi-linear": ("KimiLinearForCausalLM", "KimiLinearConfig",
                     dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],

@@ -88,7 +88,24 @@ def test_the_planner_sees_the_kernels_scratch_with_kimis_per_channel_decays(fami
     gm = make_fx(step, tracing_mode="fake")(*inputs)  # shapes are all it needs
     (forward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule").default]
     (backward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule_backward").default]
-    per_channel = 2 * CHUNK * DK if "kimi" in kernel else 0
-    # batch 2, 2 heads, 12 tokens (3 chunks of 4): per token 4 dk + 3 dv + 3 C (+ 2 C dk) fp32 values
-    assert transient_bytes(forward) == 4 * 2 * 2 * 12 * (4 * DK + 3 * DV + 3 * CHUNK + per_channel)
+    per_channel = 3 * CHUNK * DK if "kimi" in kernel else 0
+    # batch 2, 2 heads, 12 tokens (3 chunks of 4): per token 5 dk + 4 dv + 3 C + 3 (+ 3 C dk) fp32 values
+    assert transient_bytes(forward) == 4 * 2 * 2 * 12 * (5 * DK + 4 * DV + 3 * CHUNK + 3 + per_channel)
     assert transient_bytes(backward) == 2 * transient_bytes(forward)
+
+
+@pytest.mark.parametrize("kernel, channels", [(k, (16,) if "kimi" in k else ()) for k in KERNELS.values()])
+def test_the_declared_scratch_is_within_10_percent_of_what_hfs_kernel_allocates(kernel, channels):
+    """The simulator and the planner charge the declared bytes while the op runs; the harness's CPU meter on the op's
+    real forward and backward (256 tokens, 4 heads of 16, chunks of 64): its peak inside the op, minus its outputs.
+    Counted by hand before, the gated delta rule's backward was 17% under and Kimi's 47% under."""
+    from autosp.comm.transients import declared_transient_bytes
+    from tests.experiments.recurrence_scratch_check import peak_inside
+
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 256, 4, 16) for _ in range(4))
+    g, beta = -torch.rand(1, 256, 4, *channels), torch.rand(1, 256, 4)
+    for call, args in ((op("gated_delta_rule"), (q, k, v, g, beta, 64, True, kernel)),
+                       (op("gated_delta_rule_backward"), (grad, None, q, k, v, g, beta, None, 64, True, kernel))):
+        peak, outputs = peak_inside(call, args)
+        assert declared_transient_bytes(call, args, {}) == pytest.approx(peak - outputs, rel=0.10), call

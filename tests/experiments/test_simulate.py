@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autosp.cli import main
+from autosp.comm.transients import declare_transient_bytes
 from autosp.experiments import simulate as sim
 from autosp.experiments.simulate.devices import LARGE_REQUEST_BYTES, MIB, get_device_model
 from autosp.experiments.tables import trainability_table
@@ -418,6 +419,32 @@ def test_the_tracker_books_offloaded_copies_as_host_memory():
         del back
     assert tracker.host_peak == 1000
     assert sum(tracker.peak().sizes.values()) == 1000  # x, then its reloaded copy: never the host copy beside them
+
+
+@torch.library.custom_op("autosp_test::with_scratch", mutates_args=())
+def _with_scratch(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@declare_transient_bytes(torch.ops.autosp_test.with_scratch)
+def _with_scratch_bytes(x: torch.Tensor) -> int:
+    return 3 * x.nbytes
+
+
+def test_the_tracker_charges_an_ops_declared_scratch_while_it_runs_and_only_then():
+    """The planner's registry (`autosp.comm.transients`): an opaque op's kernel allocates more than its outputs, which
+    the tracker does not see (on fake tensors it runs the fake kernel); while the op runs its declared bytes are
+    charged on top of its input and output, and gone at the next op."""
+    tracker = sim.LiveStorageTracker(CPU)
+    with tracker:
+        x = torch.ones(1000, dtype=torch.uint8)
+        tracker.reset_peak()
+        y = torch.ops.autosp_test.with_scratch(x)
+        del x
+        z = y + 1
+    peak = tracker.peak()
+    assert peak.charged == 1000 + 1000 + 3000 and sum(peak.sizes.values()) == 2000
+    assert peak.op == "autosp_test.with_scratch.default" and z.nbytes == 1000
 
 
 def test_alsts_reads_of_data_are_answered_from_the_shapes_and_the_real_labels():

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from autosp.comm.host_params import GRADIENT_TO_HOST_OP
+from autosp.comm.transients import declared_transient_bytes
 from autosp.compiler.memory import OFFLOAD_OP
 from autosp.experiments.simulate.clock import LinedTrace, OpTrace, StepClock
 from autosp.experiments.simulate.config import AFTER_BACKWARD, COMPONENTS
@@ -30,7 +31,9 @@ class LiveStorageTracker(TorchDispatchMode):
     are followed. Since `reset_peak()` each phase of the step (forward, backward, after backward, optimizer) keeps
     its own peak of the device-charged total (`moments`), with the storages live at that moment (for the breakdown)
     and the op that reached it: the layer extrapolation follows each phase's peak on its own (`extrapolate_peak`);
-    `peak()` is the highest.
+    `peak()` is the highest. While an op runs, the scratch it declares (`autosp.comm.transients`: the planner's
+    registry) is charged on top, as one allocation: on fake tensors an opaque op runs its fake kernel, which
+    allocates only its outputs (a recurrence's chunk intermediates, an all-to-all's buffers, a loss tile's logits).
 
     Host memory apart: the outputs of `autosp_sp::offload` (offloaded activations, `autosp.compiler.memory`) and
     of `autosp_sp::gradient_to_host` (gradients streamed to host memory, `autosp.comm.host_params`) and
@@ -177,6 +180,8 @@ class LiveStorageTracker(TorchDispatchMode):
         self.host_peak = max(self.host_peak, self.host_bytes()) if self.host else self.host_peak
         sizes = self.sizes()
         charged = self.charged(sizes)
+        if scratch := declared_transient_bytes(func, args, kwargs or {}):  # what its fake kernel did not allocate
+            charged += self.blocks[scratch]
         phase = "backward" if torch._C._current_graph_task_id() != -1 else self.phase
         if phase == "forward" and "backward" in self.moments:
             phase = AFTER_BACKWARD  # e.g. a gradient all-reduce of flattened gradients, between backward and step

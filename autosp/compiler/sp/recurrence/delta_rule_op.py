@@ -151,15 +151,18 @@ def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, init
 
 
 def _scratch(q, v, g, chunk_size) -> int:
-    """An estimate of HF's torch kernel's intermediates alive together (fp32, per value head): queries, keys and their
-    beta-weighted and decayed copies ([L, dk] each), the beta-weighted values, the solved values and the output
-    ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each); with a per-channel
-    decay (Kimi delta attention, g [B, S, H, Dk]) the pairwise decays and their product with the keys are [L, C, dk]."""
+    """HF's torch kernel's intermediates alive together during its chunk loop (fp32, per value head, counted from
+    `torch_chunk_gated_delta_rule`): the decayed queries and keys, the beta-weighted keys, their decayed copy and
+    the solved keys ([L, dk] each), the values' fp32 copy, the beta-weighted values, the solved values and the
+    output ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each), beta and
+    the decay and its cumulative sum. With a per-channel decay (Kimi delta attention, g [B, S, H, Dk]) its peak is
+    the UT system's product, three [L, C, dk] arrays at once (the pairwise decays and two products with the keys).
+    `python -m tests.experiments.recurrence_scratch_check` measures the kernels against it."""
     batch, length, _, dk = q.shape
     heads, dv, chunk = v.shape[2], v.shape[-1], chunk_size
     padded = -(-length // chunk) * chunk
-    per_channel = 2 * chunk * dk if g.dim() == 4 else 0
-    return 4 * batch * heads * padded * (4 * dk + 3 * dv + 3 * chunk + per_channel)
+    per_channel = 3 * chunk * dk if g.dim() == 4 else 0
+    return 4 * batch * heads * padded * (5 * dk + 4 * dv + 3 * chunk + 3 + per_channel)
 
 
 @declare_transient_bytes(op("gated_delta_rule"))
