@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from autosp.compiler.memory.planner import TileFirst, TileSmaller
 
 __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
-           "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst", "TileSmaller",
+           "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
+           "TileSmaller",
            "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
            "offload_boundaries", "parse_policy", "peak_working_set", "planning_rates",
            "quadratic_saved_values", "reserve_host_buffers", "tiles_of"]
