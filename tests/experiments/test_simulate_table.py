@@ -103,7 +103,8 @@ def test_render_relabels_an_old_tables_autosp_keeps_one_world_size_and_says_wher
     --methods left out; each cell where the default trains less than another column named under the table; the
     footnote gives the command that renders it again, and rendering the output again gives the same table."""
     (tmp_path / "old.md").write_text(
-        "| model | device | autosp z0 | autosp z3 | ulysses z3 | fsdp z3 | alst (hf) z3 |\n|---|---|---|---|---|---|---|\n"
+        "| model | device | autosp z0 | autosp z3 | ulysses z3 | fsdp z3 | alst (hf) z3 |\n"
+        "|---|---|---|---|---|---|---|\n"
         "| llama-3.1-8b | a100-80gb | oom at min | 186K | 62K | 8K | 3216K |\n"
         "| llama-3.2-1b | a100-80gb | 252K | 302K | 174K | 24K | error |\n\nworld size 8, bfloat16\n")
     search = dict(kind="search", device="a100-80gb", device_name="a100-80gb", memory_budget=8e10, mode="simulated",
