@@ -193,14 +193,12 @@ def markdown_table(table: pd.DataFrame) -> str:
     hf = table["model"].str.startswith("hf:")  # a method run on the HF variant of the row's model is labelled so
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
-    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
-    labels = sorted(dict.fromkeys(table["label"]), key=rank)
+    labels = _column_order(list(table["label"]))
     specs = autosp_specs(table["method"])
     head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS),
             *(f"{spec}/{SPEC_RATIO}" for spec in specs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (model, device), cell in table.groupby(["model", "device"], sort=False):
+    for (model, device), cell in _by_row(table):
         by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
         ran = cell[cell["status"] != "error"]  # a cell that could not be simulated has no length to compare
         best = ran.assign(n=ran["max_seq_len"].fillna(0).astype(float)).groupby("method")["n"].max()
@@ -220,26 +218,39 @@ def markdown_table(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _by_row(table: pd.DataFrame) -> list[tuple[tuple[str, str], pd.DataFrame]]:
+    """The table's (model, device) rows, models by size (`tables.model_order`), then device types by name, whichever
+    file each cell came from."""
+    from autosp.experiments.tables import model_order
+
+    return sorted(table.groupby(["model", "device"], sort=False), key=lambda kv: (model_order(kv[0][0]), kv[0][1]))
+
+
+def _column_order(labels: list[str]) -> list[str]:
+    """Column labels (`method z<stage>`, `(hf)` where so) in the paper table's order, then the rest by name."""
+    order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
+    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
+    return sorted(dict.fromkeys(labels), key=rank)
+
+
 def time_markdown_table(table: pd.DataFrame) -> str:
     """Each cell's predicted step at its longest length (seconds, tokens/s per GPU, the length), laid out as the
-    length table; "-" where the row carries no prediction (a rendered table, a device without rates)."""
-    import pandas as pd
-
+    length table, with only the rows and columns that carry one (a rendered Markdown table's cells and device types
+    without rates carry none)."""
     if "extra.time.iteration_s" not in table:
         return ""
     hf = table["model"].str.startswith("hf:")
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    labels = list(dict.fromkeys(table["label"]))
+    timed = table[table["extra.time.iteration_s"].notna() & (table["status"] != "error")]
+    labels = _column_order(list(timed["label"]))  # the columns and rows with a prediction
     lines = ["| model | device | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 2)]
-    for (model, device), cell in table.groupby(["model", "device"], sort=False):
-        by_label = {}
-        for _, row in cell.iterrows():
-            step, rate = row.get("extra.time.iteration_s"), row.get("extra.time.tokens_per_s_per_gpu")
-            by_label[row["label"]] = "-" if pd.isna(step) or row["status"] == "error" else \
-                f"{step:.3g} s, {rate:,.0f} tok/s/GPU at {_length(row)}"
+    for (model, device), cell in _by_row(timed):
+        by_label = {row["label"]: f"{row['extra.time.iteration_s']:.3g} s, "
+                                  f"{row['extra.time.tokens_per_s_per_gpu']:,.0f} tok/s/GPU at {_length(row)}"
+                    for _, row in cell.iterrows()}
         lines.append("| " + " | ".join([model, device, *(by_label.get(label, "") for label in labels)]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) if labels else ""
 
 
 def rendered_rows(paths: list[str], relabel: dict[str, str] | None = None, methods: list[str] | None = None,
