@@ -17,8 +17,10 @@ text, one file each: `<graph>-<step>-<pass>-<before|after>[-forward|-backward].t
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ from autosp.compiler.memory import (
     OffloadReport,
     SacPartitioner,
     TileFirst,
+    TileSmaller,
     make_partition_fn,
     offload_boundaries,
     reserve_host_buffers,
@@ -198,10 +201,11 @@ class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one graph: `JOINT_PASSES`, the SAC partition, `PARTITIONED_PASSES`."""
 
     def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None, *,
-                 tile_first: bool = False) -> None:
+                 tile_first: bool = False, smaller_tiles_below: int | None = None) -> None:
         self.c, self.record, self.dump = c, record, dump or _Dump()
         self.cacheable = c.partition_fn.cacheable
         self.tile_first = tile_first  # `tiling="plan"`'s untiled try: the planner raises TileFirst where it is tight
+        self.smaller_tiles_below = smaller_tiles_below  # its tiled tries: TileSmaller where no rung fits
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -212,6 +216,8 @@ class Partitioner(CustomPartitionerFn):
         self.dump("partition", "before", [("", joint_gm)])
         if self.tile_first:
             kwargs["tile_first"] = True
+        if self.smaller_tiles_below is not None:
+            kwargs["smaller_tiles_below"] = self.smaller_tiles_below
         fw, bw = self.c.partition_fn(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.dump("partition", "after", [("-forward", fw), ("-backward", bw)])
         for step in PARTITIONED_PASSES:
@@ -227,7 +233,7 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions,
-                self.c.options.offload_mode, self.tile_first,
+                self.c.options.offload_mode, self.tile_first, self.smaller_tiles_below,
                 get_hash_for_files((__file__, *_sources(zero, memory))))
 
 
@@ -236,7 +242,7 @@ def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]
     with `Partitioner` as aot_autograd's partition function (refused first where the backend cannot lower it:
     `check_flex_lowering`). Under `tiling="plan"` with the planner the graph is lowered untiled first; where the
     planner finds it does not fit so (`TileFirst`), the tiling pass runs as `Tiling.when_tight` on the graph as it
-    was before it, and that is lowered instead (its records only)."""
+    was before it, and that is lowered instead (`_lower_tiled`; its records only)."""
     check_flex_lowering(gm, c.options.backend)
     option = c.options.tiling_options
     planned = option.planned and c.partition_fn.plans_offload and c.options.backend != "eager"
@@ -258,21 +264,43 @@ def compile_static(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any]
     except TileFirst:
         c.graphs.pop()
         c.tiling_reports.pop()
-        c.graph_tiling = option.when_tight()
-        dump("tiling", "before", [("", untiled)])
-        gm = tiling(c, untiled)
+    return _lower_tiled(c, untiled, example_inputs, dump)
+
+
+def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[Any], dump: _Dump) -> Callable:
+    """`untiled` tiled as `Tiling.when_tight` and lowered; where no rung of the planner fits even so (`TileSmaller`:
+    a recomputed layer's backward binds, its token-wise blocks' tile-sized intermediates among its working set),
+    tiled again with the blocks' tiles halved (`Tiling.mlp_halvings`), for as long as each halving lowers the
+    planner's estimated peak and the tiles stay above the floor (`TilingReport.halvable`). A graph that fits with
+    the `when_tight` tiles is lowered once, unchanged. The plan records the halvings (`mlp_tile_halvings`)."""
+    below, halvings = sys.maxsize, 0
+    while True:
+        c.graph_tiling = dataclasses.replace(c.options.tiling_options.when_tight(), mlp_halvings=halvings)
+        gm = copy_graph(untiled)
+        dump("tiling", "before", [("", gm)])
+        gm = tiling(c, gm)
         dump("tiling", "after", [("", gm)])
-        return _lower(c, gm, example_inputs, dump)
+        try:
+            compiled = _lower(c, gm, example_inputs, dump,
+                              smaller_tiles_below=below if c.tiling_reports[-1].halvable else None)
+        except TileSmaller as tight:
+            c.graphs.pop()
+            c.tiling_reports.pop()
+            below, halvings = tight.peak, halvings + 1
+            continue
+        if halvings:
+            c.partition_fn.records[-1].plan["mlp_tile_halvings"] = halvings
+        return compiled
 
 
 def _lower(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any], dump: _Dump, *,
-           tile_first: bool = False) -> Callable:
+           tile_first: bool = False, smaller_tiles_below: int | None = None) -> Callable:
     """aot_autograd and the backend's compiler over `gm`, `Partitioner` deciding the joint graph's split."""
     positions = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad)
     record = GraphRecord(param_positions=positions if c.reduction is not None else ())
     c.graphs.append(record)
-    return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(c, record, dump,
-                                                                                 tile_first=tile_first),
+    return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(
+        c, record, dump, tile_first=tile_first, smaller_tiles_below=smaller_tiles_below),
                                     inner=c.options.backend)
 
 

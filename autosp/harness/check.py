@@ -89,6 +89,8 @@ class CheckReport:
     #: low precision: kind (loss | grads | params) -> group (or "loss") -> the same-precision single-process
     #: run's error against fp32, and the bound derived from it (SPREAD_FACTOR x, at least `tolerance`)
     reference_spread: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: the memory planner's plan per compiled graph of the method (autosp's `extra.sac_auto`): what was checked
+    plans: list[dict[str, Any]] = field(default_factory=list)
     bounds: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +151,7 @@ def trace_rank(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...], steps: 
         trace["grads"].append(train_step.full_gradients())  # collective: every rank takes part
         train_step.optimizer_step()
         trace["params"].append(train_step.full_parameters())
+    trace["plans"] = train_step.metrics().get("sac_auto", [])  # what autosp's memory planner chose: what was checked
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return trace if rank == 0 else None
 
@@ -252,4 +255,5 @@ def check(cfg: RunConfig, *, tolerance: float | None = None, steps: int = DEFAUL
         report.reference_spread = {"loss": {"loss": max(spread.loss_errors)}, "grads": spread.grad_errors,
                                    "params": spread.param_errors}
         report.bounds = spread_bounds(spread, report.tolerance)
+    report.plans = traces[0].get("plans", [])
     return compare(traces[0], traces[1], report)

@@ -54,3 +54,43 @@ def test_a_reload_does_not_inherit_the_saved_ops_eager_inputs(monkeypatch):
     monkeypatch.setattr(pipeline, "offload_boundaries", planted)
     compilation, _ = _step(sac="sac", offload="activations", tiling="off")
     assert compilation.graphs[0].offload_reports[0].values
+
+
+LONG_IDS = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(2))
+
+
+def _long_step(**options) -> tuple[Compilation, torch.nn.Module]:
+    model = build_model("tiny", seed=0)
+    compilation = Compilation(CompileOptions(backend="aot_eager", outputs="loss", **options))
+    compiled = torch.compile(model, backend=partial(compile_static, compilation), fullgraph=True)
+    compiled(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
+    return compilation, model
+
+
+def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly():
+    """tiny, 2,048 tokens, 1 MiB: no rung fits with the MLPs in tiles of 1,024 (tiling="auto:1024", no lever), so
+    the default (`plan:1024`) halves them while that lowers the planner's peak, to the floor (256); the records
+    are the last lowering's only, the plan says how many halvings, its peak is below the unhalved one's, and the
+    gradients are single-process training's."""
+    fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
+    (unhalved,) = [r.plan for r in fixed.partition_fn.records]
+    assert not unhalved["fits"] and "mlp_tile_halvings" not in unhalved
+    lever, model = _long_step(sac="budget=1MiB", tiling="plan:1024")
+    (plan,) = [r.plan for r in lever.partition_fn.records]
+    (report,) = lever.tiling_reports
+    assert len(lever.graphs) == 1 and [b["tile_tokens"] for b in report.mlp] == [256, 256]
+    assert plan["mlp_tile_halvings"] == 2 and plan["estimated_peak_bytes"] < unhalved["estimated_peak_bytes"]
+    reference = build_model("tiny", seed=0)
+    reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are():
+    """The budget of the tiled graph's last rung: it fits there, so no halving (the lever is the last resort)."""
+    fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
+    budget = fixed.partition_fn.records[0].plan["estimated_peak_bytes"]
+    fits, _ = _long_step(sac=f"budget={budget}B", tiling="plan:1024")
+    (plan,) = [r.plan for r in fits.partition_fn.records]
+    assert plan["fits"] and "mlp_tile_halvings" not in plan
+    assert [b["tile_tokens"] for r in fits.tiling_reports for b in r.mlp] == [1024, 1024]

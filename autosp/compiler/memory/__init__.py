@@ -37,10 +37,11 @@ from autosp.compiler.memory.time_rank import planning_rates
 
 if TYPE_CHECKING:
     from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
-    from autosp.compiler.memory.planner import TileFirst
+    from autosp.compiler.memory.planner import TileFirst, TileSmaller
 
 __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
            "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
+           "TileSmaller",
            "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
            "offload_boundaries", "parse_policy", "peak_working_set", "planning_rates",
            "quadratic_saved_values", "reserve_host_buffers", "tiles_of"]
@@ -49,10 +50,10 @@ _ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TileFirst":
+    if name in ("TileFirst", "TileSmaller"):
         from autosp.compiler.memory import planner
 
-        return planner.TileFirst
+        return getattr(planner, name)
     if name in _ON_FIRST_USE:
         from autosp.compiler.memory import partitioner
 

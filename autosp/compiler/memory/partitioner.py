@@ -72,16 +72,18 @@ class SacPartitioner(CustomPartitionerFn):
 
     def __call__(
         self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
-        tile_first: bool = False, **kwargs: Any
+        tile_first: bool = False, smaller_tiles_below: int | None = None, **kwargs: Any
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         """Partition `joint_gm`; `tile_first` (policy auto, `tiling="plan"`): the planner raises
-        `planner.TileFirst` where the graph does not fit untiled with everything kept."""
+        `planner.TileFirst` where the graph does not fit untiled with everything kept; `smaller_tiles_below` (a
+        tiled graph): `planner.TileSmaller` where no rung fits and the peak is below it."""
         if self.policy.kind == SacPolicy.AUTO:
             from autosp.compiler.memory.planner import plan_partition
 
             fw_module, bw_module, plan, offloaded = plan_partition(
                 joint_gm, joint_inputs, self.policy.budget_bytes, num_fwd_outputs=num_fwd_outputs,
-                offload=self.offload, host_budget_bytes=self.host_budget, tile_first=tile_first, **kwargs
+                offload=self.offload, host_budget_bytes=self.host_budget, tile_first=tile_first,
+                smaller_tiles_below=smaller_tiles_below, **kwargs
             )
             self.records.append(PartitionRecord(str(self.policy), fw_module, bw_module, num_fwd_outputs, plan,
                                                 offload=offloaded))

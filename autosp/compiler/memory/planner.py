@@ -124,6 +124,16 @@ class TileFirst(Exception):
     kept on the device: the driver tiles it (`tiling="plan"`) and partitions that instead."""
 
 
+class TileSmaller(Exception):
+    """`plan_partition(smaller_tiles_below=b)` found that no rung fits the budget and that the ladder's plan peaks
+    below `b` (the peak of the same graph with larger tiles): the driver halves the token-wise blocks' tiles and
+    partitions that instead (`pipeline.compile_static`). `peak`: this graph's estimated peak."""
+
+    def __init__(self, peak: int, budget: int) -> None:
+        super().__init__(f"estimated peak {peak} bytes over the budget of {budget} on every rung")
+        self.peak = peak
+
+
 @dataclass
 class _Trial:
     tokenwise: int
@@ -139,7 +149,8 @@ class _Trial:
 
 def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
-    offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False, **kwargs: Any,
+    offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False,
+    smaller_tiles_below: int | None = None, **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
     `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
@@ -147,7 +158,10 @@ def plan_partition(
     first, then every saved value of a layer; `activations` the boundaries on every rung, `off` never. Returns
     (forward, backward, the plan as a dict, what was offloaded or None). Nothing fits: the last rung (every layer
     recomputed whole, collectives included). `tile_first`: raise `TileFirst` instead of recomputing or moving
-    anything where the first rung does not fit as it is (tiling comes before the other levers)."""
+    anything where the first rung does not fit as it is (tiling comes before the other levers). `smaller_tiles_below`
+    (a tiled graph whose tiles can still be halved): raise `TileSmaller` where no rung fits the device budget and
+    the ladder's plan peaks below it (the lever of the last resort: the recomputed layers' token-wise working set,
+    when even the last rung does not fit)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -236,6 +250,8 @@ def plan_partition(
         return chosen
 
     chosen = ladder(offload)
+    if smaller_tiles_below is not None and budget is not None and budget < chosen.peak < smaller_tiles_below:
+        raise TileSmaller(chosen.peak, budget)
     chosen, ranking = _ranked_by_time(chosen, lambda: ladder("off"), fits, joint_gm, joint_inputs, offload)
     plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
                 saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,

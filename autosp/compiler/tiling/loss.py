@@ -62,6 +62,9 @@ class Tiling:
     #: peak was higher fused (docs/measurements/2026-12-02-layer-backward.md)
     norm_upcasts_only: bool = False
     tile_tokens: int | None = None
+    #: the memory planner's lever where a tiled graph still does not fit (`pipeline.compile_static`): each token-wise
+    #: block's tiles halved this many times (`mlp.tile_token_wise_blocks`)
+    mlp_halvings: int = 0
     #: `plan`: nothing tiled unless the memory planner finds the graph does not fit untiled; then tiled as `auto`
     #: (`when_tight`)
     planned: bool = False
@@ -133,6 +136,11 @@ class TilingReport:
     skipped: list[str] = field(default_factory=list)
     mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
     norms: list[dict[str, Any]] = field(default_factory=list)  # fused RMSNorms: module, tokens, chunk_tokens
+
+    @property
+    def halvable(self) -> bool:
+        """Whether a token-wise block's tiles can be halved once more (`Tiling.mlp_halvings`)."""
+        return any(block["tile_tokens"] > MIN_TILE_TOKENS for block in self.mlp)
 
 
 def _is_method(node: fx.Node, names: set[str]) -> bool:
@@ -302,7 +310,7 @@ def apply_tiling(gm: fx.GraphModule, tiling: Tiling, *, loss_only: bool) -> Tili
     if tiling.norm:
         report.norms = fuse_rms_norms(gm, tiling.tile_tokens, upcasts_only=tiling.norm_upcasts_only)
     if tiling.mlp:
-        report.mlp = tile_token_wise_blocks(gm, tiling.tile_tokens)
+        report.mlp = tile_token_wise_blocks(gm, tiling.tile_tokens, halvings=tiling.mlp_halvings)
     if report.skipped:
         logger.warning("AutoSP: %s", describe([report]))
     return report

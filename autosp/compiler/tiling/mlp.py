@@ -131,10 +131,13 @@ def auto_mlp_tile_tokens(num_tokens: int, features: int, intermediate: int) -> i
     return max(1, min(num_tokens, max(MIN_TILE_TOKENS, rows)))
 
 
-def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -> list[dict[str, Any]]:
+def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None, *,
+                           halvings: int = 0) -> list[dict[str, Any]]:
     """Run each token-wise module call (the MLPs) over tiles of its tokens: split the input along the token dim,
     one copy of the block per tile, concatenate. Copies keep their module metadata, so SAC recomputes them tile
-    by tile in backward; the [tokens, intermediate] values never exist whole. Returns what was tiled."""
+    by tile in backward; the [tokens, intermediate] values never exist whole. `halvings`: each tile (`tile_tokens`,
+    else the automatic size) halved that many times, not below MIN_TILE_TOKENS (the memory planner's lever where a
+    recomputed block's backward binds: its working set is a few tile-sized intermediates). Returns what was tiled."""
     graph = gm.graph
     regions = _module_regions(graph)
     blocks = [_with_norm_and_residual(b) for path, nodes in regions.items()
@@ -148,6 +151,7 @@ def tile_token_wise_blocks(gm: fx.GraphModule, tile_tokens: int | None = None) -
         tokens = source.shape[-2]
         intermediate = max(dynamo_value(n).shape[-1] for n in block.nodes if isinstance(dynamo_value(n), Tensor))
         size = min(tokens, tile_tokens or auto_mlp_tile_tokens(tokens, source.shape[-1], intermediate))
+        size = max(min(size, MIN_TILE_TOKENS), math.ceil(size / 2**halvings))
         if size >= tokens:
             continue
         _tile_block(graph, block, size)
