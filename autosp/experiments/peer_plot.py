@@ -14,12 +14,9 @@ import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from autosp.experiments.plots import method_color, save_figure, token_label
+from autosp.experiments.plots import PEER_MARKERS, method_color, save_figure, token_label
 from autosp.experiments.tables import SAME_SHAPES, peer_lengths, peers_published
 from autosp.harness.config import ConfigError
-
-#: the published peers' markers
-PEER_MARKERS = {"alst": "*", "upipe": "D"}
 
 
 def _short_tokens(value: float) -> str:

@@ -22,11 +22,13 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from autosp.experiments.tables import (  # noqa: E402
     COMPILED_METHODS,
+    SAME_SHAPES,
     THROUGHPUT_GROUP,
     TRAINABILITY_GROUP,
     add_records_arguments,
     model_order,
     paper_claims,
+    peers_published,
 )
 from autosp.harness.config import ConfigError  # noqa: E402
 
@@ -51,7 +53,7 @@ MAX_LABELLED_BARS = 24
 #: the analytic floor's limit is drawn on a bar only within this factor of it: further off it says nothing
 FLOOR_SHOWN_WITHIN = 4.0
 #: the order of methods in bars, legends and the ratio grid
-SERIES_ORDER = ("autosp", "ds-autosp", "alst", "ulysses", "ring", "fsdp", "zero3")
+SERIES_ORDER = ("autosp", "autosp[paper]", "ds-autosp", "alst", "ulysses", "ring", "fsdp", "zero3")
 FAILED_HANDLE = Patch(facecolor="white", edgecolor="0.3", hatch="xx")
 FLOOR_HANDLE = Line2D([], [], color="k", linestyle="--", linewidth=0.8)
 
@@ -192,12 +194,27 @@ def _model_tick(model: str, cells: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+#: the published peers' markers (`autosp table peers`), in every figure that draws them
+PEER_MARKERS = {"alst": "*", "upipe": "D"}
+
+
+def panel_anchors(published: pd.DataFrame, device: str, model: str, world_size: object) -> pd.DataFrame:
+    """The published peers' longest lengths (`tables.peers_published`) measured on `device` with `world_size` GPUs,
+    on `model` or a model of the same shapes (UPipe's Llama-3-8B for Llama-3.1-8B); a throughput anchor
+    (torchtitan's: a length it ran at, not its longest) is none."""
+    base = str(model).rpartition(":")[2]
+    return published[(published["device"] == device) & (published["world_size"] == world_size)
+                     & published["model"].isin((base, *SAME_SHAPES.get(base, ())))
+                     & published["seq_len"].notna() & published["tokens_per_s_per_gpu"].isna()]
+
+
 def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: list[tuple[str, int | None]],
-                        multi: set[str], handles: dict[str, object]) -> None:
+                        multi: set[str], handles: dict[str, object], published: pd.DataFrame) -> None:
     """Max length per model (groups) and method (bars) on a log2 axis: measured bars solid, simulated ones hatched,
     cells where nothing trains a crossed stub. Lengths and failure reasons are written on the bars when the panel
     has few enough of them to stay readable; the analytic floor's limit is drawn only where it lies within
-    FLOOR_SHOWN_WITHIN of the bar (further off it says nothing about the bar)."""
+    FLOOR_SHOWN_WITHIN of the bar (further off it says nothing about the bar). A published peer's length on this
+    device type, model and GPU count (`panel_anchors`) is a black marker over the model's bars, never a bar."""
     models = sorted(dict.fromkeys(sub["model"]), key=model_order)
     stages = _stages(sub)
     # per model the series that ran on it, centred on its tick: no gaps for methods another model ran
@@ -238,6 +255,15 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
             if pd.notna(limit) and limit <= FLOOR_SHOWN_WITHIN * length:
                 ax.hlines(float(limit), x - width / 2, x + width / 2, colors="k", linestyles="--", linewidth=0.8)
                 floor_drawn = max(floor_drawn, float(limit))
+    marked = 0.0  # the longest published length drawn (0: none)
+    for i, model in enumerate(models):
+        for _, anchor in panel_anchors(published, device, model, sub[sub["model"] == model]["world_size"].iloc[0]
+                                       ).iterrows():
+            marker = PEER_MARKERS.get(anchor["peer"], "o")
+            ax.plot(i, anchor["seq_len"], marker, color="k", markersize=8)
+            handles.setdefault(f"{anchor['peer']} (published, {int(anchor['world_size'])} GPUs)",
+                               Line2D([], [], marker=marker, color="k", linestyle=""))
+            marked = max(marked, float(anchor["seq_len"]))
     if floor_drawn:
         handles.setdefault(f"analytic memory-floor limit (drawn within {FLOOR_SHOWN_WITHIN:g}x of the bar)",
                            FLOOR_HANDLE)
@@ -250,7 +276,7 @@ def _trainability_panel(ax: plt.Axes, device: str, sub: pd.DataFrame, series: li
     modes = sorted({_mode(dict(mode=m)) for m in sub.get("mode", pd.Series(["measured"]))})
     ax.set_title(f"{device} ({', '.join(modes)})", fontsize=9)
     top = lengths.max() if len(lengths) else floor_y
-    ax.set_ylim(bottom=floor_y / 2, top=max(top * 2, floor_drawn * 1.5))
+    ax.set_ylim(bottom=floor_y / 2, top=max(top * 2, floor_drawn * 1.5, marked * 2))
 
 
 def _key(stage: int | None) -> int:
@@ -342,9 +368,12 @@ def _ratio_panel(ax: plt.Axes, ratios: pd.DataFrame, devices: int) -> None:
     ax.set_title("AutoSP max length / baseline max length (like ZeRO stage with like)", fontsize=9)
 
 
-def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None) -> plt.Figure:
-    """One panel per device type (max trainable length per model and method) and a grid of AutoSP's ratios to
-    every other method present, the paper's claims in its column headers."""
+def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None,
+                      published: pd.DataFrame | None = None) -> plt.Figure:
+    """One panel per device type (max trainable length per model and method; the published peers' lengths measured
+    there as markers) and a grid of AutoSP's ratios to every other method present, the paper's claims in its column
+    headers."""
+    published = peers_published() if published is None else published
     panels = _device_panels(table)
     series = _series(table)
     multi = _multi_stage(table)
@@ -359,7 +388,7 @@ def draw_trainability(table: pd.DataFrame, claims: pd.DataFrame | None = None) -
                                    height_ratios=None if wide else [6, 0.6 + 0.32 * rows])
     handles: dict[str, object] = {}
     for name, (device, sub) in zip(names, panels, strict=True):
-        _trainability_panel(axes[name], device, sub, series, multi, handles)
+        _trainability_panel(axes[name], device, sub, series, multi, handles, published)
     _ratio_panel(axes["ratios"], ratios, len(panels))
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 4),
                fontsize=7, frameon=False)

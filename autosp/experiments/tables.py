@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import re
 import sys
 from collections.abc import Iterable
@@ -256,7 +257,8 @@ def simulated_table_rows(path: str | Path) -> pd.DataFrame:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    lines = [line for line in text.splitlines() if line.startswith("|")]
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"),  # the first table: the times follow apart
+                                     itertools.dropwhile(lambda line: not line.startswith("|"), text.splitlines())))
     if len(lines) < 3 or not lines[0].startswith("| model | device |"):
         raise ConfigError(f"{path}: no `autosp simulate-table` table in it (its first columns are model, device)")
     head = [c.strip() for c in lines[0].strip("|").split("|")]

@@ -26,12 +26,13 @@ def test_markdown_table_puts_autosps_best_stage_against_each_baseline_beside_the
     lines = markdown_table(frame).splitlines()
     assert lines[0].split(" | ")[2:10] == ["autosp z0", "autosp z3", "ulysses z0", "ring z0", "ring z3", "fsdp z3",
                                            "zero3 z3", "ds-autosp (hf) z1"]
-    a100, mi250 = lines[2].split(" | "), lines[3].split(" | ")
+    a100, mi250 = lines[3].split(" | "), lines[4].split(" | ")
     assert a100[2:4] == ["64K", "96K"] and a100[8:10] == ["error", "80K"] and mi250[9] == ""
     # vs ring: its best stage (z3, like with like); zero3: error, no ratio
     assert a100[-6:] == ["3.00x (2.7x)", "2.00x (3x)", "-", "6.00x (5.6x)", "-", "- |"]  # no alst, no ac rows
     assert mi250[-6] == "3.00x (2.5x)"  # AMD: the paper's 2.5x
-    assert lines[4].endswith("| 6.00x | - | - |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
+    assert lines[2].startswith("| llama-3.2-1b |")  # models by size, whatever their order in the rows
+    assert lines[2].endswith("| 6.00x | - | - |")  # the 5.6x vs ZeRO-3 is the paper's claim for 8B only
 
 
 def test_checkpointed_variants_and_alst_are_columns_of_their_own_with_autosps_ratio_to_them():
@@ -93,7 +94,52 @@ def test_render_takes_the_committed_markdown_table_and_new_rows_a_later_cell_rep
 
 
 def test_the_paper_methods_compare_every_sp_method_at_autosps_zero_3_stage_too():
-    assert {"autosp:3", "ulysses:3", "ring:3"} <= set(PAPER_METHODS)
+    """AutoSP's default (the planner, ZeRO 3 at 8 ranks) and the paper's setting at both stages, each its own column."""
+    assert {"autosp", "autosp[paper]:0", "autosp[paper]:3", "ulysses:3", "ring:3"} <= set(PAPER_METHODS)
+
+
+def test_render_relabels_an_old_tables_autosp_keeps_one_world_size_and_says_where_autosp_trains_less(tmp_path):
+    """The paper table regenerated: an old table's `autosp` cells (the paper's setting then) read as
+    `autosp[paper]`, the new rows of the default as `autosp`; rows of another world size and columns not in
+    --methods left out; each cell where the default trains less than another column named under the table; the
+    footnote gives the command that renders it again, and rendering the output again gives the same table."""
+    (tmp_path / "old.md").write_text(
+        "| model | device | autosp z0 | autosp z3 | ulysses z3 | fsdp z3 | alst (hf) z3 |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| llama-3.1-8b | a100-80gb | oom at min | 186K | 62K | 8K | 3216K |\n"
+        "| llama-3.2-1b | a100-80gb | 252K | 302K | 174K | 24K | error |\n\nworld size 8, bfloat16\n")
+    search = dict(kind="search", device="a100-80gb", device_name="a100-80gb", memory_budget=8e10, mode="simulated",
+                  method="autosp", zero=3, status="found", dtype="bfloat16", config={"ac": "off"})
+    rows = [dict(search, model="llama-3.1-8b", world_size=8, max_seq_len=4000 * 1024,
+                 extra={"time": {"iteration_s": 4750.0, "tokens_per_s_per_gpu": 117.0}}),
+            dict(search, model="llama-3.2-1b", world_size=8, max_seq_len=300 * 1024),
+            dict(search, model="llama-3.1-8b", world_size=1, max_seq_len=400 * 1024),  # another table's
+            dict(search, model="llama-3.1-8b", world_size=8, method="ring", max_seq_len=60 * 1024)]
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.md"
+    args = ["simulate-table", "--render", str(tmp_path / "old.md"), str(tmp_path / "new.jsonl"),
+            "--relabel", "autosp=autosp[paper]", "--methods", "autosp,autosp[paper],ulysses:3,alst",
+            "--world-size", "8", "--table-out", str(out), "--allow-errors"]
+    assert main(args) == 0
+    text = out.read_text()
+    lines = text.splitlines()
+    head = lines[0].split(" | ")
+    assert head[2:6] == ["autosp z3", "autosp[paper] z0", "autosp[paper] z3", "ulysses z3"]
+    assert "ring z3" not in head and "fsdp z3" not in head  # not in --methods
+    rows8 = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:4]}
+    assert rows8["llama-3.1-8b"][2:5] == ["4000K", "oom at min", "186K"]  # the world size 1 row left out
+    assert rows8["llama-3.1-8b"][head.index("autosp/alst")] == "1.24x"
+    times = text.split("Predicted iteration time")[1].split("\n\n")[1].splitlines()
+    assert times == ["| model | device | autosp z3 |", "|---|---|---|",  # only the cell with a prediction
+                     "| llama-3.1-8b | a100-80gb | 4.75e+03 s, 117 tok/s/GPU at 4000K |"]
+    assert ("Where autosp (its default, the planner) trains less than another column: "
+            "llama-3.2-1b a100-80gb: autosp[paper] 302K > autosp 300K.") in text
+    assert "rendered with `autosp simulate-table --render" in text and "--relabel=autosp=autosp[paper]" in text
+    again = tmp_path / "again.md"  # the output read back (its autosp column is the default's): the same table
+    assert main(["simulate-table", "--render", str(out), "--table-out", str(again), "--allow-errors"]) == 0
+    assert again.read_text().split("\n\n")[0] == text.split("\n\n")[0]
+    assert main(["simulate-table", "--relabel", "autosp", "--render", str(out), "--table-out", str(again)]) == 2
+    assert main(["simulate-table", "--relabel", "autosp=autosp[paper]", "--table-out", str(again)]) == 2
 
 
 def test_simulate_table_cli_writes_rows_and_the_table(tmp_path, capsys):

@@ -150,8 +150,12 @@ SIMULATED_MD = """| model | device | autosp z0 | autosp z3 | ulysses z3 | ds-aut
 
 def test_the_simulated_markdown_table_reads_back_as_search_rows(tmp_path) -> None:
     path = tmp_path / "simulated_table.md"
-    path.write_text(SIMULATED_MD)
+    # the predicted times follow as a table of their own (`simulate.table.time_markdown_table`): not lengths
+    path.write_text(SIMULATED_MD.replace("\n\n", "\n\nPredicted iteration time:\n\n| model | device | autosp z3 |\n"
+                                         "|---|---|---|\n| llama-3.1-8b | a100-80gb | 33.4 s, 988 tok/s/GPU at 186K |"
+                                         "\n\n", 1))
     rows = simulated_table_rows(path).set_index(["device", "method", "zero"])
+    assert len(rows) == 8  # 2 rows x 4 length columns, none from the times' table
     assert rows.loc[("a100-80gb", "autosp", 3), "max_seq_len"] == 186 * 1024
     assert rows.loc[("a100-80gb", "autosp", 0), "status"] == "oom_at_min_len"
     assert rows.loc[("mi250-gcd", "autosp", 3), "status"] == "no_oom_up_to_max_len"

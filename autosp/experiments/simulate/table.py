@@ -38,16 +38,19 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PAPER_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-2-13b")
-#: method[:ZeRO stage]; the stage a method runs without one is its own default (3 for the SP methods), so every
-#: method names its stage: the SP methods at ZeRO 0 and 3, each compared with AutoSP at the same stage (like with like)
-PAPER_METHODS = ("autosp:0", "autosp:3", "ulysses:0", "ulysses:3", "ring:0", "ring:3", "fsdp", "zero3", "ds-autosp")
+#: method[:ZeRO stage]; the stage a method runs without one is its own default (3 for the SP methods at 8 ranks):
+#: AutoSP as it runs by default (the memory planner), the paper's setting (`autosp[paper]`) and the SP methods at
+#: ZeRO 0 and 3, each compared with AutoSP at the same stage (like with like)
+PAPER_METHODS = ("autosp", "autosp[paper]:0", "autosp[paper]:3", "ulysses:0", "ulysses:3", "ring:0", "ring:3", "fsdp",
+                 "zero3", "ds-autosp")
 #: the practical anchors beside them (`--methods` adds them): ALST and the baselines with per-layer activation
 #: checkpointing, each at ZeRO 3 (`method[ac=layer]:stage`), labelled in the table as their own columns
 PRACTICAL_METHODS = ("alst", "ulysses[ac=layer]:3", "ring[ac=layer]:3", "fsdp[ac=layer]", "zero3[ac=layer]")
 #: the default's share of them: all (alst's rank programs of two depths and device types share a fake world, each
 #: with its own SP groups and Ulysses registration: `simulate.world.process_registrations`)
 DEFAULT_PRACTICAL = PRACTICAL_METHODS
-PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd")
+#: the paper's device types, then those the published peers' lengths were measured on (ALST, UPipe: H100, H200)
+PAPER_DEVICES = ("a100-80gb", "gh200-96gb", "mi250-gcd", "h100-80gb", "h200-141gb")
 #: AutoSP's ratio columns: (baseline method, paper claim ids by device vendor)
 RATIOS = (("ulysses", {"nvidia": "trainability_vs_ulysses_nvidia", "amd": "trainability_vs_ulysses_amd"}),
           ("ring", {"nvidia": "trainability_vs_ring"}),
@@ -190,14 +193,12 @@ def markdown_table(table: pd.DataFrame) -> str:
     hf = table["model"].str.startswith("hf:")  # a method run on the HF variant of the row's model is labelled so
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
-    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
-    labels = sorted(dict.fromkeys(table["label"]), key=rank)
+    labels = _column_order(list(table["label"]))
     specs = autosp_specs(table["method"])
     head = ["model", "device", *labels, *(f"autosp/{ref}" + (" (paper)" if ids else "") for ref, ids in RATIOS),
             *(f"{spec}/{SPEC_RATIO}" for spec in specs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (model, device), cell in table.groupby(["model", "device"], sort=False):
+    for (model, device), cell in _by_row(table):
         by_label = {row["label"]: _length(row) for _, row in cell.iterrows()}
         ran = cell[cell["status"] != "error"]  # a cell that could not be simulated has no length to compare
         best = ran.assign(n=ran["max_seq_len"].fillna(0).astype(float)).groupby("method")["n"].max()
@@ -217,34 +218,51 @@ def markdown_table(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _by_row(table: pd.DataFrame) -> list[tuple[tuple[str, str], pd.DataFrame]]:
+    """The table's (model, device) rows, models by size (`tables.model_order`), then device types by name, whichever
+    file each cell came from."""
+    from autosp.experiments.tables import model_order
+
+    return sorted(table.groupby(["model", "device"], sort=False), key=lambda kv: (model_order(kv[0][0]), kv[0][1]))
+
+
+def _column_order(labels: list[str]) -> list[str]:
+    """Column labels (`method z<stage>`, `(hf)` where so) in the paper table's order, then the rest by name."""
+    order = list(dict.fromkeys(parse_method(spec)[0] for spec in PAPER_METHODS + PRACTICAL_METHODS))
+    rank = lambda label: (order.index(label.split(" ")[0]) if label.split(" ")[0] in order else len(order), label)  # noqa: E731
+    return sorted(dict.fromkeys(labels), key=rank)
+
+
 def time_markdown_table(table: pd.DataFrame) -> str:
     """Each cell's predicted step at its longest length (seconds, tokens/s per GPU, the length), laid out as the
-    length table; "-" where the row carries no prediction (a rendered table, a device without rates)."""
-    import pandas as pd
-
+    length table, with only the rows and columns that carry one (a rendered Markdown table's cells and device types
+    without rates carry none)."""
     if "extra.time.iteration_s" not in table:
         return ""
     hf = table["model"].str.startswith("hf:")
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    labels = list(dict.fromkeys(table["label"]))
+    timed = table[table["extra.time.iteration_s"].notna() & (table["status"] != "error")]
+    labels = _column_order(list(timed["label"]))  # the columns and rows with a prediction
     lines = ["| model | device | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 2)]
-    for (model, device), cell in table.groupby(["model", "device"], sort=False):
-        by_label = {}
-        for _, row in cell.iterrows():
-            step, rate = row.get("extra.time.iteration_s"), row.get("extra.time.tokens_per_s_per_gpu")
-            by_label[row["label"]] = "-" if pd.isna(step) or row["status"] == "error" else \
-                f"{step:.3g} s, {rate:,.0f} tok/s/GPU at {_length(row)}"
+    for (model, device), cell in _by_row(timed):
+        by_label = {row["label"]: f"{row['extra.time.iteration_s']:.3g} s, "
+                                  f"{row['extra.time.tokens_per_s_per_gpu']:,.0f} tok/s/GPU at {_length(row)}"
+                    for _, row in cell.iterrows()}
         lines.append("| " + " | ".join([model, device, *(by_label.get(label, "") for label in labels)]) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) if labels else ""
 
 
-def rendered_rows(paths: list[str]) -> list[dict]:
+def rendered_rows(paths: list[str], relabel: dict[str, str] | None = None, methods: list[str] | None = None,
+                  world_size: int | None = None) -> list[dict]:
     """The search rows of earlier runs: JSONL records, or a rendered Markdown table (`results/simulated_table.md`,
     whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
     ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table. A
     JSONL's single simulated lengths that fit (`autosp simulate --seq-len N`) fill cells no search answered, as
-    lower bounds (`lower_bound_row`): one costly probe at a baseline's length shows a cell's order."""
+    lower bounds (`lower_bound_row`): one costly probe at a baseline's length shows a cell's order. `relabel` moves a
+    Markdown table's column to another (`{"autosp": "autosp[paper]"}`: a table recorded before autosp's default
+    became the planner); a Markdown table carries no configuration that would say so, a JSONL's rows do. Only the
+    rows `select_rows` keeps (`methods`, `world_size`) take part."""
     from autosp.experiments.tables import simulated_table_rows
     from autosp.harness.records import read_records
 
@@ -255,12 +273,13 @@ def rendered_rows(paths: list[str]) -> list[dict]:
             table = simulated_table_rows(path)
             table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
                               for m, method in zip(table["model"], table["method"], strict=True)]
+            table["method"] = table["method"].replace(relabel or {})
             found = table.to_dict("records")
         else:
             records = read_records(path)
             found = [r for r in records if r.get("kind") == "search"]
-            bounds.extend(lower_bound_row(r) for r in records if _fits_alone(r))
-        for row in found:
+            bounds.extend(select_rows([lower_bound_row(r) for r in records if _fits_alone(r)], methods, world_size))
+        for row in select_rows(found, methods, world_size):
             cells[_cell(row)] = row
     for row in bounds:  # a search's answer stands, unless it is itself a lower bound below this one
         held = cells.get(_cell(row))
@@ -298,12 +317,71 @@ def lower_bound_row(record: dict) -> dict:
     return row
 
 
+def select_rows(rows: list[dict], methods: list[str] | None, world_size: int | None) -> list[dict]:
+    """The rendered rows of one table: those of `world_size` (rows that name none stay) and, where `methods` are
+    given (`--methods`), of their columns (`method[:stage]`; without a stage, any stage)."""
+    wanted = [parse_method(entry) for entry in methods or []]
+
+    def kept(row: dict) -> bool:
+        world = row.get("world_size")
+        if world_size is not None and isinstance(world, numbers.Real) and world == world and world != world_size:
+            return False
+        _, _, column, zero = _cell(row)
+        return not wanted or any(column == label and (stage is None or stage == zero) for label, stage in wanted)
+
+    return [row for row in rows if kept(row)]
+
+
+def shortfalls(table: pd.DataFrame, ours: str = "autosp") -> list[str]:
+    """Every (model, device) where `ours` (its longest over its ZeRO stages) trains less than another column, as
+    `model device: method N > autosp M`; a method with no length there is left out. The issue's must-show is that this
+    is empty; the table says where it is not."""
+    lengths = table.assign(n=table["max_seq_len"].astype("Float64").fillna(0).astype(float),
+                           model=table["model"].str.removeprefix("hf:"))
+    found = []
+    for (model, device), cell in lengths.groupby(["model", "device"], sort=False):
+        best = cell.groupby("method")["n"].max()
+        mine = best.get(ours, 0.0)
+        if not mine:
+            continue
+        found += [f"{model} {device}: {method} {_k(n)} > {ours} {_k(mine)}"
+                  for method, n in best.sort_values(ascending=False).items() if method != ours and n > mine]
+    return found
+
+
+def _k(n: float) -> str:
+    return f"{n / 1024:g}K"
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The `autosp simulate-table --render ...` command that renders this table again, for its footnote."""
+    import shlex
+
+    words = ["autosp", "simulate-table", "--render", *args.render]
+    words += [f"--relabel={pair}" for pair in args.relabel]
+    if args.methods is not None:
+        words += ["--methods", args.methods]
+    if args.world_size is not None:
+        words += ["--world-size", str(args.world_size)]
+    words += ["--table-out", args.table_out]
+    if args.figure:
+        words += ["--figure", *args.figure]
+    return shlex.join(words)
+
+
 def _setting(rows: list[dict]) -> str:
     """`world size 8, bfloat16`: the rows' world sizes and dtypes (a rendered table's rows carry no dtype)."""
     worlds = sorted({int(r["world_size"]) for r in rows if isinstance(r.get("world_size"), numbers.Real)
                      and r["world_size"] == r["world_size"]})  # NaN: a table without its world size
     dtypes = sorted({r["dtype"] for r in rows if isinstance(r.get("dtype"), str)})
     return ", ".join(([f"world size {'/'.join(map(str, worlds))}"] if worlds else []) + dtypes)
+
+
+def _relabel(pair: str) -> tuple[str, str]:
+    old, sep, new = (part.strip() for part in pair.partition("="))
+    if not sep or not old or not new:
+        raise ConfigError(f"--relabel {pair!r}: write OLD=NEW, e.g. autosp=autosp[paper]")
+    return old, new
 
 
 def _cmd_simulate_table(args: argparse.Namespace) -> int:
@@ -319,14 +397,19 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     for name in devices:
         if not get_device_model(name).memory_bytes:
             raise ConfigError(f"--devices {name}: the table is for GPU types with their own memory")
-    configs = cell_configs(args.models.split(","), split_methods(args.methods), world_size=args.world_size,
-                           dtype=args.dtype)
+    methods = split_methods(args.methods) if args.methods is not None else None
+    world_size = args.world_size or 8
+    configs = cell_configs(args.models.split(","), methods or list(PAPER_METHODS + DEFAULT_PRACTICAL),
+                           world_size=world_size, dtype=args.dtype)
+    relabel = dict(_relabel(pair) for pair in args.relabel)
+    if relabel and not args.render:
+        raise ConfigError("--relabel reads a rendered table's columns: give the tables with --render")
     for path in args.figure:
         check_figure_path(path)
     check_writable(args.table_out, "--table-out")
     started, cpu = time.monotonic(), os.times()
     if args.render:  # the rows of an earlier (possibly stopped) run: table and figure only
-        rows = rendered_rows(args.render)
+        rows = rendered_rows(args.render, relabel, methods, args.world_size)
     else:
         rows = simulate_table(configs, devices, jobs=args.jobs, out=args.out, granularity=args.granularity,
                               max_len=args.max_len)
@@ -338,8 +421,14 @@ def _cmd_simulate_table(args: argparse.Namespace) -> int:
     used = os.times()
     cpu_s = (used.user - cpu.user) + (used.system - cpu.system) + (used.children_user - cpu.children_user) \
         + (used.children_system - cpu.children_system)
-    footer = (f"\n\n{_setting(rows)}: rendered from " + " ".join(args.render) + "." if args.render else
-              f"\n\n{len(configs)} cells x {len(devices)} device types, world size {args.world_size}, {args.dtype}: "
+    if "autosp" in set(table["method"]):  # the issue's must-show: autosp's default >= every other column
+        below = shortfalls(table)
+        text += ("\n\nWhere autosp (its default, the planner) trains less than another column: " + "; ".join(below)
+                 + "." if below else "\n\nautosp (its default) trains at least as long as every other column in "
+                 "every row where it has a length.")
+    footer = (f"\n\n{_setting(rows)}: rendered with `{_command(args)}`; an empty cell was not searched."
+              if args.render else
+              f"\n\n{len(configs)} cells x {len(devices)} device types, world size {world_size}, {args.dtype}: "
               f"{time.monotonic() - started:.0f} s wall, {cpu_s:.0f} s CPU (user+sys, workers included), "
               f"--jobs {args.jobs}.") + " Simulated (`autosp simulate-table`), not measured.\n"
     Path(args.table_out).parent.mkdir(parents=True, exist_ok=True)
@@ -359,12 +448,14 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
         "simulate-table", help="the paper's trainability table on GPU types you do not have (simulated searches)",
         epilog="exit code: 0 every cell simulated (or --allow-errors), 1 a method could not be simulated, 2 bad input")
     p.add_argument("--models", default=",".join(PAPER_MODELS), help="comma-separated model presets")
-    p.add_argument("--methods", default=",".join(PAPER_METHODS + DEFAULT_PRACTICAL),
+    p.add_argument("--methods", default=None,
                    help="comma-separated method[:ZeRO stage] (none: the method's default), e.g. "
-                        "autosp:0,autosp:3,ring,fsdp; a method spec sets its own options, e.g. "
-                        "'autosp[sac=auto,offload=auto+optimizer]:3'")
+                        "autosp,autosp[paper]:3,ring,fsdp; a method spec sets its own options, e.g. "
+                        "'autosp[sac=auto,offload=auto+optimizer]:3' (default: "
+                        f"{','.join(PAPER_METHODS + DEFAULT_PRACTICAL)}; with --render, the columns shown: all)")
     p.add_argument("--devices", default=",".join(PAPER_DEVICES), help="comma-separated device types (catalogue)")
-    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default 8); with --render, only the rows of this world size (default: all)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
     p.add_argument("--max-len", type=int, default=1 << 22, help="longest length a search tries")
@@ -375,6 +466,9 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
                    help="no simulation: the table and figure of the search rows in these files (JSONL, or a "
                         "rendered table .md; a cell in a later file replaces an earlier file's)")
+    p.add_argument("--relabel", action="append", default=[], metavar="OLD=NEW",
+                   help="with --render: a Markdown table's column OLD is read as NEW, e.g. autosp=autosp[paper] "
+                        "for a table recorded before autosp's default became the planner (repeatable)")
     p.add_argument("--allow-errors", action="store_true",
                    help="exit 0 even where a method cannot be simulated (its cells say why)")
     p.set_defaults(func=_cmd_simulate_table)
