@@ -683,11 +683,12 @@ def test_the_last_rung_keeps_the_model_state_where_the_whole_depth_planner_does(
 
 @pytest.mark.long
 def test_the_planners_search_finds_what_its_whole_depth_search_finds(monkeypatch):
-    """Measured on fake tensors: a 5-layer tiny at 14 MiB, P=2. The search on the last rung finds 5,120 (oom at
-    5,632), but the planner, simulated whole there and one granule above, fits at 5,632 too (keeping attention's
-    values, its backward working set is smaller than the last rung's, which recomputes them), so its search goes on
-    above and finds 6,656: what the planner's own search finds with every probe whole, each probe at the same length
-    to the byte, the same plan. (The last rung alone would have said 5,120.) ~5 CPU-minutes."""
+    """Measured on fake tensors: a 5-layer tiny at 14 MiB, P=2. The search on the last rung (extrapolated), then the
+    planner simulated whole at its answer and one granule above (going on above or below from there), finds what the
+    planner's own search finds with every probe whole: the same longest length and first oom, each planner probe at
+    the same length to the byte, the same plan. The lengths themselves moved with the planner's levers (5,120 on the
+    rung and 6,656 whole before the MLP-tile halvings; docs/measurements/2026-12-05-lever.md); the test asserts the
+    equality, whatever they are. ~5 CPU-minutes."""
     from autosp.experiments.simulate import lengths
 
     cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny", num_layers=5), seq_len=1, world_size=2,
@@ -698,15 +699,17 @@ def test_the_planners_search_finds_what_its_whole_depth_search_finds(monkeypatch
     monkeypatch.setattr(lengths, "_last_rung", lambda cfg, device: None)
     whole = sim.simulated_search(cfg, device, granularity=512, max_len=65536)
     rung = {p["seq_len"]: p["status"] for p in on_rung["probes"] if p["sac"] == sim.LAST_RUNG_SAC}
-    assert rung[5120] == "ok" and rung[5632] == "oom" and on_rung["extra"]["searched_on"]["planner_confirmed"]
-    assert on_rung["max_seq_len"] == whole["max_seq_len"] == 6656
-    assert on_rung["first_oom_seq_len"] == whole["first_oom_seq_len"] == 7168
+    print("rung", rung, "found", on_rung["max_seq_len"], whole["max_seq_len"], on_rung["first_oom_seq_len"])
+    assert "ok" in rung.values() and on_rung["extra"]["searched_on"]["planner_confirmed"]
+    assert on_rung["status"] == whole["status"] == "found"
+    assert on_rung["max_seq_len"] == whole["max_seq_len"] >= max(n for n, status in rung.items() if status == "ok")
+    assert on_rung["first_oom_seq_len"] == whole["first_oom_seq_len"]
     planner = {p["seq_len"]: (p["status"], p["peak_mem_bytes"]) for p in on_rung["probes"] if p["sac"] == "auto"}
-    assert planner[5632][0] == "ok" and all(planner[p["seq_len"]] == (p["status"], p["peak_mem_bytes"])
-                                            for p in whole["probes"] if p["seq_len"] in planner)
+    assert planner and all(planner[p["seq_len"]] == (p["status"], p["peak_mem_bytes"])
+                           for p in whole["probes"] if p["seq_len"] in planner)
     assert on_rung["peak_mem_bytes"] == whole["peak_mem_bytes"]
     # the same plan; its graph budget is the device's less the batch of the length a shared program was built at
-    # (the first one it probed: 5,120 tokens here, 7,168 there), so it differs by 2,048 tokens' ids and labels
+    # (the first length each search probed), so it differs by that many tokens' ids and labels
     unbudgeted = lambda row: [{k: v for k, v in plan.items() if k != "budget_bytes"}  # noqa: E731
                               for plan in row["extra"]["sac_auto"]]
     assert unbudgeted(on_rung) == unbudgeted(whole)
