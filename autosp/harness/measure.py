@@ -225,6 +225,17 @@ def _inside(node: Any, name: str) -> bool:
     return False
 
 
+def _op_of(node: Any) -> str:
+    """The innermost aten op (else the innermost named event) whose call made allocation `node`."""
+    parent, named = node.parent, ""
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return parent.name
+        named = named or parent.name
+        parent = parent.parent
+    return named
+
+
 def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport:
     """Replay the profiled CPU allocation stream; peak of live bytes inside the `mark` region.
 
@@ -234,12 +245,13 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     peak in the step as `host_offloaded_bytes`. So is what the optimizer offload allocates inside its host region
     (`autosp.comm.host_optimizer.HOST_REGION`: master weights, gradient buffers, AdamW moments and the step's
     temporaries; with offload=params also the parameters), from wherever in the run it was made (setup, the warm-up's
-    first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`)."""
+    first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`).
+    `peak_op` names the aten op (or, inside an Inductor graph, the graph's call) whose allocation set the peak."""
     from autosp.comm.host_optimizer import HOST_REGION
     from autosp.comm.host_params import GRADIENT_TO_HOST_NAME
     from autosp.compiler.memory import OFFLOAD_OP_NAME
 
-    allocations: list[tuple[int, int, int, bool]] = []  # (time ns, +size / -size, address, made by offload)
+    allocations: list[tuple[int, int, int, bool, str]] = []  # (time ns, +size / -size, address, host, by op)
     windows: list[tuple[int, int]] = []
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
@@ -249,7 +261,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
             if fields.device.type == "cpu":
                 host = fields.alloc_size > 0 and any(_inside(node, name) for name in (OFFLOAD_OP_NAME, HOST_REGION,
                                                                                       GRADIENT_TO_HOST_NAME))
-                allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, host))
+                allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr, host, _op_of(node)))
         elif node.name == mark:
             windows.append((node.start_time_ns, node.end_time_ns))
         stack.extend(node.children)
@@ -262,7 +274,8 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     host_addresses: set[int] = set()
     at_start: int | None = None
     step_peak = 0
-    for when, size, address, host in allocations:
+    peak_op = ""
+    for when, size, address, host, op in allocations:
         if when > end:
             break
         if when >= begin and at_start is None:
@@ -277,8 +290,8 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
             continue
         live += size
         overall_peak = max(overall_peak, live)
-        if at_start is not None:
-            step_peak = max(step_peak, live)
+        if at_start is not None and live > step_peak:
+            step_peak, peak_op = live, op
     if at_start is None:  # a step that allocated nothing
         at_start = step_peak = live
     return MemoryReport(step_peak, {
@@ -288,6 +301,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
         "peak_including_setup_bytes": overall_peak,
         "allocation_events": len(allocations),
         "host_offloaded_bytes": host_peak,
+        "peak_op": peak_op,
     })
 
 

@@ -158,9 +158,9 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
         host = _node_host_bytes(measured.detail.get("host_offloaded_bytes", 0), device)
         if over is None and cfg.host_memory_budget is not None and host > cfg.host_memory_budget:
             over = "host"
-        if over is not None:
+        if over is not None:  # the record keeps the plan that did not fit: what to look at first
             result.update(status="oom", oom_in=over, peak=measured.peak_bytes, node_host=host,
-                          memory=measured.detail)
+                          memory=measured.detail, metrics=_metrics(step))
             return result
     result["cpu_samples"] = []
     for _ in range(cfg.steps):
@@ -170,9 +170,14 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
         losses.append(loss)
         result["samples"].append(seconds)
     report = meter.report()
-    metrics = getattr(step, "metrics", None)
-    result.update(peak=report.peak_bytes, memory=report.detail, metrics=metrics() if callable(metrics) else {})
+    result.update(peak=report.peak_bytes, memory=report.detail, metrics=_metrics(step))
     return result
+
+
+def _metrics(step: Any) -> dict[str, Any]:
+    """What the method reports of its step (plans, saved bytes, offloads), or nothing."""
+    metrics = getattr(step, "metrics", None)
+    return metrics() if callable(metrics) else {}
 
 
 def run(cfg: RunConfig, *, out: str | Path | None = None, extra_imports: Iterable[str] = ()) -> dict[str, Any]:

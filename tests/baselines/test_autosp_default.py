@@ -96,6 +96,8 @@ def test_run_and_compile_make_the_same_plan_and_it_fits_where_the_old_defaults_d
     old = run(cfg.replace(tiling="off", offload="activations=auto"))
     paper = run(cfg.replace(**PAPER))
     assert old["status"] == paper["status"] == "oom", (old["error"], paper["error"])
+    # an oom record keeps the plan that did not fit and what the graphs saved: what one looks at first
+    assert old["extra"]["sac_auto"][0]["layers"] == plan["layers"] and paper["extra"]["saved_activation_bytes"] > 0
 
 
 def test_on_a_roomy_budget_the_default_tiles_and_moves_nothing():

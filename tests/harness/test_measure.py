@@ -39,6 +39,7 @@ def test_cpu_meter_replays_allocations_exactly() -> None:
     assert report.detail["step_increase_bytes"] == 3000
     assert report.peak_bytes == 4000
     assert report.detail["peak_including_setup_bytes"] == 6000
+    assert report.detail["peak_op"] == "aten::empty"  # the op whose allocation set the peak
     del resident
 
 
