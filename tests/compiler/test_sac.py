@@ -2,6 +2,8 @@
 gradients stay those of eager (single process, aot_eager; one inductor test)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +24,8 @@ from autosp.compiler.fx import (
     layer_of_path,
 )
 from autosp.compiler.lowering import sac_backend
-from autosp.compiler.memory import PartitionRecord, Policy, parse_policy
+from autosp.compiler.memory import PartitionRecord, Policy, parse_policy, planner
+from autosp.compiler.memory.offload import RELOAD_OP, WAIT_OP, offload_boundaries
 from autosp.compiler.memory.planner import estimated_peak, recompute_flops
 from autosp.compiler.memory.tags import tag_joint_graph
 from autosp.compiler.memory.time_rank import added_seconds, exposed_copy_seconds, planning_rates
@@ -353,10 +356,10 @@ def test_collectives_are_never_recomputed(one_rank_group, policy: str) -> None:
     _assert_grads_equal(model, [p.grad for p in reference.parameters()])
 
 
-def _sp_plan(layers: int, budget: int | None, **planner) -> tuple[PartitionRecord, dict]:
-    """The planner on `_SpModel` (one-rank all-to-alls), its gradients checked against eager."""
+def _sp_plan(layers: int, budget: int | None, seq: int = SEQ, **planner) -> tuple[PartitionRecord, dict]:
+    """The planner on `_SpModel` (one-rank all-to-alls) over `seq` tokens, its gradients checked against eager."""
     torch.manual_seed(0)
-    x = torch.randn(2, SEQ, 32)
+    x = torch.randn(2, seq, 32)
     reference = _SpModel(layers)
     reference(x).backward()
     model = _SpModel(layers)
@@ -374,6 +377,29 @@ def test_auto_moves_every_saved_value_of_a_layer_to_host_where_the_boundaries_ar
     assert plan["fits"] and plan["offload_scope"] == "layers" and plan["tokenwise_recompute_layers"] == 0
     assert plan["offloaded_bytes"] > boundaries["offloaded_bytes"]
     assert plan["estimated_peak_bytes"] < boundaries["estimated_peak_bytes"]
+
+
+def test_auto_reloads_late_where_the_value_held_a_layer_ahead_is_what_does_not_fit(one_rank_group, monkeypatch):
+    """Every layer recomputed and its boundary in host memory: reloaded a layer ahead, a layer's backward holds the
+    next one's input too; reloaded late (`offload.RELOAD_TIMES`), each reload follows the previous value's last use,
+    the estimated peak falls, and that plan fits where the other does not, exactly."""
+    layers, seq = 4, 512  # activations, not the weights' gradients, make the backward peak
+    with monkeypatch.context() as patched:  # the planner as it was: every reload a layer ahead
+        patched.setattr(planner, "offload_boundaries", lambda fw, bw, n, scope, reload: offload_boundaries(
+            fw, bw, n, scope))
+        _, ahead = _sp_plan(layers, 1, seq, offload="activations")
+    _, last = _sp_plan(layers, 1, seq, offload="activations")  # nothing fits: the last rung, reloaded late
+    assert (ahead["tokenwise_recompute_layers"], last["tokenwise_recompute_layers"]) == (layers, layers)
+    assert last["reload"] == "late" and last["offloaded_bytes"] == ahead["offloaded_bytes"]
+    assert last["estimated_peak_bytes"] < ahead["estimated_peak_bytes"]
+    record, plan = _sp_plan(layers, last["estimated_peak_bytes"], seq, offload="activations")
+    assert plan["fits"] and plan["reload"] == "late"
+    nodes = list(record.bw_module.graph.nodes)
+    reloads = [n for n in nodes if n.target is RELOAD_OP]
+    assert len(reloads) >= 2
+    for previous, reload in itertools.pairwise(reloads):
+        (ready,) = [u for u in previous.users if u.target is WAIT_OP]
+        assert max(nodes.index(u) for u in ready.users) < nodes.index(reload)
 
 
 def test_auto_reruns_a_layers_all_to_alls_only_when_recomputing_all_else_does_not_fit(one_rank_group):

@@ -10,7 +10,8 @@ The pass runs on the *partitioned* forward and backward graphs (after the SAC pa
   `autosp_sp::offload` right where it is made; the host copy replaces it among the saved values, so the
   device tensor dies at its last forward use;
 - backward: the saved host copy is brought back by `autosp_sp::reload` (issued one layer ahead: where the
-  previous boundary is first used, so the copy overlaps that layer's backward) and `autosp_sp::wait` just
+  previous boundary is first used, so the copy overlaps that layer's backward; or late, where the previous one
+  is last used, so the two are never on the device together: `RELOAD_TIMES`) and `autosp_sp::wait` just
   before its own first use.
 
 The ops copy on a side stream into pinned buffers on CUDA/ROCm (a pool the pass reserves by the plan's bytes, allocated
@@ -230,7 +231,8 @@ def _(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-fx.node.has_side_effect(op("wait").default)
+WAIT_OP = op("wait").default
+fx.node.has_side_effect(WAIT_OP)
 
 # ------------------------------------------------------------------------------------------------ the pass
 
@@ -260,6 +262,13 @@ OFFLOAD_SCOPES = ("boundaries", "layers")
 well (attention's inputs and outputs after the all-to-alls, whatever the partition keeps): the memory planner's
 second host-memory step, where the boundaries alone are not enough."""
 
+RELOAD_TIMES = ("ahead", "late")
+"""When backward issues an offloaded value's reload: a layer ahead (where the previous offloaded value is first used:
+the copy hides behind that layer's backward, and both values are on the device meanwhile), or late (right after the
+previous value's last use, or at the latest just before its own first use: the previous one's bytes are free before
+these arrive, and the copy overlaps only what runs between): the memory planner's step where the value held a layer
+early is what does not fit."""
+
 
 def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int, scope: str = "boundaries") -> list[fx.Node]:
     """Saved values made in one decoder layer (or before the first) and read in another (or after the last): the
@@ -280,9 +289,9 @@ def boundary_values(fw_module: fx.GraphModule, num_fwd_outputs: int, scope: str 
 
 
 def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
-                       scope: str = "boundaries") -> OffloadReport:
-    """Rewrite both graphs in place (module docstring) for the saved values of `scope` (`OFFLOAD_SCOPES`); returns
-    what is offloaded."""
+                       scope: str = "boundaries", reload: str = "ahead") -> OffloadReport:
+    """Rewrite both graphs in place (module docstring) for the saved values of `scope` (`OFFLOAD_SCOPES`), reloaded
+    at `reload` (`RELOAD_TIMES`); returns what is offloaded."""
     chosen = boundary_values(fw_module, num_fwd_outputs, scope)
     report = OffloadReport()
     if not chosen:
@@ -304,7 +313,7 @@ def offload_boundaries(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num
     outputs = list(fw_output.args[0])
     fw_output.update_arg(0, tuple(outputs[:num_fwd_outputs])
                          + tuple(host_of.get(o, o) for o in outputs[num_fwd_outputs:]))
-    _reload_before_use(bw_graph, [(placeholders[n.name], n.meta["val"].device) for n in chosen])
+    _reload_before_use(bw_graph, [(placeholders[n.name], n.meta["val"].device) for n in chosen], late=reload == "late")
     for module in (fw_module, bw_module):
         module.graph.lint()
         module.recompile()
@@ -326,18 +335,32 @@ def reserve_host_buffers(fw_module: fx.GraphModule) -> None:
         host_pool(device).reserve(owner, aligned_bytes(sizes))
 
 
-def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]) -> None:
-    """Each offloaded input: reload issued where the previous one (in backward order) is first used, wait just
-    before its own first use."""
+def _last_use(node: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """The last node reading `node`'s storage: the latest of its users and of its views' users."""
+    return max((_last_use(u, order) if is_view(u) and u.users else u for u in node.users), key=order.__getitem__)
+
+
+def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]], late: bool = False) -> None:
+    """Each offloaded input: reload issued where the previous one (in backward order) is first used, or with `late`
+    right after the previous one's last use (`RELOAD_TIMES`), and never after its own first use; wait just before
+    its own first use."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    used = [(min(p.users, key=order.__getitem__), p, device) for p, device in offloaded if p.users]
+    used = [(min(p.users, key=order.__getitem__), _last_use(p, order), p, device) for p, device in offloaded if p.users]
     used.sort(key=lambda item: order[item[0]])
-    previous_first_use: fx.Node | None = None
-    for first_use, placeholder, device in used:
-        with graph.inserting_before(previous_first_use or first_use):
+    previous: tuple[fx.Node, fx.Node] | None = None  # the previous value's first and last use
+    for first_use, last_use, placeholder, device in used:
+        if previous is None:
+            issue = graph.inserting_before(first_use)
+        elif not late:
+            issue = graph.inserting_before(previous[0])
+        elif order[previous[1]] < order[first_use]:
+            issue = graph.inserting_after(previous[1])
+        else:
+            issue = graph.inserting_before(first_use)
+        with issue:
             loaded = graph.call_function(op("reload").default, (placeholder, device))
         with graph.inserting_before(first_use):
-            ready = graph.call_function(op("wait").default, (loaded,))
+            ready = graph.call_function(WAIT_OP, (loaded,))
         # no recomputed forward op (partitioner_tag), and not the saved op's eager inputs: a custom op's (an
         # all-to-all's) `eager_input_vals` made Inductor normalise reload's arguments against them and fail
         meta = {k: v for k, v in placeholder.meta.items() if k not in ("partitioner_tag", "eager_input_vals")}
@@ -347,4 +370,4 @@ def _reload_before_use(graph: fx.Graph, offloaded: Sequence[tuple[fx.Node, Any]]
         for user in list(placeholder.users):
             if user is not loaded:
                 user.replace_input_with(placeholder, ready)
-        previous_first_use = first_use
+        previous = (first_use, last_use)

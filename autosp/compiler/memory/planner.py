@@ -5,7 +5,8 @@ Each value backward needs is kept on the device, moved to host memory, or recomp
 plans ordered by recompute cost and takes the first whose estimated peak fits: keep everything; recompute the
 token-wise ops of the first k layers; also their attention; also their all-to-alls (the whole layer, as per-layer
 checkpointing does). On a rung that does not fit as it is, saved values move to host memory first (``offload=auto``,
-within the host budget): host memory is spent before recompute — unless the device's rates are known
+within the host budget; reloaded a layer ahead, or late where that is what still does not fit): host memory is
+spent before recompute — unless the device's rates are known
 (`time_rank`), where a plan that moves saved values is priced against the ladder's plan without host memory and the
 one with the fewer predicted seconds is taken. The smallest fitting k is found by bisection. The
 peak is estimated from the graph alone, by a liveness replay of the partitioned graphs (`live_at_peak`) with the
@@ -39,7 +40,13 @@ from autosp.compiler.fx import (
     node_nbytes,
 )
 from autosp.compiler.memory.flops import node_flops, recompute_flops
-from autosp.compiler.memory.offload import OFFLOAD_OP, OFFLOAD_SCOPES, RELOAD_OP, OffloadReport, offload_boundaries
+from autosp.compiler.memory.offload import (
+    OFFLOAD_OP,
+    OFFLOAD_SCOPES,
+    RELOAD_OP,
+    OffloadReport,
+    offload_boundaries,
+)
 from autosp.compiler.memory.records import saved_values
 from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
 
@@ -59,6 +66,7 @@ class Plan:
     recompute_flops: int
     offloaded_bytes: int  # saved values moved to host memory in forward and back in backward (each way, per step)
     offload_scope: str | None  # `offload.OFFLOAD_SCOPES`: the boundaries only, or every saved value of a layer
+    reload: str | None  # `offload.RELOAD_TIMES`: the offloaded values brought back a layer ahead, or late
     fits: bool
     partitions_tried: int
 
@@ -145,6 +153,7 @@ class _Trial:
     saved: int
     offload: OffloadReport | None
     scope: str | None
+    reload: str | None
 
 
 def plan_partition(
@@ -169,24 +178,34 @@ def plan_partition(
     # a rung's partition and each of its variants are the same whichever ladder asks (the time ranking re-walks
     # the ladder without host memory): made once per graph
     partitioned: dict[tuple[int, int, int], tuple[fx.GraphModule, fx.GraphModule]] = {}
-    made: dict[tuple[tuple[int, int, int], str | None], _Trial] = {}
+    made: dict[tuple[tuple[int, int, int], str | None, str], _Trial] = {}
 
     def fits(t: _Trial) -> bool:
         host_ok = t.offload is None or host_budget_bytes is None or t.offload.nbytes <= host_budget_bytes
         return host_ok and (budget is None or t.peak <= budget)
 
-    def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None) -> _Trial:
-        """The partitioned rung with the saved values of `scope` in host memory (None: all on the device)."""
-        if (rung, scope) in made:
-            trials.append(made[rung, scope])
+    def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None,
+                reload: str = "ahead") -> _Trial:
+        """The partitioned rung with the saved values of `scope` in host memory (None: all on the device), reloaded
+        at `reload` (`offload.RELOAD_TIMES`)."""
+        if (rung, scope, reload) in made:
+            trials.append(made[rung, scope, reload])
             return trials[-1]
         if scope is not None:
             fw, bw = copy_graph(fw), copy_graph(bw)  # the partition is reused by the next scope
-        report = offload_boundaries(fw, bw, num_fwd_outputs, scope) if scope else None
+        report = offload_boundaries(fw, bw, num_fwd_outputs, scope, reload) if scope else None
         peak, saved = estimated_peak(fw, bw, num_fwd_outputs)
-        trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope))
-        made[rung, scope] = trials[-1]
+        trials.append(_Trial(*rung, fw, bw, peak, saved, report, scope, reload if scope else None))
+        made[rung, scope, reload] = trials[-1]
         return trials[-1]
+
+    def reloaded_late(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, t: _Trial) -> _Trial:
+        """`t`, or where it moves saved values and still does not fit, the same with them reloaded late if that
+        lowers its peak (the value held a layer ahead is what does not fit)."""
+        if fits(t) or t.scope is None:
+            return t
+        late = variant(rung, fw, bw, t.scope, "late")
+        return late if late.peak < t.peak else t
 
     def trial(tokenwise: int, attention: int, collectives: int = 0, moves: str = offload) -> _Trial:
         """One rung: kept on the device, else (`moves` auto) its boundaries in host memory, else all its layers'
@@ -202,7 +221,7 @@ def plan_partition(
             partitions += 1
         fw, bw = partitioned[rung]
         if moves == "activations":
-            return variant(rung, fw, bw, "boundaries")
+            return reloaded_late(rung, fw, bw, variant(rung, fw, bw, "boundaries"))
         t = variant(rung, fw, bw, None)
         if moves != "auto":
             return t
@@ -212,7 +231,7 @@ def plan_partition(
             moved = variant(rung, fw, bw, scope)
             if moved.offload.nbytes > (t.offload.nbytes if t.offload else 0):
                 t = moved
-        return t
+        return reloaded_late(rung, fw, bw, t)
 
     def smallest_fitting(make: Any, count: int) -> _Trial | None:
         """Bisection over k = 1..count of make(k), assuming the peak falls as k grows."""
@@ -246,7 +265,7 @@ def plan_partition(
             chosen = (smallest_fitting(lambda k: trial(k, 0, moves=moves), n)
                       or smallest_fitting(lambda k: trial(n, k, moves=moves), n)
                       or (smallest_fitting(lambda k: trial(n, n, k, moves=moves), c) if c else None)
-                      or next(t for t in reversed(trials) if (t.tokenwise, t.attention, t.collectives) == (n, n, c)))
+                      or trial(n, n, c, moves=moves))
         return chosen
 
     chosen = ladder(offload)
@@ -258,6 +277,7 @@ def plan_partition(
                 attention_recompute_layers=chosen.attention, collective_recompute_layers=chosen.collectives,
                 recompute_flops=recompute_flops(chosen.bw_module),
                 offloaded_bytes=chosen.offload.nbytes if chosen.offload else 0, offload_scope=chosen.scope,
+                reload=chosen.reload,
                 fits=fits(chosen), partitions_tried=partitions)
     return chosen.fw_module, chosen.bw_module, {**plan.to_dict(), **ranking}, chosen.offload
 
