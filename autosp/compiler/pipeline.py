@@ -201,11 +201,13 @@ class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one graph: `JOINT_PASSES`, the SAC partition, `PARTITIONED_PASSES`."""
 
     def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None, *,
-                 tile_first: bool = False, smaller_tiles_below: int | None = None) -> None:
+                 tile_first: bool = False, smaller_tiles_below: int | None = None,
+                 last_rung_first: bool = False) -> None:
         self.c, self.record, self.dump = c, record, dump or _Dump()
         self.cacheable = c.partition_fn.cacheable
         self.tile_first = tile_first  # `tiling="plan"`'s untiled try: the planner raises TileFirst where it is tight
         self.smaller_tiles_below = smaller_tiles_below  # its tiled tries: TileSmaller where no rung fits
+        self.last_rung_first = last_rung_first  # a retry with halved tiles: the last rung tried first
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -218,6 +220,8 @@ class Partitioner(CustomPartitionerFn):
             kwargs["tile_first"] = True
         if self.smaller_tiles_below is not None:
             kwargs["smaller_tiles_below"] = self.smaller_tiles_below
+        if self.last_rung_first:
+            kwargs["last_rung_first"] = True
         fw, bw = self.c.partition_fn(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.dump("partition", "after", [("-forward", fw), ("-backward", bw)])
         for step in PARTITIONED_PASSES:
@@ -233,7 +237,7 @@ class Partitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions,
-                self.c.options.offload_mode, self.tile_first, self.smaller_tiles_below,
+                self.c.options.offload_mode, self.tile_first, self.smaller_tiles_below, self.last_rung_first,
                 get_hash_for_files((__file__, *_sources(zero, memory))))
 
 
@@ -271,7 +275,8 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
     """`untiled` tiled as `Tiling.when_tight` and lowered; where no rung of the planner fits even so (`TileSmaller`:
     a recomputed layer's backward binds, its token-wise blocks' tile-sized intermediates among its working set),
     tiled again with the blocks' tiles halved (`Tiling.mlp_halvings`), for as long as each halving lowers the
-    planner's estimated peak and the tiles stay above the floor (`TilingReport.halvable`). A graph that fits with
+    planner's estimated peak and the tiles stay above the floor (`TilingReport.halvable`); each retry partitions the
+    planner's last rung first (`plan_partition(last_rung_first=True)`). A graph that fits with
     the `when_tight` tiles is lowered once, unchanged. The plan records the halvings (`mlp_tile_halvings`)."""
     below, halvings = sys.maxsize, 0
     while True:
@@ -282,7 +287,8 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
         dump("tiling", "after", [("", gm)])
         try:
             compiled = _lower(c, gm, example_inputs, dump,
-                              smaller_tiles_below=below if c.tiling_reports[-1].halvable else None)
+                              smaller_tiles_below=below if c.tiling_reports[-1].halvable else None,
+                              last_rung_first=halvings > 0)
         except TileSmaller as tight:
             c.graphs.pop()
             c.tiling_reports.pop()
@@ -294,13 +300,15 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
 
 
 def _lower(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any], dump: _Dump, *,
-           tile_first: bool = False, smaller_tiles_below: int | None = None) -> Callable:
+           tile_first: bool = False, smaller_tiles_below: int | None = None,
+           last_rung_first: bool = False) -> Callable:
     """aot_autograd and the backend's compiler over `gm`, `Partitioner` deciding the joint graph's split."""
     positions = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad)
     record = GraphRecord(param_positions=positions if c.reduction is not None else ())
     c.graphs.append(record)
     return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(
-        c, record, dump, tile_first=tile_first, smaller_tiles_below=smaller_tiles_below),
+        c, record, dump, tile_first=tile_first, smaller_tiles_below=smaller_tiles_below,
+        last_rung_first=last_rung_first),
                                     inner=c.options.backend)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from autosp.compiler import pipeline
+from autosp.compiler.memory import planner
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static
 from autosp.models import build_model
@@ -67,19 +69,25 @@ def _long_step(**options) -> tuple[Compilation, torch.nn.Module]:
     return compilation, model
 
 
-def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly():
+def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly(monkeypatch):
     """tiny, 2,048 tokens, 1 MiB: no rung fits with the MLPs in tiles of 1,024 (tiling="auto:1024", no lever), so
     the default (`plan:1024`) halves them while that lowers the planner's peak, to the floor (256); the records
     are the last lowering's only, the plan says how many halvings, its peak is below the unhalved one's, and the
-    gradients are single-process training's."""
+    gradients are single-process training's. The retry at 512 partitions only the last rung (it does not fit)."""
     fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
     (unhalved,) = [r.plan for r in fixed.partition_fn.records]
     assert not unhalved["fits"] and "mlp_tile_halvings" not in unhalved
+    partitions = []
+    monkeypatch.setattr(planner, "min_cut_rematerialization_partition",
+                        lambda *args, **kwargs: partitions.append(1) or min_cut_rematerialization_partition(
+                            *args, **kwargs))
     lever, model = _long_step(sac="budget=1MiB", tiling="plan:1024")
     (plan,) = [r.plan for r in lever.partition_fn.records]
     (report,) = lever.tiling_reports
     assert len(lever.graphs) == 1 and [b["tile_tokens"] for b in report.mlp] == [256, 256]
     assert plan["mlp_tile_halvings"] == 2 and plan["estimated_peak_bytes"] < unhalved["estimated_peak_bytes"]
+    # tiles of 1,024: the ladder; of 512: the last rung alone; of 256 (the floor, nothing left to halve): the ladder
+    assert len(partitions) == unhalved["partitions_tried"] + 1 + plan["partitions_tried"]
     reference = build_model("tiny", seed=0)
     reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):

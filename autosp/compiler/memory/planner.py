@@ -159,7 +159,7 @@ class _Trial:
 def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
     offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False,
-    smaller_tiles_below: int | None = None, **kwargs: Any,
+    smaller_tiles_below: int | None = None, last_rung_first: bool = False, **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
     `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
@@ -170,7 +170,10 @@ def plan_partition(
     anything where the first rung does not fit as it is (tiling comes before the other levers). `smaller_tiles_below`
     (a tiled graph whose tiles can still be halved): raise `TileSmaller` where no rung fits the device budget and
     the ladder's plan peaks below it (the lever of the last resort: the recomputed layers' token-wise working set,
-    when even the last rung does not fit)."""
+    when even the last rung does not fit). `last_rung_first` (the retry after a `TileSmaller`, where the larger tiles
+    fit on no rung): the last rung is partitioned first, and where it does not fit either, `TileSmaller` is raised
+    at once, one partition instead of the ladder's (which assumes no rung peaks below the last, as its bisection
+    does)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -253,6 +256,11 @@ def plan_partition(
     layers_of = assign_layers(joint_gm.graph, forward)
     # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
     c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
+
+    if last_rung_first and n and budget is not None and smaller_tiles_below is not None:
+        last = trial(n, n, c)
+        if budget < last.peak < smaller_tiles_below:
+            raise TileSmaller(last.peak, budget)
 
     def ladder(moves: str) -> _Trial:
         """The first rung that fits (`moves`: the offload mode its rungs use), else the last."""
