@@ -61,6 +61,7 @@ CASES = {
     "minimax-2": (2, _hf("minimax", 32)),
     "minimax-zero3-2": (2, _hf("minimax", 31, zero=3)),  # rank 1's shard padded
     "minimax-padded-2": (2, _hf("minimax", 32, padding=11)),  # rank 1's shard part padding (attention_mask)
+    "minimax-inductor-2": (2, _hf("minimax", 64, backend="inductor")),
     "lfm2-4": (4, _hf("lfm2", 32)),
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
     "lfm2-zero3-4": (4, _hf("lfm2", 30, 1e-6, zero=3)),
@@ -124,6 +125,13 @@ def test_lightning_attention_is_exact_on_two_ranks(runs, case):
     # HF writes its block loop inline in the layer's forward: traced as the `lightning_attention` op (one node at any
     # length), each rank's loop corrected by the state passed along the ranks
     runs.assert_exact(case)
+
+
+@pytest.mark.long
+def test_lightning_attention_is_exact_through_inductor(runs):
+    # the ops' outputs and gradients laid out as their fakes say (Inductor asserts the strides); 7 minutes on a loaded
+    # 2-core machine, so in the long profile
+    runs.assert_exact("minimax-inductor-2")
 
 
 @pytest.fixture(scope="module")
