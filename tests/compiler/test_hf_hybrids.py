@@ -3,9 +3,10 @@ with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with i
 (Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
 (Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts) and
 Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's inline block loop traced as an op, its
-default experts), beside softmax attention; ZeRO 0 and 3, and right padding through `attention_mask` for lightning
-attention. A recurrence that cannot be sharded exactly is refused in one line (tests/compiler/test_recurrences.py, a
-planted nonlinear one; tests/compiler/test_lightning_op.py, lightning attention whose final state is read)."""
+default experts), beside softmax attention; ZeRO 0 and 3, and right padding through `attention_mask` and packed
+documents (`position_ids`) for lightning attention. A recurrence that cannot be sharded exactly is refused in one
+line (tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning
+attention whose final state is read)."""
 from __future__ import annotations
 
 import pytest
@@ -78,6 +79,9 @@ CASES = {
     "minimax-4": (4, _hf("minimax", 32)),
     "minimax-zero3-4": (4, _hf("minimax", 30, zero=3)),  # rank 3's shard padded
     "minimax-padded-4": (4, _hf("minimax", 32, padding=11)),  # rank 2's shard part padding, rank 3's padding only
+    # packed documents (position_ids restarting): HF's lightning layer has no reset, its state runs across documents
+    "minimax-packed-4": (4, exact_case(builder="tests.compiler.hf_models.build_hf", family="minimax", seq_len=32,
+                                       documents=3)),
 }
 
 
@@ -150,7 +154,7 @@ def test_a_hybrid_is_exact_on_four_ranks(four_ranks, case):
 @pytest.mark.long
 @pytest.mark.parametrize("case", ["lfm2-4", "lfm2-zero3-4", "lfm2-moe-4", "mamba2-4", "mamba2-zero3-4", "falcon-h1-4",
                                   "granitemoehybrid-4", "nemotron-h-4", "jamba-4", "minimax-4", "minimax-zero3-4",
-                                  "minimax-padded-4"])
+                                  "minimax-padded-4", "minimax-packed-4"])
 def test_hybrids_are_exact_on_four_ranks(runs, case):
     runs.assert_exact(case)
 
