@@ -119,25 +119,30 @@ def _lightning_attention_backward_fake(grad_out, grad_state, q, k, v, slope_rate
 register_rerun_autograd(lightning_attention, lightning_attention_with_state, lightning_attention_backward, tensors=4)
 
 
-def is_lightning_layer(module: torch.nn.Module) -> bool:
-    """A lightning-attention layer as HF writes it (the module docstring's rule)."""
-    return (all(callable(getattr(type(module), name, None)) for name in _CLASS_METHODS)
-            and all(isinstance(getattr(module, name, None), torch.Tensor) for name in _BUFFERS)
-            and all(hasattr(module, name) for name in _SUBMODULES) and isinstance(getattr(module, "block_size", None),
-                                                                                   int))
+def _is_lightning_class(cls: object) -> bool:
+    """A module class defining HF's lightning-attention methods, beside HF's padding mask in its modeling module."""
+    return (isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+            and all(callable(getattr(cls, name, None)) for name in _CLASS_METHODS)
+            and callable(getattr(sys.modules.get(cls.__module__), "apply_mask_to_padding_states", None)))
+
+
+def _holds_lightning_state(module: torch.nn.Module) -> bool:
+    """An instance holding what HF's loop reads: the decay buffers, the block size and the projections."""
+    return (all(isinstance(getattr(module, name, None), torch.Tensor) for name in _BUFFERS)
+            and all(hasattr(module, name) for name in _SUBMODULES)
+            and isinstance(getattr(module, "block_size", None), int))
 
 
 @functools.cache
 def _traced_forward(cls: type, hf_forward):
-    """HF's lightning-attention forward with its block loop as the `lightning_attention_with_state` op (output and
-    final state, both of which HF's forward returns; the SP pass drops the state where nothing reads it, as HF's
-    decoder layer does not) in training (no cache);
-    any other call, or a module not as `is_lightning_layer` says, runs HF's forward. One function per class, so
-    Dynamo's guards see the same one at every call."""
+    """HF's lightning-attention forward with its block loop as the `lightning_attention_with_state` op (the output
+    and the final state, as HF's forward returns them; the SP pass drops the state where nothing reads it) in
+    training (no cache); any other call, or an instance not holding what the loop reads, runs HF's forward. One
+    function per class, so Dynamo's guards see the same one at every call."""
     mask_padding = sys.modules[cls.__module__].apply_mask_to_padding_states  # HF's, beside the class
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        if cache is not None or kwargs.get("past_key_values") is not None or not is_lightning_layer(self):
+        if cache is not None or kwargs.get("past_key_values") is not None or not _holds_lightning_state(self):
             return hf_forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         batch, length, _ = hidden_states.shape
         heads, dim = self.num_attention_heads, self.head_dim
@@ -154,13 +159,12 @@ def _traced_forward(cls: type, hf_forward):
 
 
 def _lightning_classes() -> Iterator[type]:
-    """The lightning-attention layer classes of the loaded transformers modeling modules (by `_CLASS_METHODS`)."""
+    """The lightning-attention layer classes defined in the loaded transformers modeling modules."""
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith("transformers.models."):
             continue
-        for cls in vars(module).values():
-            if (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == module_name
-                    and all(callable(getattr(cls, name, None)) for name in _CLASS_METHODS)
+        for cls in list(vars(module).values()):
+            if (_is_lightning_class(cls) and cls.__module__ == module_name
                     and not getattr(cls.forward, "_autosp_traced", False)):
                 yield cls
 
