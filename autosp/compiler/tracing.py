@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from autosp.compiler.sp import trace_gated_delta_rules, trace_selective_scans, trace_ssd_scans
+from autosp.compiler.sp import (
+    trace_gated_delta_rules,
+    trace_lightning_attention,
+    trace_selective_scans,
+    trace_ssd_scans,
+)
 
 _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
 
@@ -40,7 +45,7 @@ def tracing_config() -> Iterator[None]:
     """Dynamo settings for tracing a model for AutoSP (see the module docstring)."""
     ignored = set(torch._dynamo.config.ignore_logger_methods) | logging_calls()
     with torch._dynamo.config.patch(ignore_logger_methods=ignored), _hf_padding_mask_traced(), \
-            trace_gated_delta_rules(), trace_ssd_scans(), trace_selective_scans():
+            trace_gated_delta_rules(), trace_ssd_scans(), trace_selective_scans(), trace_lightning_attention():
         yield
 
 

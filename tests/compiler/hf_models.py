@@ -146,8 +146,8 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                     dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
                          linear_head_dim=16, linear_num_heads=4, num_key_value_heads=4, kv_lora_rank=16,
                          q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), {}),
-    # lightning attention (MiniMax: a block-wise linear attention with a decayed carried state) beside attention and
-    # experts: refused (written inline in the layer)
+    # lightning attention (MiniMax: a block-wise linear attention with a decayed carried state, blocks of 8 so a shard
+    # holds several) beside attention and experts
     "minimax": ("MiniMaxForCausalLM", "MiniMaxConfig",
                 dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, head_dim=16, block_size=8,
                      **_MOE), {}),

@@ -2,8 +2,11 @@
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
 (Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
 (Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts) and
-Mamba1's selective scan (Jamba), beside softmax attention; ZeRO 0 and 3. Lightning attention (MiniMax) is refused in
-one line."""
+Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's inline block loop traced as an op, its
+default experts), beside softmax attention; ZeRO 0 and 3, and right padding through `attention_mask` and packed
+documents (`position_ids`) for lightning attention. A recurrence that cannot be sharded exactly is refused in one
+line (tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning
+attention whose final state is read)."""
 from __future__ import annotations
 
 import pytest
@@ -28,9 +31,10 @@ _GDN_STEPS = 1
 _SSD_EPS = 1e-6
 
 
-def _hf(family: str, seq_len: int, adamw_eps: float = 1e-8, steps: int = 2, **compile_options) -> dict:
+def _hf(family: str, seq_len: int, adamw_eps: float = 1e-8, steps: int = 2, padding: int = 0,
+        **compile_options) -> dict:
     return exact_case(builder="tests.compiler.hf_models.build_hf", family=family, seq_len=seq_len, steps=steps,
-                      adamw_eps=adamw_eps, compile_options=compile_options)
+                      adamw_eps=adamw_eps, padding=padding, compile_options=compile_options)
 
 
 #: name -> (world size, case); one launch per world size runs them all
@@ -56,6 +60,8 @@ CASES = {
     "kimi-linear-2": (2, _hf("kimi-linear", 32)),
     "kimi-linear-zero3-2": (2, _hf("kimi-linear", 31, zero=3)),  # rank 1's shard padded
     "minimax-2": (2, _hf("minimax", 32)),
+    "minimax-zero3-2": (2, _hf("minimax", 31, zero=3)),  # rank 1's shard padded
+    "minimax-padded-2": (2, _hf("minimax", 32, padding=11)),  # rank 1's shard part padding (attention_mask)
     "lfm2-4": (4, _hf("lfm2", 32)),
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
     "lfm2-zero3-4": (4, _hf("lfm2", 30, 1e-6, zero=3)),
@@ -70,6 +76,12 @@ CASES = {
     "nemotron-h-4": (4, _hf("nemotron-h", 32, _SSD_EPS)),
     "jamba-4": (4, _hf("jamba", 32)),
     "kimi-linear-4": (4, _hf("kimi-linear", 32)),
+    "minimax-4": (4, _hf("minimax", 32)),
+    "minimax-zero3-4": (4, _hf("minimax", 30, zero=3)),  # rank 3's shard padded
+    "minimax-padded-4": (4, _hf("minimax", 32, padding=11)),  # rank 2's shard part padding, rank 3's padding only
+    # packed documents (position_ids restarting): HF's lightning layer has no reset, its state runs across documents
+    "minimax-packed-4": (4, exact_case(builder="tests.compiler.hf_models.build_hf", family="minimax", seq_len=32,
+                                       documents=3)),
 }
 
 
@@ -111,11 +123,19 @@ def test_kimi_delta_attention_is_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
 
 
-def test_lightning_attention_is_refused_in_one_line(runs):
-    # written inline in the layer's forward (no module-level kernel to trace as an op): a Python loop over the blocks
-    # of the whole sequence, unrolled by Dynamo, with per-block slices of the layer's decay buffers; refused where its
-    # block products mix two shards
-    runs.assert_refused("minimax-2", "model.layers.0.self_attn", "sharded sequence")
+@pytest.mark.parametrize("case", ["minimax-2", "minimax-zero3-2", "minimax-padded-2"])
+def test_lightning_attention_is_exact_on_two_ranks(runs, case):
+    # HF writes its block loop inline in the layer's forward: traced as the `lightning_attention` op (one node at any
+    # length), each rank's loop corrected by the state passed along the ranks
+    runs.assert_exact(case)
+
+
+@pytest.mark.long
+def test_lightning_attention_is_exact_through_inductor():
+    # the ops' outputs and gradients laid out as their fakes say (Inductor asserts the strides); 7 minutes on a loaded
+    # 2-core machine: in the long profile, in a launch of its own (a case in CASES runs with every two-rank test)
+    case = {"minimax-inductor-2": (2, _hf("minimax", 64, backend="inductor"))}
+    ExactnessRuns(case).assert_exact("minimax-inductor-2")
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +153,8 @@ def test_a_hybrid_is_exact_on_four_ranks(four_ranks, case):
 
 @pytest.mark.long
 @pytest.mark.parametrize("case", ["lfm2-4", "lfm2-zero3-4", "lfm2-moe-4", "mamba2-4", "mamba2-zero3-4", "falcon-h1-4",
-                                  "granitemoehybrid-4", "nemotron-h-4", "jamba-4"])
+                                  "granitemoehybrid-4", "nemotron-h-4", "jamba-4", "minimax-4", "minimax-zero3-4",
+                                  "minimax-padded-4", "minimax-packed-4"])
 def test_hybrids_are_exact_on_four_ranks(runs, case):
     runs.assert_exact(case)
 

@@ -2,7 +2,8 @@
 backward run on real tensors under the harness's CPU meter; its peak inside the op minus the op's outputs is the
 kernel's scratch. The gated delta rule at Qwen3.5 tiny's shapes (4 value heads of 16, chunks of 64; Qwen3.5's kernel
 and Kimi delta attention's), the SSD scan at the tests' Mamba2 shapes (8 heads of 16, 2 groups, state 16; Bamba's
-kernel) at chunks of 8, 64 and 256.
+kernel) at chunks of 8, 64 and 256, lightning attention (HF's block loop as the op) at MiniMax tiny's shapes (4 heads of
+16) in blocks of 8, 64 and 256.
 `python -m tests.experiments.recurrence_scratch_check <tokens per rank>...` (docs/measurements/2026-12-05-hybrids-2.md).
 """
 import itertools
@@ -14,6 +15,7 @@ import transformers.models.kimi_linear.modeling_kimi_linear  # noqa: F401
 import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
 
 import autosp.compiler.sp.recurrence.delta_rule_op  # noqa: F401 - the ops
+import autosp.compiler.sp.recurrence.lightning_op  # noqa: F401
 import autosp.compiler.sp.recurrence.ssd_op  # noqa: F401
 from autosp.comm.transients import declared_transient_bytes
 from autosp.harness.measure import CpuAllocationMeter
@@ -55,3 +57,9 @@ if __name__ == "__main__":
         inputs = (x, dt, A, B, C, D, dt_bias, chunk, True, 0.0, float("inf"), SSD_KERNEL)
         _report(f"ssd_scan, {tokens} tokens, chunks of {chunk}, forward", ops.ssd_scan, inputs)
         _report(f"ssd_scan, {tokens} tokens, chunks of {chunk}, backward", ops.ssd_scan_backward, (grad, None, *inputs))
+    for block, tokens in itertools.product((8, 64, 256), map(int, sys.argv[1:])):
+        q, k, v, grad = (torch.randn(1, 4, tokens, 16) for _ in range(4))
+        inputs = (q, k, v, torch.rand(4, 1, 1) / 4, block)
+        _report(f"lightning_attention, {tokens} tokens, blocks of {block}, forward", ops.lightning_attention, inputs)
+        _report(f"lightning_attention, {tokens} tokens, blocks of {block}, backward", ops.lightning_attention_backward,
+                (grad, None, *inputs))

@@ -44,11 +44,13 @@ AUTOSP_ATTENTION_OPS = frozenset({"masked_attention", "ring_attention"})
 #: other opaque kernels, pinned like the collectives: the tiled loss makes its gradients in forward, so re-running it
 #: in backward would redo the whole tiled computation; masked attention's backward is a backward op; flex's block sums
 #: (`flex_masks`) evaluate the mask S/128 times for a [B, H, S/128, S/128] result: kept, never re-run; the gated delta
-#: rule's and Mamba's scans (`sp/recurrence`) are whole chunked recurrences, their backward re-running them once
+#: rule's and Mamba's scans and lightning attention (`sp/recurrence`) are whole chunked recurrences, their backward
+#: re-running them once
 AUTOSP_OPAQUE_OPS = frozenset({"linear_cross_entropy", "masked_attention_backward", "flex_block_sums",
                                "gated_delta_rule", "gated_delta_rule_from", "gated_delta_rule_backward",
                                "ssd_scan", "ssd_scan_with_state", "ssd_scan_backward", "selective_scan",
-                               "selective_scan_with_state", "selective_scan_backward"})
+                               "selective_scan_with_state", "selective_scan_backward", "lightning_attention",
+                               "lightning_attention_with_state", "lightning_attention_backward"})
 #: token-wise kernels, recomputed like the aten ops they replace (`autosp.compiler.tiling.norm`)
 AUTOSP_TOKENWISE_OPS = frozenset({"rms_norm", "rms_norm_backward"})
 #: the activation offload's copies (`autosp.compiler.memory`'s offload): inserted after partitioning, so no policy sees

@@ -15,7 +15,7 @@ import torch.fx as fx
 from autosp.compiler.fx import attention_args, is_attention
 from autosp.compiler.sp import indices
 from autosp.compiler.sp.attention import compressed, eager_attention, flex
-from autosp.compiler.sp.recurrence import delta_rule, selective_scan, ssd
+from autosp.compiler.sp.recurrence import delta_rule, lightning, selective_scan, ssd
 from autosp.compiler.sp.spec import node_label
 from autosp.errors import SequenceParallelError
 
@@ -63,10 +63,11 @@ def analyze(gm: fx.GraphModule) -> SequenceAnalysis:
         sites.append(AttentionSite(region.output, node_label(region.output), math.prod(q.shape[:-3]), q.shape[-3],
                                    q.shape[-3], q.shape[-2], q.shape[-1]))
     # a recurrence's scan (Mamba2 has no attention at all) mixes along the sequence as attention does: [B, S, ...]
-    # (Mamba1's [B, D, S])
+    # (Mamba1's [B, D, S], lightning attention's [B, H, S, D])
     scans = {n.args[0].meta["example_value"].shape[1] for n in gm.graph.nodes
              if delta_rule.is_gated_delta_rule(n) or ssd.is_ssd_scan(n)}
-    scans |= {n.args[0].meta["example_value"].shape[2] for n in gm.graph.nodes if selective_scan.is_selective_scan(n)}
+    scans |= {n.args[0].meta["example_value"].shape[2] for n in gm.graph.nodes
+              if selective_scan.is_selective_scan(n) or lightning.is_lightning_attention(n)}
     scans |= {attention.queries for attention in compressed.find(gm, trainable)}  # keys joined with pooled entries
     if not sites and not scans:
         raise SequenceParallelError(

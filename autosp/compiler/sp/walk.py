@@ -5,10 +5,10 @@ by the sharded sequence) or *local* (this rank's shard, described by a ShardSpec
 trainable frontier (`indices`) or when it consumes a local value; the steps then decide what it becomes:
 attention gets all-to-alls (`communicate`, `flex`; DeepSeek sparse attention instead gathers its keys' latents
 whole, `sparse`; DeepSeek-V4's compressed attention its keys' and pooled entries' projections, `compressed`),
-causal convolutions a halo, the gated delta rule and Mamba's scans their incoming state from the ranks before
-(`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices of the sequence
-keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs unchanged on the
-shard, its output spec read off the fake-tensor shapes before and after.
+causal convolutions a halo, the gated delta rule, Mamba's scans and lightning attention their incoming state from
+the ranks before (`recurrence`; other recurrences are refused), sequence reductions become global (`loss`), slices
+of the sequence keep this rank's part (`shard`), reshapes get local sizes (`resize`), and every other op runs
+unchanged on the shard, its output spec read off the fake-tensor shapes before and after.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from autosp.compiler.sp.attention import (
     sparse,
 )
 from autosp.compiler.sp.attribution import attributed
-from autosp.compiler.sp.recurrence import conv, delta_rule, selective_scan, ssd, unsharded
+from autosp.compiler.sp.recurrence import conv, delta_rule, lightning, selective_scan, ssd, unsharded
 from autosp.compiler.sp.spec import ShardSpec, SPContext, node_label
 from autosp.errors import SequenceParallelError
 
@@ -50,6 +50,7 @@ def sequence_parallel_pass(
     ulysses_size: all-to-alls inside groups of this many ranks, ring attention across them (default: chosen from
     the heads, see `hybrid`); hybrid_groups(u) names this rank's (Ulysses, ring) process groups.
     attention_chunks: each SDPA and flex attention runs in this many chunks of its heads (`communicate.HeadChunks`)."""
+    lightning.drop_unread_states(gm)  # lightning attention's final state, where nothing reads it
     analysis = analyze(gm)
     masks.recognise_causal_masks(gm, analysis.seq_len)  # a provably causal [S, S] mask becomes is_causal=True
     flex_masks.build_block_masks_by_rows(gm)  # flex's block mask without HF's dense [S, S] mask
@@ -140,6 +141,9 @@ def _rewrite(ctx: SPContext, node: fx.Node) -> None:
         return
     if selective_scan.is_selective_scan(node):
         selective_scan.rewrite(ctx, node)
+        return
+    if lightning.is_lightning_attention(node):
+        lightning.rewrite(ctx, node)
         return
     if conv.is_sequence_convolution(ctx, node):
         conv.rewrite(ctx, node)
