@@ -6,13 +6,12 @@ plans ordered by recompute cost and takes the first whose estimated peak fits: k
 token-wise ops of the first k layers; also their attention; also their all-to-alls (the whole layer, as per-layer
 checkpointing does). On a rung that does not fit as it is, saved values move to host memory first (``offload=auto``,
 within the host budget; reloaded a layer ahead, or late where that is what still does not fit): host memory is
-spent before recompute — unless the device's rates are known
-(`time_rank`), where a plan that moves saved values is priced against the ladder's plan without host memory and the
-one with the fewer predicted seconds is taken. The smallest fitting k is found by bisection. The
-peak is estimated from the graph alone, by a liveness replay of the partitioned graphs (`live_at_peak`) with the
-scratch bytes opaque ops declare; the cost is the recomputed FLOPs (`recompute_flops`) and the bytes moved.
-The ladder, the cost model and how the replay was checked against measured peaks:
-docs/measurements/2026-12-02-planner.md ("How the planner decides").
+spent before recompute — unless the device's rates are known (`time_rank`), where a plan that moves saved values is
+priced against the ladder's plan without host memory and the one with the fewer predicted seconds is taken. The
+smallest fitting k is found by bisection. The peak is estimated from the graph alone, by a liveness replay of the
+partitioned graphs (`live_at_peak`) with the scratch bytes opaque ops declare; the cost is the recomputed FLOPs
+(`recompute_flops`) and the bytes moved. The ladder, the cost model and how the replay was checked against
+measured peaks: docs/measurements/2026-12-02-planner.md ("How the planner decides").
 """
 from __future__ import annotations
 
@@ -170,10 +169,9 @@ def plan_partition(
     anything where the first rung does not fit as it is (tiling comes before the other levers). `smaller_tiles_below`
     (a tiled graph whose tiles can still be halved): raise `TileSmaller` where no rung fits the device budget and
     the ladder's plan peaks below it (the lever of the last resort: the recomputed layers' token-wise working set,
-    when even the last rung does not fit). `last_rung_first` (the retry after a `TileSmaller`, where the larger tiles
-    fit on no rung): the last rung is partitioned first, and where it does not fit either, `TileSmaller` is raised
-    at once, one partition instead of the ladder's (which assumes no rung peaks below the last, as its bisection
-    does)."""
+    when even the last rung does not fit). `last_rung_first` (a retry after `TileSmaller`): the last rung is
+    partitioned first and, where it does not fit either, `TileSmaller` raised at once (one partition, not the
+    ladder's: its bisection already assumes no rung peaks below the last)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -189,8 +187,7 @@ def plan_partition(
 
     def variant(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, scope: str | None,
                 reload: str = "ahead") -> _Trial:
-        """The partitioned rung with the saved values of `scope` in host memory (None: all on the device), reloaded
-        at `reload` (`offload.RELOAD_TIMES`)."""
+        """The rung with `scope`'s saved values in host memory (None: none), reloaded at `reload` (RELOAD_TIMES)."""
         if (rung, scope, reload) in made:
             trials.append(made[rung, scope, reload])
             return trials[-1]
@@ -203,8 +200,7 @@ def plan_partition(
         return trials[-1]
 
     def reloaded_late(rung: tuple[int, int, int], fw: fx.GraphModule, bw: fx.GraphModule, t: _Trial) -> _Trial:
-        """`t`, or where it moves saved values and still does not fit, the same with them reloaded late if that
-        lowers its peak (the value held a layer ahead is what does not fit)."""
+        """`t`, or where it moves saved values and does not fit, the same reloaded late if that peaks lower."""
         if fits(t) or t.scope is None:
             return t
         late = variant(rung, fw, bw, t.scope, "late")
