@@ -78,6 +78,21 @@ def test_an_all_to_all_sends_its_share_over_the_peer_link_and_its_reader_waits_f
     assert time.exposed_collective_s == pytest.approx(12_000 / 1e8)
 
 
+def test_deepspeeds_ulysses_all_to_all_is_a_collective_over_its_group():
+    """alst's attention all-to-all (DeepSpeed's custom op, its group by name): priced as the all-to-all it runs, not
+    as the bytes of a memory-bound op."""
+    pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import _dim_zero_all_to_all_op
+
+    from autosp.experiments.simulate.world import fake_world
+
+    with fake_world(4):
+        group = dist.group.WORLD.group_name
+        time = clocked(lambda: _dim_zero_all_to_all_op(torch.randn(4, 1000), group))  # 3/4 of 16,000 bytes
+    assert time.by_class["collective"] == pytest.approx(12_000 / 1e8)
+
+
 def test_on_a_cpu_the_same_ops_run_in_line():
     def program():
         OFFLOAD_OP(torch.randn(250))

@@ -7,8 +7,9 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - attention (an SDPA/flash/efficient kernel, forward or backward; autosp_sp::ring_attention): 4·B·H·Sq·Sk·D FLOPs
   forward (QK^T and PV), half the key pairs under a causal mask, 2.5x that for a backward kernel (FlashAttention-2's
   five matmuls to the forward's two), at the attention rate; the ring's K/V passes run beside it;
-- a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d): its ring volume over the group at the
-  link the group spans (`DeviceRates.collective_seconds`), on the communication stream;
+- a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d, DeepSpeed's Ulysses all-to-all
+  deepspeed::dim_zero_all_to_all): its ring volume over the group at the link the group spans
+  (`DeviceRates.collective_seconds`), on the communication stream;
 - an exchange with the neighbouring rank (autosp_sp::from_previous_rank / to_previous_rank: a causal convolution's
   halo, a recurrence's state passed along the ranks): an all-gather of every rank's tensor, as it is implemented;
 - an opaque kernel that declares its cost (`autosp.comm.costs`: a recurrence's chunked scan): the FLOPs at the matmul
@@ -196,7 +197,7 @@ def _mutated(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
 
 
 def _collective_kind(name: str) -> str | None:
-    if not name.startswith(("c10d::", "_c10d_functional::", "autosp_sp::")):
+    if not name.startswith(("c10d::", "_c10d_functional::", "autosp_sp::", "deepspeed::")):
         return None
     op = name.split("::")[1]
     return next((kind for mark, kind in COLLECTIVE_KINDS if mark in op), None)
