@@ -17,6 +17,8 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - a host copy: an op between device and host storages (the tracker's host set: autosp_sp::offload, the reloads,
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
+- a parameter DeepSpeed ZeRO-3 all-gathers (`fetched`, told by the simulator's DeepSpeed adapter): its gather is a
+  collective as above, and its hooks' host work (fetch, wait, release) costs the rates' ZeRO-3 fetch seconds;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
   free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor)
   costs nothing but makes the compute stream wait for its value.
@@ -66,13 +68,14 @@ class OpTrace:
         """The step on `rates`' device (`Timeline`)."""
         timeline = Timeline(rates.streams)
         price = {"matmul": rates.matmul_seconds, "attention": rates.attention_seconds, "memory": rates.memory_seconds,
-                 "copy": rates.copy_seconds, "host": rates.host_seconds}
+                 "copy": rates.copy_seconds, "host": rates.host_seconds, "fetch": rates.fetch_seconds}
         for op_class, quantity, kind, group, reads, writes in self.events:
             if op_class == "collective":
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
             else:
                 seconds = price[op_class](quantity)
-            timeline.run(op_class, seconds + rates.op_overhead_s, reads, writes,
+            overhead = 0.0 if op_class == "fetch" else rates.op_overhead_s  # a fetch is no op: its gather is
+            timeline.run(op_class, seconds + overhead, reads, writes,
                          quantity if op_class in ("matmul", "attention") else 0.0)
         return timeline.finish()
 
@@ -142,6 +145,10 @@ class StepClock:
             fresh = [t for t in outs if serial(t) not in reads]
             nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, fresh))
             trace.add("host" if out_host else "memory", nbytes, reads, writes)
+
+    def fetched(self, parameters: int) -> None:
+        """DeepSpeed ZeRO-3 all-gathers `parameters` parameters (their gathers are recorded as ops)."""
+        self.trace.add("fetch", parameters)
 
     def _ring_attention(self, func: Any, args: tuple, kwargs: dict, reads: set, writes: set) -> None:
         """Attention over the whole ring's keys, the K/V blocks passed around it beside the compute: each rank
