@@ -176,7 +176,7 @@ class AlstStep(DeepSpeedZeroStep):
             micro_batch_size=cfg.batch_size, seq_length=cfg.seq_len, seq_length_is_variable=True)
         if ctx.sp_size > 1:  # ArcticTraining: no [B,1,S,S] mask for sdpa under SP (causal SDPA, gathered sequence)
             transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", lambda *args, **kwargs: None)
-        # what backward re-runs (every layer's forward, and TiledMLP's shards once more), counted per step
+        # what backward re-runs (every layer's forward, and TiledMLP's shards once more), counted per length
         self.recompute = RecomputeCounter()
         for module in model.modules():
             if type(module).__name__.endswith("MLP") and hasattr(module, "gate_proj"):
@@ -195,7 +195,7 @@ class AlstStep(DeepSpeedZeroStep):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         ctx = self.ctx
-        self.recompute.reset()
+        self.recompute.start(tuple(batch.input_ids.shape))
         rows = batch.input_ids.shape[0] // ctx.dp_size
         mine = batch.rows(ctx.dp_rank * rows, (ctx.dp_rank + 1) * rows).to(ctx.device)
         inputs = shard_like_the_adapter(mine, ctx.sp_rank, ctx.sp_size)

@@ -44,19 +44,28 @@ class _FlopCount(TorchDispatchMode):
 class RecomputeCounter:
     """Counts the FLOPs of wrapped forward functions when they run inside autograd's backward (a checkpointed
     layer's re-run, TiledMLP's per-shard re-run); a call in forward, or nested in a counted call, adds nothing.
-    `flops` is the sum since the last `reset()` (one step's, read after it)."""
+    `flops` is the sum since the last `start(shape)` (one step's, read after it). A step at a shape already counted
+    keeps that count and runs without the counting mode: the same program re-runs the same ops, and a timed step
+    is then the method's own (the mode's Python on every op is the harness's)."""
 
     def __init__(self) -> None:
         self.flops = 0
         self._counting = False
+        self._known: dict[object, int] = {}  # shape -> the count of a finished step at it
+        self._shape: object = None
+        self._frozen = True  # before the first `start`, nothing is counted
 
-    def reset(self) -> None:
-        self.flops = 0
+    def start(self, shape: object) -> None:
+        """A step at `shape` begins: counted if no step at its shape was, else given that step's count."""
+        if not self._frozen:  # the step before was counted, and has finished
+            self._known[self._shape] = self.flops
+        self._shape, self._frozen = shape, shape in self._known
+        self.flops = self._known.get(shape, 0)
 
     def wrap(self, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._counting or torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
+            if self._frozen or self._counting or torch._C._current_graph_task_id() == -1:  # -1: not in backward
                 return fn(*args, **kwargs)
             self._counting, count = True, _FlopCount()
             try:

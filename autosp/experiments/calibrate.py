@@ -7,8 +7,13 @@ matmul FLOP/s ([2048, 128] x [128, 512]: a CPU preset's projection at a few thou
 FLOP/s (causal SDPA forward + backward, [1, 4, 2048, 32]: forward 4·H·D·S(S+1)/2, backward 2.5x that, as the
 simulator counts it), memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of
 32 MiB: the offload's copy on a CPU), per-op overhead (an add of one-element tensors), gloo's collective latency
-(an all-reduce of one element) and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank). The slowest
-rank's figure is written: a step ends when its slowest rank does."""
+(an all-reduce of one element) and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank), and, where
+DeepSpeed is installed, what a ZeRO-3 parameter fetch costs the host: a forward through a ZeRO-3 engine of
+`FETCH_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights; every weight partitioned, so
+each layer's call all-gathers it in its hook and releases it after), per layer, less the same layers unsharded and
+less an all-gather of one weight's shard on its own: the hooks' host work, which the time model has no op for (it
+prices the gather as a collective). The slowest rank's figure is written: a step ends when its slowest rank
+does."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +29,9 @@ import torch.distributed as dist
 from autosp.harness.config import ConfigError
 
 MIB = 1 << 20
+#: layers of the ZeRO-3 fetch measurement, and their weights' shape
+FETCH_LAYERS = 16
+FETCH_SHAPE = (448, 128)
 
 
 def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -61,7 +69,36 @@ def measure_rank(repeats: int) -> dict[str, float]:
     gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
     peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
     return {"matmul": matmul, "attention": attention_flops / _seconds(attention, repeats), "memory": memory,
-            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer}
+            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer, "fetch": _zero3_fetch(repeats)}
+
+
+def _zero3_fetch(repeats: int) -> float | None:
+    """Seconds a ZeRO-3 engine's forward takes per layer beyond the same layers' unsharded forward and the weight's
+    all-gather, or None without DeepSpeed."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    from baselines.deepspeed_env import import_deepspeed
+
+    deepspeed = import_deepspeed("zero3")
+
+    def layers() -> torch.nn.Sequential:
+        out, into = FETCH_SHAPE
+        return torch.nn.Sequential(*(torch.nn.Linear(into, out, bias=False) if i % 2 == 0 else
+                                     torch.nn.Linear(out, into, bias=False) for i in range(FETCH_LAYERS)))
+
+    plain, sharded = layers(), layers()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2**31 - 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": False}}
+    engine, *_ = deepspeed.initialize(model=sharded, optimizer=torch.optim.SGD(sharded.parameters(), lr=0.0),
+                                      config=config)
+    x = torch.randn(64, FETCH_SHAPE[1])
+    weight = torch.empty(FETCH_SHAPE[0] * FETCH_SHAPE[1])
+    shard = torch.randn(weight.numel() // dist.get_world_size())
+    gather = _seconds(lambda: dist.all_gather_into_tensor(weight, shard), repeats, FETCH_LAYERS)
+    return (_seconds(lambda: engine(x), repeats) - _seconds(lambda: plain(x), repeats)) / FETCH_LAYERS - gather
 
 
 def calibrate(world_size: int, repeats: int) -> dict[str, str]:
@@ -75,6 +112,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         raise ConfigError(f"calibration ranks failed ({result.status}): {result.error}")
     worst = {k: min(r[k] for r in result.results) for k in ("matmul", "attention", "memory", "copy", "peer")}
     worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
+    fetches = [r["fetch"] for r in result.results if r["fetch"] is not None]
+    fetch = f"{max(0.0, *fetches) * 1e6:.4g}" if fetches else "0"
     g = 1e9
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return {
@@ -83,7 +122,7 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
         "collective_latency_us": f"{worst['latency'] * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
-        "streams": "0",
+        "zero3_fetch_us": fetch, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "
                    "float32, the slowest rank's medians; MFU on cpu is against the measured matmul rate"),

@@ -12,6 +12,9 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
 - collective latency: seconds per collective call (measured on the cpu row; 0 on the GPU rows: not modelled);
 - op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
   cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
+- ZeRO-3 fetch: host seconds each parameter DeepSpeed's ZeRO-3 all-gathers costs beyond its collective's price (its
+  hooks fetch, wait for and release it: Python on the rank's thread; measured on the cpu row; 0 on the GPU rows:
+  not measured on a GPU host);
 - streams: whether copies and collectives run beside compute (GPU streams) or in line (one CPU thread).
 """
 from __future__ import annotations
@@ -27,8 +30,8 @@ from autosp.errors import AutoSPError
 
 RATES_FILE = "device_rates.csv"
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "hbm_gb_s", "hbm_fraction", "peer_gb_s",
-           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us", "streams",
-           "source")
+           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us",
+           "zero3_fetch_us", "streams", "source")
 
 
 class RatesError(AutoSPError):
@@ -51,6 +54,7 @@ class DeviceRates:
     collective_latency_s: float
     streams: bool
     op_overhead_s: float = 0.0
+    zero3_fetch_s: float = 0.0
     source: str = ""
 
     def matmul_seconds(self, flops: float) -> float:
@@ -69,6 +73,10 @@ class DeviceRates:
     def host_seconds(self, nbytes: float) -> float:
         """Host-side work moving `nbytes` through host memory (the host optimizer step)."""
         return nbytes / self.host_memory_bytes_s
+
+    def fetch_seconds(self, parameters: float) -> float:
+        """The host work of DeepSpeed ZeRO-3 fetching `parameters` parameters (their gathers priced apart)."""
+        return parameters * self.zero3_fetch_s
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, gpus_per_node: int) -> float:
         """A ring collective of `kind` over `group_size` ranks on a tensor of `nbytes` (`collective_bytes`): the
@@ -125,7 +133,8 @@ def device_rates(name: str) -> DeviceRates:
         memory_bytes_s=num("hbm_gb_s") * g * num("hbm_fraction"), peer_bytes_s=num("peer_gb_s") * g,
         node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
         host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
-        op_overhead_s=num("op_overhead_us") * 1e-6, streams=bool(int(row["streams"])), source=row["source"])
+        op_overhead_s=num("op_overhead_us") * 1e-6, zero3_fetch_s=num("zero3_fetch_us") * 1e-6,
+        streams=bool(int(row["streams"])), source=row["source"])
 
 
 def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:

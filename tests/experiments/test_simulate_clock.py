@@ -78,6 +78,50 @@ def test_an_all_to_all_sends_its_share_over_the_peer_link_and_its_reader_waits_f
     assert time.exposed_collective_s == pytest.approx(12_000 / 1e8)
 
 
+def test_deepspeeds_ulysses_all_to_all_is_a_collective_over_its_group():
+    """alst's attention all-to-all (DeepSpeed's custom op, its group by name): priced as the all-to-all it runs, not
+    as the bytes of a memory-bound op."""
+    pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+    from deepspeed.sequence.layer import _dim_zero_all_to_all_op
+
+    from autosp.experiments.simulate.world import fake_world
+
+    with fake_world(4):
+        group = dist.group.WORLD.group_name
+        time = clocked(lambda: _dim_zero_all_to_all_op(torch.randn(4, 1000), group))  # 3/4 of 16,000 bytes
+    assert time.by_class["collective"] == pytest.approx(12_000 / 1e8)
+
+
+def test_a_zero3_fetch_costs_its_host_seconds_and_no_op_overhead():
+    from dataclasses import replace
+
+    rates = replace(RATES, zero3_fetch_s=1e-3, op_overhead_s=1e-6)
+    clock = StepClock()
+    clock.fetched(3)  # three parameters gathered by DeepSpeed's hooks
+    assert clock.trace.time(rates, gpus_per_node=8).by_class["fetch"] == pytest.approx(3e-3)
+
+
+def test_alsts_simulated_step_tells_the_clock_each_parameter_zero3_gathers(monkeypatch):
+    """alst's program (ZeRO-3 over every weight of hf:tiny, TiledMLP's shards re-gathering theirs): each parameter
+    DeepSpeed's coordinator all-gathers is a fetch in the step's trace, beside the gather op the clock prices."""
+    from dataclasses import replace
+
+    from autosp.experiments.simulate import clock
+
+    traces = []
+    time = clock.OpTrace.time
+    monkeypatch.setattr(clock.OpTrace, "time", lambda self, *args: traces.append(self) or time(self, *args))
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=512, dtype="bfloat16")
+    assert sim.simulate(cfg, get_device_model("h100-80gb"))["status"] == "ok"
+    [trace] = traces
+    fetches = sum(quantity for op_class, quantity, *_ in trace.events if op_class == "fetch")
+    gathers = sum(1 for op_class, _, kind, *_ in trace.events if kind == "all_gather")
+    assert 0 < fetches <= gathers
+    assert trace.time(replace(RATES, zero3_fetch_s=1e-3), 8).by_class["fetch"] == pytest.approx(fetches * 1e-3)
+
+
 def test_on_a_cpu_the_same_ops_run_in_line():
     def program():
         OFFLOAD_OP(torch.randn(250))

@@ -234,6 +234,31 @@ def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iter
 
 
 @contextlib.contextmanager
+def deepspeed_fetches_clocked(tracker: Any) -> Iterator[None]:
+    """Each parameter DeepSpeed ZeRO-3's coordinator all-gathers, told to the measured step's clock
+    (`StepClock.fetched`): the clock prices its gather as an op, and its hooks' host work by the rates' ZeRO-3 fetch
+    seconds. Only while a DeepSpeed engine was set up (its coordinator is imported), else nothing is touched."""
+    import sys
+    from unittest import mock
+
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is None:
+        yield
+        return
+    name = "_PartitionedParameterCoordinator__all_gather_params_"  # the one place its gathers start
+    original = getattr(coordinator.PartitionedParameterCoordinator, name)
+    partitioned = coordinator.ZeroParamStatus.NOT_AVAILABLE
+
+    def gather(self: Any, params: Any, forward: bool, quantize: bool = False) -> None:
+        if tracker.clock is not None and (count := sum(p.ds_status == partitioned for p in params)):
+            tracker.clock.fetched(count)
+        return original(self, params, forward, quantize=quantize)
+
+    with mock.patch.object(coordinator.PartitionedParameterCoordinator, name, gather):
+        yield
+
+
+@contextlib.contextmanager
 def deepspeed_optimizer_offload(tracker: Any, device: DeviceModel) -> Iterator[None]:
     """DeepSpeed ZeRO-3's `offload_optimizer: cpu` (alst's GPU recipe) with its host memory booked as host.
 

@@ -7,8 +7,9 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - attention (an SDPA/flash/efficient kernel, forward or backward; autosp_sp::ring_attention): 4·B·H·Sq·Sk·D FLOPs
   forward (QK^T and PV), half the key pairs under a causal mask, 2.5x that for a backward kernel (FlashAttention-2's
   five matmuls to the forward's two), at the attention rate; the ring's K/V passes run beside it;
-- a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d): its ring volume over the group at the
-  link the group spans (`DeviceRates.collective_seconds`), on the communication stream;
+- a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d, DeepSpeed's Ulysses all-to-all
+  deepspeed::dim_zero_all_to_all): its ring volume over the group at the link the group spans
+  (`DeviceRates.collective_seconds`), on the communication stream;
 - an exchange with the neighbouring rank (autosp_sp::from_previous_rank / to_previous_rank: a causal convolution's
   halo, a recurrence's state passed along the ranks): an all-gather of every rank's tensor, as it is implemented;
 - an opaque kernel that declares its cost (`autosp.comm.costs`: a recurrence's chunked scan): the FLOPs at the matmul
@@ -16,6 +17,8 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - a host copy: an op between device and host storages (the tracker's host set: autosp_sp::offload, the reloads,
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
+- a parameter DeepSpeed ZeRO-3 all-gathers (`fetched`, told by the simulator's DeepSpeed adapter): its gather is a
+  collective as above, and its hooks' host work (fetch, wait, release) costs the rates' ZeRO-3 fetch seconds;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
   free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor)
   costs nothing but makes the compute stream wait for its value.
@@ -65,13 +68,14 @@ class OpTrace:
         """The step on `rates`' device (`Timeline`)."""
         timeline = Timeline(rates.streams)
         price = {"matmul": rates.matmul_seconds, "attention": rates.attention_seconds, "memory": rates.memory_seconds,
-                 "copy": rates.copy_seconds, "host": rates.host_seconds}
+                 "copy": rates.copy_seconds, "host": rates.host_seconds, "fetch": rates.fetch_seconds}
         for op_class, quantity, kind, group, reads, writes in self.events:
             if op_class == "collective":
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
             else:
                 seconds = price[op_class](quantity)
-            timeline.run(op_class, seconds + rates.op_overhead_s, reads, writes,
+            overhead = 0.0 if op_class == "fetch" else rates.op_overhead_s  # a fetch is no op: its gather is
+            timeline.run(op_class, seconds + overhead, reads, writes,
                          quantity if op_class in ("matmul", "attention") else 0.0)
         return timeline.finish()
 
@@ -142,6 +146,10 @@ class StepClock:
             nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, fresh))
             trace.add("host" if out_host else "memory", nbytes, reads, writes)
 
+    def fetched(self, parameters: int) -> None:
+        """DeepSpeed ZeRO-3 all-gathers `parameters` parameters (their gathers are recorded as ops)."""
+        self.trace.add("fetch", parameters)
+
     def _ring_attention(self, func: Any, args: tuple, kwargs: dict, reads: set, writes: set) -> None:
         """Attention over the whole ring's keys, the K/V blocks passed around it beside the compute: each rank
         receives the other ranks' K/V (a broadcast's volume of (group - 1) blocks)."""
@@ -196,7 +204,7 @@ def _mutated(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
 
 
 def _collective_kind(name: str) -> str | None:
-    if not name.startswith(("c10d::", "_c10d_functional::", "autosp_sp::")):
+    if not name.startswith(("c10d::", "_c10d_functional::", "autosp_sp::", "deepspeed::")):
         return None
     op = name.split("::")[1]
     return next((kind for mark, kind in COLLECTIVE_KINDS if mark in op), None)
