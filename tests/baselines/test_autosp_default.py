@@ -115,12 +115,12 @@ def test_on_a_roomy_budget_the_default_tiles_and_moves_nothing():
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_the_planners_halved_tiles_match_single_process(world_size):
-    """tiny, 4,096 tokens (1,024 or 2,048 a rank), a budget nothing fits: the planner halves the MLPs' tiles of 512
-    tokens once, to the floor (256), and loss, every gradient and the parameters after AdamW are single-process
-    training's (the lever's exactness; tests/compiler/test_tiling_plan.py: where it is chosen)."""
+    """tiny, 1,024 tokens a rank, a budget nothing fits: the planner halves the MLPs' tiles of 512 tokens once, to
+    the floor (256), and loss, every gradient and the parameters after AdamW are single-process training's (the
+    lever's exactness; tests/compiler/test_tiling_plan.py: where it is chosen)."""
     from autosp.harness.check import check
 
-    cfg = RunConfig(method="autosp", model="tiny", seq_len=4096, world_size=world_size, memory_budget=1,
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=1024 * world_size, world_size=world_size, memory_budget=1,
                     tiling="plan:512", compile_backend="aot_eager", timeout_s=600)
     report = check(cfg)
     assert report.passed, report.format()

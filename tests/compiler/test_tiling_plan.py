@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -69,13 +70,19 @@ def _long_step(**options) -> tuple[Compilation, torch.nn.Module]:
     return compilation, model
 
 
-def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly(monkeypatch):
+@pytest.fixture(scope="module")
+def unhalved() -> dict:
+    """The plan of tiny at 2,048 tokens and 1 MiB with the MLPs in tiles of 1,024 and no lever (`auto:1024`)."""
+    fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
+    (plan,) = [r.plan for r in fixed.partition_fn.records]
+    return plan
+
+
+def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly(unhalved, monkeypatch):
     """tiny, 2,048 tokens, 1 MiB: no rung fits with the MLPs in tiles of 1,024 (tiling="auto:1024", no lever), so
     the default (`plan:1024`) halves them while that lowers the planner's peak, to the floor (256); the records
     are the last lowering's only, the plan says how many halvings, its peak is below the unhalved one's, and the
     gradients are single-process training's. The retry at 512 partitions only the last rung (it does not fit)."""
-    fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
-    (unhalved,) = [r.plan for r in fixed.partition_fn.records]
     assert not unhalved["fits"] and "mlp_tile_halvings" not in unhalved
     partitions = []
     monkeypatch.setattr(planner, "min_cut_rematerialization_partition",
@@ -94,11 +101,9 @@ def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_i
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are():
+def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are(unhalved):
     """The budget of the tiled graph's last rung: it fits there, so no halving (the lever is the last resort)."""
-    fixed, _ = _long_step(sac="budget=1MiB", tiling="auto:1024")
-    budget = fixed.partition_fn.records[0].plan["estimated_peak_bytes"]
-    fits, _ = _long_step(sac=f"budget={budget}B", tiling="plan:1024")
+    fits, _ = _long_step(sac=f"budget={unhalved['estimated_peak_bytes']}B", tiling="plan:1024")
     (plan,) = [r.plan for r in fits.partition_fn.records]
     assert plan["fits"] and "mlp_tile_halvings" not in plan
     assert [b["tile_tokens"] for r in fits.tiling_reports for b in r.mlp] == [1024, 1024]
