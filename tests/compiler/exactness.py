@@ -116,6 +116,31 @@ def _rank_cases(cases: dict[str, dict]) -> dict[str, dict[str, float] | str]:
     return results
 
 
+def precision_error(case: dict) -> dict[str, float]:
+    """Single-process training of `case`'s model as built (e.g. in bf16) against the same weights in fp32, on the
+    case's first batch: the relative error of the loss and the worst of every gradient's, the error the precision
+    itself makes. A sharded run in that precision and the single-process one each sit about that far from the fp32
+    result, so they agree within twice it when the sharding adds no error of its own."""
+    case = dict(case)
+    module, name = case.pop("builder").rsplit(".", 1)
+    model = getattr(importlib.import_module(module), name)(**{k: case[k] for k in case if k not in _RUN_KEYS})
+    wide = copy.deepcopy(model).float()
+    batch = _batch(case["vocab"], case["batch_size"], case["seq_len"], 0, case["ignore_fraction"], case["documents"],
+                   case["padding"])
+    losses = []
+    for m in (model, wide):
+        torch.manual_seed(0)
+        losses.append(_loss(m(**batch)).float())
+        losses[-1].backward()
+    grads = [relative_error(p.grad.float(), w.grad) for p, w in zip(model.parameters(), wide.parameters(), strict=True)
+             if w.grad is not None]
+    return {"loss": relative_error(losses[0].detach(), losses[1].detach()), "grad": max(grads)}
+
+
+_RUN_KEYS = ("vocab", "batch_size", "seq_len", "steps", "ignore_fraction", "documents", "padding", "compile_options",
+             "adamw_eps")
+
+
 def exact_case(*, builder: str = "tests.compiler.models.build_decoder", vocab: int = 64, batch_size: int = 1,
                seq_len: int = 64, steps: int = 2, ignore_fraction: float = 0.2, documents: int = 1,
                padding: int = 0, compile_options: dict | None = None, adamw_eps: float = 1e-8, **options) -> dict:
@@ -148,6 +173,13 @@ class ExactnessRuns:
         assert errors["grad"] <= max(TOLERANCE, gradient_floor), worst
         assert max(v for k, v in errors.items() if k != "grad") <= TOLERANCE, worst
         return worst
+
+    def errors(self, name: str) -> dict[str, float]:
+        """The case's worst relative errors (loss, grad, param) against single-process training, for a test that
+        holds them to a tolerance of its own (a lower precision's)."""
+        worst = self._result(name)
+        assert isinstance(worst, dict), worst
+        return {k: v for k, v in worst.items() if k not in ("choice", "tiling")}
 
     def assert_refused(self, name: str, *phrases: str) -> str:
         """The case raised AutoSP's one-line SequenceParallelError, saying each of `phrases`."""
