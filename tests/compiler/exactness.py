@@ -172,9 +172,7 @@ class ExactnessRuns:
     def assert_exact(self, name: str, gradient_floor: float = TOLERANCE) -> dict[str, Any]:
         """Loss, gradients and parameters within TOLERANCE; gradients within `gradient_floor` where single-process
         training itself, summed in another order, is measured to move a gradient further (its caller says where)."""
-        worst = self._result(name)
-        assert isinstance(worst, dict), worst
-        errors = {k: v for k, v in worst.items() if k not in ("choice", "tiling")}
+        errors, worst = self.errors(name), self._result(name)
         assert errors["grad"] <= max(TOLERANCE, gradient_floor), worst
         assert max(v for k, v in errors.items() if k != "grad") <= TOLERANCE, worst
         return worst
