@@ -154,7 +154,8 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
 }
 
 
-def build_hf(family: str, seed: int = 0) -> nn.Module:
+def build_hf(family: str, seed: int = 0, dtype: str = "float32") -> nn.Module:
+    """The family's tiny model, seeded, its parameters in `dtype` ("bfloat16": as people train it)."""
     import transformers
 
     model_class, config_class, overrides, keywords = FAMILIES[family]
@@ -165,7 +166,7 @@ def build_hf(family: str, seed: int = 0) -> nn.Module:
         if name.endswith("tid2eid"):
             table.copy_(torch.randint(0, config.n_routed_experts, table.shape,
                                       generator=torch.Generator().manual_seed(seed)))
-    return model
+    return model.to(getattr(torch, dtype))
 
 
 def build_hf_flex(family: str, seed: int = 0) -> nn.Module:

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
+from autosp.compiler.sp.recurrence.shards import replace_corrected, shard_spec
 from autosp.compiler.sp.recurrence.states import incoming_state
-from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
-from autosp.errors import SequenceParallelError
+from autosp.compiler.sp.spec import SPContext
 
 
 def is_gated_delta_rule(node: fx.Node) -> bool:
@@ -32,13 +32,9 @@ def is_gated_delta_rule(node: fx.Node) -> bool:
 def rewrite(ctx: SPContext, node: fx.Node) -> None:
     """Replace `node` (the `gated_delta_rule` op on this rank's shard) with the scan, exchange and correction."""
     q, k, v, g, beta, chunk_size, l2norm, module = node.args
-    specs = [ctx.specs.get(x) for x in (q, k, v, g, beta)]
-    spec = specs[2]
-    expected = None if spec is None else canonical_spec(1, spec.global_len, ctx.sp_rank, ctx.sp_size)
-    if any(s != expected for s in specs) or expected is None:
-        raise SequenceParallelError(
-            f"{node_label(node)}: the gated delta rule's inputs are not all sharded along the sequence (dim 1) in "
-            "rank order; AutoSP shards it on [B, S, H, D] inputs; train this model without sequence parallelism")
+    spec = shard_spec(ctx, node, 1, (q, k, v, g, beta), (),
+                      "the gated delta rule's inputs are not all sharded along the sequence (dim 1) in rank order; "
+                      "AutoSP shards it on [B, S, H, D] inputs")
     batch, _, heads, dv = ctx.current[v].shape
     dk = ctx.current[k].shape[-1]
     before = node
@@ -58,8 +54,5 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     incoming = incoming_state(ctx, before, own, lambda state: emit(before, torch.matmul, (transition, state)))
     zero_state_out = emit(before, "narrow", (out, -1, dk, dv), spec=spec)
     readout = emit(before, "float", (emit(before, "narrow", (out, -1, 0, dk)),))  # the state is fp32 (bf16 models)
-    correction = emit(before, torch.einsum, ("blhk,bhkv->blhv", readout, incoming))
-    result = emit(before, torch.add, (zero_state_out, emit(before, "to", (correction, ctx.current[v].dtype))),
-                  spec=spec)
-    node.replace_all_uses_with(result)
-    ctx.graph.erase_node(node)  # the walk is at this node: it never visits it again
+    replace_corrected(ctx, node, zero_state_out, emit(before, torch.einsum, ("blhk,bhkv->blhv", readout, incoming)),
+                      spec)

@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
+from autosp.compiler.sp.recurrence.shards import replace_corrected, shard_spec, zero_state_scan
 from autosp.compiler.sp.recurrence.states import incoming_state
-from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
+from autosp.compiler.sp.spec import SPContext, node_label
 from autosp.errors import SequenceParallelError
 
 _OPS = ("lightning_attention", "lightning_attention_with_state")
@@ -58,16 +59,12 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
             "rank it holds only the shard's: AutoSP shards lightning attention whose state nothing reads; train "
             "without the cache and output_attentions")
     q, k, v, slope_rate, _ = node.args
-    spec = ctx.specs.get(v)
-    expected = None if spec is None else canonical_spec(2, spec.global_len, ctx.sp_rank, ctx.sp_size)
-    if expected is None or any(ctx.specs.get(t) != expected for t in (q, k, v)) or ctx.is_local(slope_rate):
-        raise SequenceParallelError(
-            f"{node_label(node)}: lightning attention's inputs are not sharded along the sequence (dim 2 of q, k, v) "
-            "in rank order with its decay rates per head; train this model without sequence parallelism")
+    spec = shard_spec(ctx, node, 2, (q, k, v), (slope_rate,),
+                      "lightning attention's inputs are not sharded along the sequence (dim 2 of q, k, v) in rank "
+                      "order with its decay rates per head")
     emit = ctx.emit
-    scan = emit(node, op("lightning_attention_with_state").default, node.args)
-    out = emit(node, operator.getitem, (scan, 0), spec=spec)
-    own = emit(node, "float", (emit(node, operator.getitem, (scan, 1)),))
+    out, own = zero_state_scan(ctx, node, "lightning_attention_with_state", spec)
+    own = emit(node, "float", (own,))
     rates = emit(node, torch.neg, (emit(node, "float", (slope_rate,)),))  # -l, [H, 1, 1]
     positions = emit(node, torch.arange, (1, spec.length + 1),
                      {"dtype": torch.float32, "device": ctx.current[v].device})
@@ -75,7 +72,4 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     shard_decay = emit(node, torch.exp, (emit(node, torch.mul, (rates, spec.length)),))  # e^{-l L}, [H, 1, 1]
     incoming = incoming_state(ctx, node, own, lambda state: emit(node, torch.mul, (shard_decay, state)))
     decayed_q = emit(node, torch.mul, (emit(node, "float", (q,)), decay))  # q_t e^{-l (t - t0 + 1)}
-    correction = emit(node, torch.matmul, (decayed_q, incoming))
-    result = emit(node, torch.add, (out, emit(node, "to", (correction, ctx.current[out].dtype))), spec=spec)
-    node.replace_all_uses_with(result)
-    ctx.graph.erase_node(node)  # the walk is at this node: it never visits it again
+    replace_corrected(ctx, node, out, emit(node, torch.matmul, (decayed_q, incoming)), spec)

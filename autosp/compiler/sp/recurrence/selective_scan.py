@@ -10,16 +10,14 @@ discretised A; backward is autograd through the same ops.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from autosp.comm.library import op
+from autosp.compiler.sp.recurrence.shards import replace_corrected, shard_spec, step_sizes, zero_state_scan
 from autosp.compiler.sp.recurrence.states import incoming_state
-from autosp.compiler.sp.spec import SPContext, canonical_spec, node_label
-from autosp.errors import SequenceParallelError
+from autosp.compiler.sp.spec import SPContext
 
 
 def is_selective_scan(node: fx.Node) -> bool:
@@ -29,23 +27,12 @@ def is_selective_scan(node: fx.Node) -> bool:
 def rewrite(ctx: SPContext, node: fx.Node) -> None:
     """Replace `node` (the `selective_scan` op on this rank's shard) with the scan, exchange and correction."""
     x, dt, A, B, C, D, z, delta_bias, softplus, _, _, _ = node.args
-    spec = ctx.specs.get(x)
-    expected = None if spec is None else canonical_spec(2, spec.global_len, ctx.sp_rank, ctx.sp_size)
-    sequences = [t for t in (x, dt, B, C, z) if t is not None]
-    if expected is None or any(ctx.specs.get(t) != expected for t in sequences) or \
-            any(ctx.is_local(t) for t in (A, D, delta_bias) if t is not None):
-        raise SequenceParallelError(
-            f"{node_label(node)}: the selective scan's inputs are not sharded along the sequence (dim 2 of x, dt, B, "
-            "C, z) in rank order with A, D, delta_bias per channel; train this model without sequence parallelism")
+    spec = shard_spec(ctx, node, 2, tuple(t for t in (x, dt, B, C, z) if t is not None), (A, D, delta_bias),
+                      "the selective scan's inputs are not sharded along the sequence (dim 2 of x, dt, B, C, z) in "
+                      "rank order with A, D, delta_bias per channel")
     emit = ctx.emit
-    scan = emit(node, op("selective_scan_with_state").default, node.args)
-    out = emit(node, operator.getitem, (scan, 0), spec=spec)
-    own = emit(node, operator.getitem, (scan, 1))
-    step = emit(node, "float", (dt,))
-    if delta_bias is not None:
-        step = emit(node, torch.add, (step, emit(node, "unsqueeze", (emit(node, "float", (delta_bias,)), -1))))
-    if softplus:
-        step = emit(node, F.softplus, (step,))
+    out, own = zero_state_scan(ctx, node, "selective_scan_with_state", spec)
+    step = step_sizes(ctx, node, dt, delta_bias, softplus, channel_dim=1)  # [B, D, L]
     elapsed = emit(node, "unsqueeze", (emit(node, torch.cumsum, (step, 2)), 2))  # [B, D, 1, L]
     rates = emit(node, "unsqueeze", (emit(node, "float", (A,)), -1))  # [D, N, 1]
     decay = emit(node, torch.exp, (emit(node, torch.mul, (rates, elapsed)),))  # [B, D, N, L]
@@ -54,6 +41,4 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
     correction = emit(node, torch.einsum, ("bdnl,bnl,bdn->bdl", decay, emit(node, "float", (C,)), incoming))
     if z is not None:
         correction = emit(node, torch.mul, (correction, emit(node, F.silu, (emit(node, "float", (z,)),))))
-    result = emit(node, torch.add, (out, emit(node, "to", (correction, ctx.current[out].dtype))), spec=spec)
-    node.replace_all_uses_with(result)
-    ctx.graph.erase_node(node)  # the walk is at this node: it never visits it again
+    replace_corrected(ctx, node, out, correction, spec)
