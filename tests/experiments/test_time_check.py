@@ -25,3 +25,24 @@ def test_time_check_predicts_and_measures_each_cell_and_says_which_miss(tmp_path
     assert row["error"] == row["predicted_s"] / row["measured_s"] - 1
     text = format_rows([row, {**row, "error": 0.5, "within": False}])
     assert "| ulysses[ac=layer] | 256 |" in text and "MISS" in text and "cells within ±15%" in text
+
+
+def test_measured_records_are_re_predicted_without_a_run_and_a_missing_cell_is_a_one_line_error(tmp_path):
+    import json
+
+    import pytest
+
+    from autosp.experiments.time_check import repredict
+    from autosp.harness.config import ConfigError
+
+    cells = cell_configs("tiny", ["ulysses[ac=layer]"], [256, 512], world_size=2, memory_budget=1 << 30, steps=1)
+    records = tmp_path / "runs.jsonl"
+    lines = [{"config_hash": cells[0][1].config_hash(), "status": "ok", "mode": "measured",
+              "iter_time_s": {"median": seconds}} for seconds in (0.5, 0.7, 0.6)]
+    lines.append({"config_hash": cells[0][1].config_hash(), "status": "oom", "iter_time_s": None})
+    records.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    [row] = repredict(cells[:1], str(records))
+    assert row["runs"] == [0.5, 0.7, 0.6] and row["measured_s"] == 0.6
+    assert row["predicted_s"] > 0 and row["error"] == row["predicted_s"] / 0.6 - 1
+    with pytest.raises(ConfigError, match="no measured record of ulysses\\[ac=layer\\] 512"):
+        repredict(cells, str(records))
