@@ -10,6 +10,8 @@ from autosp.timing.rates import write_cpu_rates
 
 def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(tmp_path):
     row = calibrate(2, repeats=1)
+    by_keys = dict(pair.split(":") for pair in row.pop("attention_by_keys").split())
+    assert list(map(int, by_keys)) == [512, 1024, 2048, 4096] and all(float(f) > 0 for f in by_keys.values())
     numbers = {k: float(v) for k, v in row.items() if k not in ("device", "source")}
     assert numbers.pop("streams") == 0 and "2 gloo ranks" in row["source"]  # one CPU thread: ops in line
     assert all(v > 0 for v in numbers.values()), numbers
