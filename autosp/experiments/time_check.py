@@ -102,7 +102,8 @@ def time_check(cells: list[tuple[str, RunConfig]], repeats: int, out: str | None
     return judge(rows)
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
+def format_rows(rows: list[dict[str, Any]], records: str | None = None) -> str:
+    """The rows as a Markdown table and a verdict line; `records`: the file the measured steps came from."""
     lines = ["| method | tokens | predicted step (s) | measured step (s), median of runs | runs | predicted/measured "
              f"- 1 | within ±{TOLERANCE:.0%} |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -111,8 +112,9 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['method']} | {r['seq_len']} | {r['predicted_s']:.3f} | {measured} | {len(r['runs'])} | "
                      f"{error} | {'yes' if r['within'] else 'MISS'} |")
     hits = sum(r["within"] for r in rows)
+    where = f"the records of {records}" if records else "`autosp run` on this CPU"
     lines.append(f"\n{hits}/{len(rows)} cells within ±{TOLERANCE:.0%} (predictions of the time model; the measured "
-                 "steps are wall seconds of `autosp run` on this CPU)")
+                 f"steps are wall seconds of {where})")
     return "\n".join(lines)
 
 
@@ -125,7 +127,7 @@ def _cmd_time_check(args: argparse.Namespace) -> int:
                          world_size=args.world_size, memory_budget=parse_size(args.memory_budget), steps=args.steps,
                          compile_backend=args.compile_backend)
     rows = repredict(cells, args.measured) if args.measured else time_check(cells, args.repeats, args.out)
-    print(format_rows(rows))
+    print(format_rows(rows, args.measured))
     return 0 if all(r["within"] for r in rows) else 1
 
 

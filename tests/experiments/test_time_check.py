@@ -46,5 +46,6 @@ def test_measured_records_are_re_predicted_without_a_run_and_a_missing_cell_is_a
     [row] = repredict(cells[:1], str(records))
     assert row["runs"] == [0.5, 0.7, 0.6] and row["measured_s"] == 0.6
     assert row["predicted_s"] > 0 and row["error"] == row["predicted_s"] / 0.6 - 1
+    assert f"wall seconds of the records of {records})" in format_rows([row], str(records))
     with pytest.raises(ConfigError, match="no measured record of ulysses\\[ac=layer\\] 512"):
         repredict(cells, str(records))
