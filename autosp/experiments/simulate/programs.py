@@ -186,7 +186,8 @@ class RankProgram:
                 step.forward_backward(batch)
             tracker.phase = "optimizer"
             with tracker.assume_healthy_step():
-                nonfinite_gradient(step)  # the measured step's finite check (`runner.train_step`), priced too
+                with tracker.known_boolean_reads(True):  # the measured step's finite check, priced too: a healthy
+                    nonfinite_gradient(step)             # step's gradients are finite (its answer read as a number)
                 step.optimizer_step()
             for hook in hooks:
                 hook.remove()
