@@ -4,16 +4,17 @@ measuring at once so that they share the cores and the memory bus as a run's ran
 
 Per rank, each the median of `repeats` timings after one untimed call (float32, the CPU runs' dtype):
 matmul FLOP/s ([2048, 128] x [128, 512]: a CPU preset's projection at a few thousand local tokens), attention
-FLOP/s (causal SDPA forward + backward, [1, 4, 2048, 32]: forward 4·H·D·S(S+1)/2, backward 2.5x that, as the
-simulator counts it), memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of
-32 MiB: the offload's copy on a CPU), per-op overhead (an add of one-element tensors), gloo's collective latency
-(an all-reduce of one element) and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank), and, where
+FLOP/s (causal SDPA forward + backward, [1, 4, S, 32]: forward 4·H·D·S(S+1)/2, backward 2.5x that, as the
+simulator counts it; at S = 2048, the row's attention fraction, and at each of `ATTENTION_KEYS`, its
+`attention_by_keys`: a CPU flash kernel's rate grows with the keys), memory bytes/s (an add of two 32 MiB tensors:
+read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy on a CPU), per-op overhead (an add of
+one-element tensors), gloo's collective latency (an all-reduce of one element) and bandwidth (an all-gather of 32 MiB:
+(P-1)/P of it sent per rank), and, where
 DeepSpeed is installed, what a ZeRO-3 parameter fetch costs the host: a forward through a ZeRO-3 engine of
 `FETCH_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights; every weight partitioned, so
 each layer's call all-gathers it in its hook and releases it after), per layer, less the same layers unsharded and
 less an all-gather of one weight's shard on its own: the hooks' host work, which the time model has no op for (it
-prices the gather as a collective). The slowest rank's figure is written: a step ends when its slowest rank
-does."""
+prices the gather as a collective). The slowest rank's figure is written: a step ends when its slowest rank does."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,8 @@ MIB = 1 << 20
 #: layers of the ZeRO-3 fetch measurement, and their weights' shape
 FETCH_LAYERS = 16
 FETCH_SHAPE = (448, 128)
+#: key lengths the attention rate is measured at (the cpu row's `attention_by_keys`; 2048 is its attention fraction)
+ATTENTION_KEYS = (512, 1024, 2048, 4096)
 
 
 def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -51,13 +54,6 @@ def measure_rank(repeats: int) -> dict[str, float]:
     torch.manual_seed(0)
     a, b = torch.randn(2048, 128), torch.randn(128, 512)
     matmul = 2 * 2048 * 128 * 512 / _seconds(lambda: a @ b, repeats, 5)
-    heads, length, dim = 4, 2048, 32
-    q = torch.randn(1, heads, length, dim, requires_grad=True)
-
-    def attention() -> None:
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-
-    attention_flops = 4 * heads * dim * length * (length + 1) / 2 * (1 + 2.5)
     x, y = torch.randn(8 * MIB), torch.randn(8 * MIB)  # 32 MiB each
     memory = 3 * x.nbytes / _seconds(lambda: x + y, repeats)
     copy = x.nbytes / _seconds(x.clone, repeats)
@@ -68,8 +64,21 @@ def measure_rank(repeats: int) -> dict[str, float]:
     gathered = torch.empty(world * x.numel())
     gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
     peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
-    return {"matmul": matmul, "attention": attention_flops / _seconds(attention, repeats), "memory": memory,
-            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer, "fetch": _zero3_fetch(repeats)}
+    by_keys = {keys: _attention_rate(keys, repeats) for keys in ATTENTION_KEYS}
+    return {"matmul": matmul, "attention": by_keys[2048], "by_keys": by_keys, "memory": memory,
+            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer,
+            "fetch": _zero3_fetch(repeats)}
+
+
+def _attention_rate(length: int, repeats: int) -> float:
+    """FLOP/s of a causal SDPA forward + backward over `length` tokens (4 heads of 32), as the clock counts it."""
+    heads, dim = 4, 32
+    q = torch.randn(1, heads, length, dim, requires_grad=True)
+
+    def attention() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    return 4 * heads * dim * length * (length + 1) / 2 * (1 + 2.5) / _seconds(attention, repeats)
 
 
 def _zero3_fetch(repeats: int) -> float | None:
@@ -112,13 +121,16 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         raise ConfigError(f"calibration ranks failed ({result.status}): {result.error}")
     worst = {k: min(r[k] for r in result.results) for k in ("matmul", "attention", "memory", "copy", "peer")}
     worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
+    by_keys = " ".join(f"{keys}:{min(r['by_keys'][keys] for r in result.results) / worst['matmul']:.4g}"
+                       for keys in ATTENTION_KEYS)
     fetches = [r["fetch"] for r in result.results if r["fetch"] is not None]
     fetch = f"{max(0.0, *fetches) * 1e6:.4g}" if fetches else "0"
     g = 1e9
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return {
         "device": "cpu", "peak_tflops": f"{worst['matmul'] / 1e12:.6g}", "matmul_fraction": "1",
-        "attention_fraction": f"{worst['attention'] / worst['matmul']:.4g}", "hbm_gb_s": f"{worst['memory'] / g:.4g}",
+        "attention_fraction": f"{worst['attention'] / worst['matmul']:.4g}", "attention_by_keys": by_keys,
+        "hbm_gb_s": f"{worst['memory'] / g:.4g}",
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
         "collective_latency_us": f"{worst['latency'] * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",

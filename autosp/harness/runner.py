@@ -94,12 +94,19 @@ def train_step(step: TrainStep, batch: Batch, number: int = 0) -> float:
     loss = float(step.forward_backward(batch))
     if not math.isfinite(loss):
         raise DivergedError(f"loss is {loss} at step {number}: {DIVERGED_HINT}")
-    index, names = step.first_nonfinite()
-    index = _reduce_over_ranks(index, dist.ReduceOp.MIN)  # every rank names the same parameter and raises
+    index, names = nonfinite_gradient(step)
     if index < len(names):
         raise DivergedError(f"gradient of {names[index]} is not finite at step {number}: {DIVERGED_HINT}")
     step.optimizer_step()
     return loss
+
+
+def nonfinite_gradient(step: TrainStep) -> tuple[int, list[str]]:
+    """The finite check every measured step runs before AdamW (the simulator runs it too, so that the time model
+    prices it): the first parameter whose gradient is not finite on any rank (the parameter count when none is),
+    agreed by all ranks so that every rank raises together; and the parameters' names."""
+    index, names = step.first_nonfinite()
+    return _reduce_over_ranks(index, dist.ReduceOp.MIN), names
 
 
 def device_name(device: torch.device | str) -> str:

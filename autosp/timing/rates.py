@@ -5,6 +5,10 @@ the low end or middle of a published range, or a stated assumption: never fitted
 row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P ranks of a CPU run see it.
 
 - matmul / attention: FLOP/s of dense matmuls and of fused attention kernels (forward and backward alike);
+- attention by key length (`attention_by_keys`, "1024:0.61 2048:0.75": the attention fraction at each measured key
+  length; between two, linear in log2 of the length, beyond the ends the end's): a kernel's efficiency grows with its
+  keys (measured on the cpu row by `autosp calibrate`: a CPU flash kernel's fixed work per block of queries weighs
+  more at fewer keys); empty: one fraction at every length (the GPU rows: not measured);
 - memory: bytes/s of memory-bound ops (read + written) at the HBM's sustained rate;
 - peer / node: bytes/s each way between two GPUs of a node and per GPU across nodes (collectives);
 - host link: bytes/s each way between the device and host memory (offload copies, on their own stream);
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -29,9 +35,9 @@ from pathlib import Path
 from autosp.errors import AutoSPError
 
 RATES_FILE = "device_rates.csv"
-COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "hbm_gb_s", "hbm_fraction", "peer_gb_s",
-           "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us", "op_overhead_us",
-           "zero3_fetch_us", "streams", "source")
+COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "attention_by_keys", "hbm_gb_s",
+           "hbm_fraction", "peer_gb_s", "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us",
+           "op_overhead_us", "zero3_fetch_us", "streams", "source")
 
 
 class RatesError(AutoSPError):
@@ -55,13 +61,28 @@ class DeviceRates:
     streams: bool
     op_overhead_s: float = 0.0
     zero3_fetch_s: float = 0.0
+    attention_by_keys: tuple[tuple[int, float], ...] = ()  # (key length, FLOP/s), ascending
     source: str = ""
 
     def matmul_seconds(self, flops: float) -> float:
         return flops / self.matmul_flops
 
-    def attention_seconds(self, flops: float) -> float:
-        return flops / self.attention_flops
+    def attention_seconds(self, flops: float, keys: int = 0) -> float:
+        """An attention kernel's `flops` over `keys` keys: at the rate of that key length where the row measured
+        rates by length (module docstring), else at the one attention rate."""
+        return flops / self.attention_rate(keys)
+
+    def attention_rate(self, keys: int) -> float:
+        table = self.attention_by_keys
+        if not table or keys <= 0:
+            return self.attention_flops
+        if keys <= table[0][0]:
+            return table[0][1]
+        for (low, low_rate), (high, high_rate) in itertools.pairwise(table):
+            if keys <= high:
+                share = (math.log2(keys) - math.log2(low)) / (math.log2(high) - math.log2(low))
+                return low_rate + share * (high_rate - low_rate)
+        return table[-1][1]
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bytes_s
@@ -126,6 +147,8 @@ def device_rates(name: str) -> DeviceRates:
     def num(column: str) -> float:
         return float(row[column])
 
+    peak = num("peak_tflops") * 1e12
+
     return DeviceRates(
         name=row["device"], peak_flops=num("peak_tflops") * 1e12,
         matmul_flops=num("peak_tflops") * 1e12 * num("matmul_fraction"),
@@ -134,7 +157,21 @@ def device_rates(name: str) -> DeviceRates:
         node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
         host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
         op_overhead_s=num("op_overhead_us") * 1e-6, zero3_fetch_s=num("zero3_fetch_us") * 1e-6,
+        attention_by_keys=tuple((keys, peak * fraction) for keys, fraction in parse_by_keys(row, name)),
         streams=bool(int(row["streams"])), source=row["source"])
+
+
+def parse_by_keys(row: dict[str, str], name: str) -> list[tuple[int, float]]:
+    """The row's `attention_by_keys` as ascending (key length, fraction) pairs; a one-line error if malformed."""
+    text = (row.get("attention_by_keys") or "").strip()
+    try:
+        pairs = sorted((int(keys), float(fraction)) for keys, fraction in (p.split(":") for p in text.split()))
+    except ValueError:
+        raise RatesError(f"{RATES_FILE}: {name}'s attention_by_keys {text!r} is not 'keys:fraction ...' "
+                         "(e.g. '1024:0.6 2048:0.75')") from None
+    if any(keys <= 0 or fraction <= 0 for keys, fraction in pairs):
+        raise RatesError(f"{RATES_FILE}: {name}'s attention_by_keys {text!r} has a length or fraction <= 0")
+    return pairs
 
 
 def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:

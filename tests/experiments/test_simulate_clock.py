@@ -47,6 +47,21 @@ def test_causal_attention_costs_its_key_pairs_forward_and_two_and_a_half_times_t
     assert time.by_class["attention"] == pytest.approx(3.5 * forward / 1e12)
 
 
+def test_attention_runs_at_the_rate_its_key_length_was_measured_at():
+    """The cpu row's attention rate by key length (`autosp calibrate`): a kernel over 16 keys, between rows measured
+    at 8 and 32 keys, runs at the rate half-way between them in log2 of the length, not at the one attention rate."""
+    from dataclasses import replace
+
+    def program():
+        q = torch.randn(1, 2, 16, 8, requires_grad=True)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    by_keys = replace(RATES, attention_by_keys=((8, 2e11), (32, 6e11)))
+    forward = 4 * 1 * 2 * 8 * (16 * 17 / 2)
+    assert clocked(program, by_keys).by_class["attention"] == pytest.approx(3.5 * forward / 4e11)
+    assert clocked(program).by_class["attention"] == pytest.approx(3.5 * forward / 1e12)
+
+
 def test_an_elementwise_op_costs_the_bytes_it_reads_and_writes_and_a_view_nothing():
     def program():
         a, b = torch.randn(1000), torch.randn(1000)  # randn: 4,000 bytes written each
@@ -203,3 +218,20 @@ def test_a_simulated_hybrids_step_carries_its_state_exchanges_and_its_scans_flop
     scan = 4 * 256 * (chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv)
     matmuls = [e[1] for e in events if e[0] == "matmul"]
     assert any(q == pytest.approx(scan) for q in matmuls) and any(q == pytest.approx(3 * scan) for q in matmuls)
+
+
+def test_a_simulated_step_runs_the_measured_steps_finite_check():
+    """Every measured step checks its gradients before AdamW (`runner.nonfinite_gradient`: a norm per gradient, then
+    an all-reduce of the answer, one int64); the simulated step runs it too, so the time model prices it."""
+    from autosp.experiments.simulate import clock
+
+    traces = []
+    time = clock.OpTrace.time
+    sim.extrapolate._PREDICTIONS.clear()
+    cfg = RunConfig(method="ulysses", model="tiny", world_size=2, seq_len=256, ac="layer")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(clock.OpTrace, "time", lambda self, *args: traces.append(self) or time(self, *args))
+        assert sim.simulate(cfg, get_device_model("cpu", 1 << 30))["status"] == "ok"
+    [trace] = traces
+    assert any(op_class == "collective" and kind == "all_reduce" and quantity == 8
+               for op_class, quantity, kind, *_ in trace.events)

@@ -10,6 +10,8 @@ from autosp.timing.rates import write_cpu_rates
 
 def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(tmp_path):
     row = calibrate(2, repeats=1)
+    by_keys = dict(pair.split(":") for pair in row.pop("attention_by_keys").split())
+    assert list(map(int, by_keys)) == [512, 1024, 2048, 4096] and all(float(f) > 0 for f in by_keys.values())
     numbers = {k: float(v) for k, v in row.items() if k not in ("device", "source")}
     assert numbers.pop("streams") == 0 and "2 gloo ranks" in row["source"]  # one CPU thread: ops in line
     assert all(v > 0 for v in numbers.values()), numbers
@@ -25,3 +27,25 @@ def test_time_check_predicts_and_measures_each_cell_and_says_which_miss(tmp_path
     assert row["error"] == row["predicted_s"] / row["measured_s"] - 1
     text = format_rows([row, {**row, "error": 0.5, "within": False}])
     assert "| ulysses[ac=layer] | 256 |" in text and "MISS" in text and "cells within ±15%" in text
+
+
+def test_measured_records_are_re_predicted_without_a_run_and_a_missing_cell_is_a_one_line_error(tmp_path):
+    import json
+
+    import pytest
+
+    from autosp.experiments.time_check import repredict
+    from autosp.harness.config import ConfigError
+
+    cells = cell_configs("tiny", ["ulysses[ac=layer]"], [256, 512], world_size=2, memory_budget=1 << 30, steps=1)
+    records = tmp_path / "runs.jsonl"
+    lines = [{"config_hash": cells[0][1].config_hash(), "status": "ok", "mode": "measured",
+              "iter_time_s": {"median": seconds}} for seconds in (0.5, 0.7, 0.6)]
+    lines.append({"config_hash": cells[0][1].config_hash(), "status": "oom", "iter_time_s": None})
+    records.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    [row] = repredict(cells[:1], str(records))
+    assert row["runs"] == [0.5, 0.7, 0.6] and row["measured_s"] == 0.6
+    assert row["predicted_s"] > 0 and row["error"] == row["predicted_s"] / 0.6 - 1
+    assert f"wall seconds of the records of {records})" in format_rows([row], str(records))
+    with pytest.raises(ConfigError, match="no measured record of ulysses\\[ac=layer\\] 512"):
+        repredict(cells, str(records))

@@ -62,3 +62,27 @@ def test_a_calibration_replaces_the_cpu_row_only(tmp_path):
     rows = {row["device"]: row for row in csv.DictReader(target.open(encoding="utf-8"))}
     assert rows["cpu"]["peak_tflops"] == "0.05" and rows["cpu"]["source"] == "measured"
     assert rows["h100-80gb"]["peak_tflops"] == "989"
+
+
+def test_an_attention_rate_measured_by_key_length_is_read_between_and_beyond_the_lengths(tmp_path):
+    """`attention_by_keys`: linear in log2 of the key length between two measured lengths, the end's rate beyond
+    them; a row without it (the GPU rows) has one attention rate at every length."""
+    from dataclasses import replace
+
+    h100 = device_rates("h100-80gb")
+    assert h100.attention_by_keys == () and h100.attention_rate(4096) == h100.attention_flops
+    rates = replace(h100, attention_by_keys=((1024, 1e11), (4096, 3e11)))
+    assert rates.attention_rate(2048) == pytest.approx(2e11)
+    assert rates.attention_rate(512) == 1e11 and rates.attention_rate(8192) == 3e11
+    assert rates.attention_seconds(6e11, 2048) == pytest.approx(3.0)
+    assert rates.attention_rate(0) == h100.attention_flops  # a kernel of unknown length: the one rate
+
+
+def test_a_malformed_attention_by_keys_is_refused_in_one_line():
+    from autosp.timing.rates import parse_by_keys
+
+    assert parse_by_keys({"attention_by_keys": "2048:0.7 1024:0.5"}, "cpu") == [(1024, 0.5), (2048, 0.7)]
+    with pytest.raises(RatesError, match="cpu's attention_by_keys '1024=0.5' is not 'keys:fraction"):
+        parse_by_keys({"attention_by_keys": "1024=0.5"}, "cpu")
+    with pytest.raises(RatesError, match="a length or fraction <= 0"):
+        parse_by_keys({"attention_by_keys": "1024:0"}, "cpu")

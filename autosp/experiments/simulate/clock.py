@@ -6,7 +6,8 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - a matmul (mm, addmm, bmm, baddbmm, _scaled_mm): 2·m·k·n FLOPs of its local operands at the matmul rate;
 - attention (an SDPA/flash/efficient kernel, forward or backward; autosp_sp::ring_attention): 4·B·H·Sq·Sk·D FLOPs
   forward (QK^T and PV), half the key pairs under a causal mask, 2.5x that for a backward kernel (FlashAttention-2's
-  five matmuls to the forward's two), at the attention rate; the ring's K/V passes run beside it;
+  five matmuls to the forward's two), at the attention rate of its key length (`DeviceRates.attention_seconds`); the
+  ring's K/V passes run beside it;
 - a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d, DeepSpeed's Ulysses all-to-all
   deepspeed::dim_zero_all_to_all): its ring volume over the group at the link the group spans
   (`DeviceRates.collective_seconds`), on the communication stream;
@@ -58,20 +59,23 @@ class OpTrace:
     values read and written): priced on any device's rates by `time`, so a simulated length serves every device
     type that shares its memory program (`extrapolate.predict_peak`'s cache)."""
 
-    events: list[tuple] = field(default_factory=list)  # (op class, quantity, collective kind, group, reads, writes)
+    # (op class, quantity, collective kind, group, reads, writes, an attention kernel's key length)
+    events: list[tuple] = field(default_factory=list)
 
     def add(self, op_class: str, quantity: float, reads: Any = (), writes: Any = (), kind: str = "",
-            group: int = 1) -> None:
-        self.events.append((op_class, quantity, kind, group, tuple(reads), tuple(writes)))
+            group: int = 1, keys: int = 0) -> None:
+        self.events.append((op_class, quantity, kind, group, tuple(reads), tuple(writes), keys))
 
     def time(self, rates: DeviceRates, gpus_per_node: int) -> StepTime:
         """The step on `rates`' device (`Timeline`)."""
         timeline = Timeline(rates.streams)
-        price = {"matmul": rates.matmul_seconds, "attention": rates.attention_seconds, "memory": rates.memory_seconds,
+        price = {"matmul": rates.matmul_seconds, "memory": rates.memory_seconds,
                  "copy": rates.copy_seconds, "host": rates.host_seconds, "fetch": rates.fetch_seconds}
-        for op_class, quantity, kind, group, reads, writes in self.events:
+        for op_class, quantity, kind, group, reads, writes, keys in self.events:
             if op_class == "collective":
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
+            elif op_class == "attention":
+                seconds = rates.attention_seconds(quantity, keys)
             else:
                 seconds = price[op_class](quantity)
             overhead = 0.0 if op_class == "fetch" else rates.op_overhead_s  # a fetch is no op: its gather is
@@ -124,8 +128,8 @@ class StepClock:
         if "ring_attention" in name:
             self._ring_attention(func, args, kwargs, reads, writes)
             return
-        if flops := _attention_flops(func, name, args, kwargs):
-            trace.add("attention", flops, reads, writes)
+        if attention := _attention_flops(func, name, args, kwargs):
+            trace.add("attention", attention[0], reads, writes, keys=attention[1])
             return
         if cost := declared_cost(func, args, kwargs):
             trace.add(cost[0], cost[1], reads, writes)
@@ -162,7 +166,7 @@ class StepClock:
             flops *= ATTENTION_BACKWARD_FACTOR
         token = ("ring", len(self.trace.events))
         self.trace.add("collective", (_nbytes(k) + _nbytes(v)) * (group - 1), reads, {token}, "broadcast", group)
-        self.trace.add("attention", flops, reads, ())
+        self.trace.add("attention", flops, reads, (), keys=k.shape[-2] * group)
         self.trace.add("memory", 0.0, {token}, writes)
 
 
@@ -226,17 +230,17 @@ def _group_size(func: Any, args: tuple, kwargs: dict) -> int:
     return dist.get_world_size()
 
 
-def _attention_flops(func: Any, name: str, args: tuple, kwargs: dict) -> float:
-    """FLOPs of an attention kernel (module docstring), 0 for any other op."""
+def _attention_flops(func: Any, name: str, args: tuple, kwargs: dict) -> tuple[float, int] | None:
+    """FLOPs of an attention kernel (module docstring) and its key length; None for any other op."""
     if not any(mark in name for mark in ATTENTION_MARKS):
-        return 0.0
+        return None
     named = _bound(func, args, kwargs)
     q, k = named.get("query", named.get("q")), named.get("key", named.get("k"))
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        return 0.0
+        return None
     keys = k.shape[1] if name.split("::")[-1].startswith(SEQUENCE_MAJOR) else k.shape[-2]
     queries = q.shape[1] if name.split("::")[-1].startswith(SEQUENCE_MAJOR) else q.shape[-2]
     causal = bool(named.get("is_causal", named.get("causal", False)))
     pairs = queries * keys * ((keys + 1) / (2 * keys) if causal and queries == keys else 1.0)
     flops = 4.0 * q.numel() / queries * pairs
-    return flops * (ATTENTION_BACKWARD_FACTOR if "backward" in name else 1.0)
+    return flops * (ATTENTION_BACKWARD_FACTOR if "backward" in name else 1.0), keys

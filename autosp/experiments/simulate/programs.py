@@ -127,7 +127,7 @@ class RankProgram:
 
     def measure(self, cfg: RunConfig) -> RankPeak:
         """The peak of one measured step (forward, backward, AdamW) at cfg.seq_len."""
-        from autosp.harness.runner import global_batch
+        from autosp.harness.runner import global_batch, nonfinite_gradient
 
         real_batch = global_batch(cfg, self.sp_size)
         valid_labels = real_batch.num_valid_labels()  # data, not shape: read before tensors turn fake
@@ -186,6 +186,8 @@ class RankProgram:
                 step.forward_backward(batch)
             tracker.phase = "optimizer"
             with tracker.assume_healthy_step():
+                with tracker.known_boolean_reads(True):  # the measured step's finite check, priced too: a healthy
+                    nonfinite_gradient(step)             # step's gradients are finite (its answer read as a number)
                 step.optimizer_step()
             for hook in hooks:
                 hook.remove()
