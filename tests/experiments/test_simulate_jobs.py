@@ -89,7 +89,7 @@ def test_two_jobs_make_the_probes_one_job_makes(monkeypatch, planner, used):
 def test_two_jobs_find_what_one_finds_probe_for_probe(monkeypatch):
     """Measured on fake tensors, the planner's search on the 5-layer tiny at 14 MiB, P=2: the same longest length,
     first oom, plan and probes with two jobs, and the record the second process made equal to the sequential
-    search's at its length. ~10 CPU-minutes."""
+    search's at its length. ~12 CPU-minutes."""
     from autosp.experiments.simulate import elsewhere, lengths
 
     cfg, device = _planner(monkeypatch), get_device_model("cpu", 14 * MIB)
