@@ -18,8 +18,9 @@ What is counted (all of it a true lower bound for the methods of this project):
   the minimum any backward needs) and the fp32 logits of the local tokens (the project's loss is HF's
   ``ForCausalLMLoss``, which materialises them) unless the loss is tiled (``tiled_loss``: AutoSP's
   ``--tiling loss`` keeps one tile of logits, a constant, so the term disappears). With ``offload``
-  (``--offload activations``) the layer inputs wait in host memory: the device keeps ``DEVICE_WINDOW`` of them
-  (the one backward uses and the one being brought back), the rest is counted apart as host bytes.
+  (``--offload activations``) the layer inputs wait in host memory: the device keeps ``DEVICE_WINDOW`` of
+  them (the one backward uses: a reload issued late, after the previous one's last use, never has two there; the
+  planner issues them so where that is what fits), the rest is counted apart as host bytes.
 Transient working buffers (attention scores, MLP intermediates, all-to-all buffers) are not counted: a
 bound must hold for the best possible schedule, and those can be made arbitrarily short-lived.
 """

@@ -12,7 +12,7 @@ counted from the model's shape for what each configuration keeps at the peak of 
   token) unless tiled;
 - offload (`--offload activations`, `autosp.compiler.memory.offload`) moves what is kept at the layer boundaries, the
   residual stream (d elements per token per layer), to host memory but for `DEVICE_WINDOW` layers' (the one in
-  backward and the one being fetched): the floor's model (`floor.memory_floor(offload=True)`). The rest of what
+  backward, its successor reloaded late): the floor's model (`floor.memory_floor(offload=True)`). The rest of what
   SAC saves inside a layer (attention's inputs and output) stays on the device. Host bytes are reported per rank.
 Model state comes from the floor (replicated, or sharded ZeRO-3 style with one gathered unit).
 """

@@ -80,9 +80,10 @@ def unhalved() -> dict:
 
 def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_its_peak_exactly(unhalved, monkeypatch):
     """tiny, 2,048 tokens, 1 MiB: no rung fits with the MLPs in tiles of 1,024 (tiling="auto:1024", no lever), so
-    the default (`plan:1024`) halves them while that lowers the planner's peak, to the floor (256); the records
-    are the last lowering's only, the plan says how many halvings, its peak is below the unhalved one's, and the
-    gradients are single-process training's. The retry at 512 partitions only the last rung (it does not fit)."""
+    the default (`plan:1024`) halves them while that lowers the planner's peak: 512 lowers it, 256 does not (the
+    tiles no longer bind), so 512 is lowered again and kept; the records are that lowering's only, the plan says
+    how many halvings, its peak is below the unhalved one's, and the gradients are single-process training's. Each
+    retry (512, 256) partitions only the last rung first (it does not fit)."""
     assert not unhalved["fits"] and "mlp_tile_halvings" not in unhalved
     partitions = []
     monkeypatch.setattr(planner, "min_cut_rematerialization_partition",
@@ -91,10 +92,11 @@ def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_i
     lever, model = _long_step(sac="budget=1MiB", tiling="plan:1024")
     (plan,) = [r.plan for r in lever.partition_fn.records]
     (report,) = lever.tiling_reports
-    assert len(lever.graphs) == 1 and [b["tile_tokens"] for b in report.mlp] == [256, 256]
-    assert plan["mlp_tile_halvings"] == 2 and plan["estimated_peak_bytes"] < unhalved["estimated_peak_bytes"]
-    # tiles of 1,024: the ladder; of 512: the last rung alone; of 256 (the floor, nothing left to halve): the ladder
-    assert len(partitions) == unhalved["partitions_tried"] + 1 + plan["partitions_tried"]
+    assert len(lever.graphs) == 1 and [b["tile_tokens"] for b in report.mlp] == [512, 512]
+    assert plan["mlp_tile_halvings"] == 1 and plan["estimated_peak_bytes"] < unhalved["estimated_peak_bytes"]
+    # tiles of 1,024: the ladder; of 512: the last rung alone (lower); of 256: the last rung alone (not lower, the
+    # estimate at 512's or above it); of 512 again: the ladder
+    assert len(partitions) == unhalved["partitions_tried"] + 1 + 1 + plan["partitions_tried"]
     reference = build_model("tiny", seed=0)
     reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -107,3 +109,25 @@ def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are(unhalved):
     (plan,) = [r.plan for r in fits.partition_fn.records]
     assert plan["fits"] and "mlp_tile_halvings" not in plan
     assert [b["tile_tokens"] for r in fits.tiling_reports for b in r.mlp] == [1024, 1024]
+
+
+def test_a_halving_that_does_not_lower_the_planners_peak_is_not_kept(unhalved, monkeypatch):
+    """The planner's estimate made flat (every partition peaks at the same bytes, over the budget): the first
+    halving does not lower it, so the tiles of 1,024 are lowered again as they are (no `mlp_tile_halvings`); the
+    partitions: the ladder at 1,024, the last rung alone at 512, the ladder at 1,024 again."""
+    flat = 2 * unhalved["estimated_peak_bytes"]
+    real = planner.estimated_peak
+    monkeypatch.setattr(planner, "estimated_peak", lambda *args: (flat, real(*args)[1]))
+    partitions = []
+    monkeypatch.setattr(planner, "min_cut_rematerialization_partition",
+                        lambda *args, **kwargs: partitions.append(1) or min_cut_rematerialization_partition(
+                            *args, **kwargs))
+    kept, model = _long_step(sac="budget=1MiB", tiling="plan:1024")
+    (plan,) = [r.plan for r in kept.partition_fn.records]
+    assert len(kept.graphs) == 1 and [b["tile_tokens"] for r in kept.tiling_reports for b in r.mlp] == [1024, 1024]
+    assert "mlp_tile_halvings" not in plan and not plan["fits"] and plan["estimated_peak_bytes"] == flat
+    assert len(partitions) == 2 * plan["partitions_tried"] + 1
+    reference = build_model("tiny", seed=0)
+    reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

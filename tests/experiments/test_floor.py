@@ -114,16 +114,36 @@ def test_a_tiled_loss_removes_the_logits_term() -> None:
     assert tiled.static_bytes == whole.static_bytes
 
 
-def test_offload_keeps_two_layer_inputs_on_the_device_and_counts_the_rest_as_host() -> None:
+def test_offload_keeps_one_layer_input_on_the_device_and_counts_the_rest_as_host() -> None:
+    """The least an offloading plan keeps: the input of the layer in backward, the next one reloaded late."""
     preset = get_preset("llama-3.1-8b")
     kept = floor_for("autosp", "llama-3.1-8b", world_size=8, dtype="bfloat16", tiled_loss=True, zero=3)
     offloaded = floor_for("autosp", "llama-3.1-8b", world_size=8, dtype="bfloat16", tiled_loss=True, zero=3,
                           offload=True)
     layer_input = preset.hidden_size * 2
-    assert offloaded.activation_bytes_per_token == 2 * layer_input
-    assert offloaded.host_bytes_per_token == kept.activation_bytes_per_token - 2 * layer_input
+    assert offloaded.activation_bytes_per_token == layer_input
+    assert offloaded.host_bytes_per_token == kept.activation_bytes_per_token - layer_input
     assert offloaded.host_bytes_at(8192) == offloaded.host_bytes_per_token * 8192 / 8
     assert offloaded.max_seq_len(80 << 30) > kept.max_seq_len(80 << 30) and kept.host_bytes_per_token == 0
+
+
+def test_the_floor_is_below_the_planners_simulated_peak_where_it_reloads_late() -> None:
+    """tiny, one rank, 2,048 tokens, 1 MiB, `--offload activations`: nothing fits, so the planner moves the layer
+    boundaries to host memory and reloads them late; the offloading floor counts the one layer input on the device
+    that leaves (not two: that many a reload a layer ahead keeps), and it is below the simulated peak."""
+    from autosp.experiments import simulate as sim
+    from autosp.experiments.floor import run_floor
+    from autosp.experiments.simulate.devices import MIB, get_device_model
+    from autosp.harness.config import RunConfig
+
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=2048, world_size=1, compile_backend="aot_eager",
+                    sac="auto", offload="activations", tiling="auto")
+    record = sim.simulate(cfg, get_device_model("cpu", MIB))
+    (plan,) = record["extra"]["sac_auto"]
+    assert plan["reload"] == "late" and plan["offload_scope"] == "boundaries"
+    floor, preset = run_floor(cfg), get_preset("tiny")
+    assert floor.activation_bytes_per_token == preset.hidden_size * 4  # one fp32 layer input, the loss tiled
+    assert floor.bytes_at(cfg.seq_len) <= record["extra"]["breakdown"]["allocator_blocks_bytes"]
 
 
 def test_a_runs_floor_is_at_the_zero_stage_its_method_runs() -> None:

@@ -2,7 +2,7 @@
 (`policy`) as tags on the joint graph (`tags`), the partition function (`partitioner`: tags + torch's min-cut, or the
 memory planner, `planner`, under policy auto; the FLOPs it prices recompute by, `flops`), what a partition saved
 (`records`) and its breakdown by category (`saved_report`), the offload pass and its ops (`offload`), the planner's
-ranking by predicted time (`time_rank`).
+ranking by predicted time (`time_rank`), its signals to the driver about tiling (`retile`).
 The names below are what the driver, the harness and the baselines import; the modules are private to this
 package.
 
@@ -24,6 +24,7 @@ from autosp.compiler.memory.offload import (
 )
 from autosp.compiler.memory.policy import POLICY_CHOICES, Policy, SacPolicy, parse_policy
 from autosp.compiler.memory.records import PartitionRecord
+from autosp.compiler.memory.retile import KeepLargerTiles, TileFirst, TileSmaller
 from autosp.compiler.memory.saved_report import (
     CATEGORIES,
     UNATTRIBUTED,
@@ -37,11 +38,10 @@ from autosp.compiler.memory.time_rank import planning_rates
 
 if TYPE_CHECKING:
     from autosp.compiler.memory.partitioner import SacPartitioner, make_partition_fn
-    from autosp.compiler.memory.planner import TileFirst, TileSmaller
 
 __all__ = ["CATEGORIES", "DEVICE_WINDOW", "OFFLOAD_OP", "OFFLOAD_OP_NAME", "POLICY_CHOICES", "UNATTRIBUTED",
            "OffloadPlan", "OffloadReport", "PartitionRecord", "Policy", "SacPartitioner", "SacPolicy", "TileFirst",
-           "TileSmaller",
+           "KeepLargerTiles", "TileSmaller",
            "category_of_module", "check_params_offload", "compiled_breakdown", "make_partition_fn",
            "offload_boundaries", "parse_policy", "peak_working_set", "planning_rates",
            "quadratic_saved_values", "reserve_host_buffers", "tiles_of"]
@@ -50,10 +50,6 @@ _ON_FIRST_USE = ("SacPartitioner", "make_partition_fn")
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("TileFirst", "TileSmaller"):
-        from autosp.compiler.memory import planner
-
-        return getattr(planner, name)
     if name in _ON_FIRST_USE:
         from autosp.compiler.memory import partitioner
 

@@ -49,9 +49,10 @@ PARAMS_ITEM = "params"
 fetched to the device where used and their gradients streamed back in backward (`autosp.comm.host_params`); it needs
 the `optimizer` item (the host optimizer steps them)."""
 HOST_ADAM_CHOICES = ("auto", "torch", "deepspeed")
-DEVICE_WINDOW = 2
-"""Boundary values on the device at once in backward: the one its layer is using and the one being prefetched
-(the floor and `autosp levers` count the rest, all but these of one per layer, in host memory)."""
+DEVICE_WINDOW = 1
+"""Boundary values on the device at once in backward, at the least: the one its layer is using, the next reloaded late
+(`RELOAD_TIMES`: after this one's last use; a layer ahead it would be a second). The floor and `autosp levers` count
+the rest, all but these of one per layer, in host memory: a lower bound of every offloading plan."""
 OFFLOAD_OP_NAME = qualified("offload")
 """The profiler event name of the offload op: the CPU memory meter books allocations made inside it as host memory."""
 _ACTIVATION_TEXT = {"off": "off", "activations": "on", "auto": "auto"}

@@ -47,6 +47,7 @@ from autosp.compiler.memory.offload import (
     offload_boundaries,
 )
 from autosp.compiler.memory.records import saved_values
+from autosp.compiler.memory.retile import KeepLargerTiles, TileFirst, TileSmaller
 from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
 
 
@@ -126,21 +127,6 @@ def tag_rung(joint_gm: fx.GraphModule, tokenwise: Sequence[str], attention: Sequ
         tag_layers(graph, forward, recompute_attention=set(attention), recompute=set(tokenwise))
 
 
-class TileFirst(Exception):
-    """`plan_partition(tile_first=True)` found that the graph, as it is, does not fit its budget with every value
-    kept on the device: the driver tiles it (`tiling="plan"`) and partitions that instead."""
-
-
-class TileSmaller(Exception):
-    """`plan_partition(smaller_tiles_below=b)` found that no rung fits the budget and that the ladder's plan peaks
-    below `b` (the peak of the same graph with larger tiles): the driver halves the token-wise blocks' tiles and
-    partitions that instead (`pipeline.compile_static`). `peak`: this graph's estimated peak."""
-
-    def __init__(self, peak: int, budget: int) -> None:
-        super().__init__(f"estimated peak {peak} bytes over the budget of {budget} on every rung")
-        self.peak = peak
-
-
 @dataclass
 class _Trial:
     tokenwise: int
@@ -158,7 +144,8 @@ class _Trial:
 def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
     offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False,
-    smaller_tiles_below: int | None = None, last_rung_first: bool = False, **kwargs: Any,
+    smaller_tiles_below: int | None = None, larger_tiles_peak: int | None = None, last_rung_first: bool = False,
+    **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
     `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
@@ -169,9 +156,10 @@ def plan_partition(
     anything where the first rung does not fit as it is (tiling comes before the other levers). `smaller_tiles_below`
     (a tiled graph whose tiles can still be halved): raise `TileSmaller` where no rung fits the device budget and
     the ladder's plan peaks below it (the lever of the last resort: the recomputed layers' token-wise working set,
-    when even the last rung does not fit). `last_rung_first` (a retry after `TileSmaller`): the last rung is
-    partitioned first and, where it does not fit either, `TileSmaller` raised at once (one partition, not the
-    ladder's: its bisection already assumes no rung peaks below the last)."""
+    when even the last rung does not fit); `larger_tiles_peak` (a retry after it): raise `KeepLargerTiles` where no
+    rung fits and the peak is not below it. `last_rung_first` (such a retry): the last rung is partitioned first
+    and, where it does not fit either, either raised at once (one partition, not the ladder's: its bisection
+    already assumes no rung peaks below the last)."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -253,10 +241,14 @@ def plan_partition(
     # the last rungs re-run collectives: only where a layer has some (a single-process graph has none)
     c = n if any(is_collective_value(node) and layers_of.get(node) is not None for node in forward) else 0
 
-    if last_rung_first and n and budget is not None and smaller_tiles_below is not None:
-        last = trial(n, n, c)
-        if budget < last.peak < smaller_tiles_below:
-            raise TileSmaller(last.peak, budget)
+    def halve_or_keep(peak: int) -> None:
+        if budget is not None and budget < peak and larger_tiles_peak is not None and peak >= larger_tiles_peak:
+            raise KeepLargerTiles(f"estimated peak {peak} bytes, the larger tiles' {larger_tiles_peak}")
+        if smaller_tiles_below is not None and budget is not None and budget < peak < smaller_tiles_below:
+            raise TileSmaller(peak, budget)
+
+    if last_rung_first and n and (smaller_tiles_below is not None or larger_tiles_peak is not None):
+        halve_or_keep(trial(n, n, c).peak)
 
     def ladder(moves: str) -> _Trial:
         """The first rung that fits (`moves`: the offload mode its rungs use), else the last."""
@@ -273,8 +265,7 @@ def plan_partition(
         return chosen
 
     chosen = ladder(offload)
-    if smaller_tiles_below is not None and budget is not None and budget < chosen.peak < smaller_tiles_below:
-        raise TileSmaller(chosen.peak, budget)
+    halve_or_keep(chosen.peak)
     chosen, ranking = _ranked_by_time(chosen, lambda: ladder("off"), fits, joint_gm, joint_inputs, offload)
     plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
                 saved_activation_bytes=chosen.saved, layers=n, tokenwise_recompute_layers=chosen.tokenwise,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from autosp.experiments.simulate.devices import DeviceModel, get_device_model
@@ -17,6 +18,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     if (args.seq_len is None) == (not args.search):
         raise ConfigError("give exactly one of --seq-len S or --search")
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, got {args.jobs}")
     devices = [get_device_model(name, None) for name in args.sim_device.split(",")] if args.memory_budget is None \
         else [get_device_model(name, _budget(args)) for name in args.sim_device.split(",")]
     args.device = "cpu"  # the simulation runs on this CPU; --device named the simulated device type
@@ -32,10 +35,14 @@ def _simulate_devices(args: argparse.Namespace, cfg: RunConfig, devices: list[De
 
     status = 0
     for device in devices:
-        record = simulated_search(cfg, device, granularity=args.granularity, max_len=args.max_len, curve=curve) \
-            if args.search else simulate(cfg, device)
+        max_len = args.max_len or default_max_len(cfg.world_size)
+        record = simulated_search(cfg, device, granularity=args.granularity, max_len=max_len, curve=curve,
+                                  jobs=args.jobs) if args.search else simulate(cfg, device)
         append_record(args.out, record)
         print(summary_line(record) + f" -> {args.out}", flush=True)
+        if record.get("status") == "no_oom_up_to_max_len":
+            print(f"no oom up to --max-len {max_len}: the longest length lies above it; give a larger --max-len",
+                  flush=True)
         status = max(status, 1 if record["status"] == "error" else 0)
     return status
 
@@ -74,6 +81,16 @@ def _cmd_simulate_check(args: argparse.Namespace) -> int:
     return 0 if table["within_10pct"].all() else 1
 
 
+def default_max_len(world_size: int) -> int:
+    """`--max-len`'s default: 2M tokens per rank, at least 4M: above what the planner trains on the catalogue's
+    devices at 8B (a fixed 4M stopped the 8 x h100-80gb search: docs/measurements/2026-12-06-search-wall.md)."""
+    return max(1 << 22, world_size << 21)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _budget(args: argparse.Namespace) -> int:
     from autosp.harness.measure import parse_size
 
@@ -91,7 +108,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence to predict the peak for")
     p.add_argument("--search", action="store_true", help="longest trainable length (autosp search's logic)")
     p.add_argument("--granularity", type=int, default=None, help="search length step (default 2*P*128)")
-    p.add_argument("--max-len", type=int, default=1 << 22, help="longest length the search tries")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest length the search tries (default: 2M tokens per rank, at least 4M)")
+    p.add_argument("--jobs", type=int, default=_cores(),
+                   help="processes simulating at once: the planner's whole-depth probes at the answer and one "
+                        "granule above run together from 2 (default: the cores available; 1: one process)")
     p.add_argument("--out", default="results/simulated.jsonl", help="JSONL file the records are appended to")
     p.set_defaults(func=_cmd_simulate)
     # --device names the simulated device type here (a catalogue entry, comma-separated for several)

@@ -15,6 +15,7 @@ from autosp.experiments.simulate.config import (
     SimulationError,
 )
 from autosp.experiments.simulate.devices import DeviceModel
+from autosp.experiments.simulate.elsewhere import ProbeElsewhere
 from autosp.experiments.simulate.extrapolate import (
     LAST_RUNG_SAC,
     model_state_at_depth,
@@ -121,7 +122,7 @@ def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> i
 
 def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | None = None,
                      min_len: int | None = None, max_len: int = 1 << 20,
-                     curve: dict[int, int] | None = None) -> dict[str, Any]:
+                     curve: dict[int, int] | None = None, jobs: int = 1) -> dict[str, Any]:
     """Longest trainable length on `device` by `autosp search`'s own search, each probe a simulation.
 
     The search starts where `curve` (the peaks simulated so far for this configuration, extended by this
@@ -136,7 +137,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     granule above (`_planner_around`): the answer is the planner's own. Where the planner fails there (its
     estimate chose a rung that does not fit) its search goes on below; where it fits one granule above (host
     memory bound the last rung, which moves every saved value; the planner keeps some on the device) it goes on
-    above, each probe the planner whole."""
+    above, each probe the planner whole. `jobs` >= 2: the planner's probe one granule above runs in a second process
+    while this one probes the answer (`elsewhere`; its record kept only where the sequential search makes it)."""
     from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
 
     granularity = granularity or default_granularity(cfg.world_size)
@@ -147,8 +149,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     last_rung = _last_rung(cfg, device)
 
     def probe_of(run_cfg: RunConfig, on_curve: bool):
-        def probe(seq_len: int) -> tuple[str, int | None, int | None]:
-            record = simulate(run_cfg.replace(seq_len=seq_len), device)
+        def probe(seq_len: int, made: dict[str, Any] | None = None) -> tuple[str, int | None, int | None]:
+            record = made if made is not None else simulate(run_cfg.replace(seq_len=seq_len), device)
             probes.append(record)
             if record["status"] not in ("ok", "oom"):
                 return record["status"], None, None
@@ -165,7 +167,9 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start, **search)
         confirmed = None
         if last_rung is not None and outcome.max_seq_len:
-            outcome, confirmed = _planner_around(outcome, probe_of(cfg, False), granularity, max_len, search)
+            built_at = outcome.max_seq_len  # the planner's program is set up at its first probe, the answer
+            ahead = (lambda n: ProbeElsewhere(cfg.replace(seq_len=n), device, built_at)) if jobs >= 2 else None
+            outcome, confirmed = _planner_around(outcome, probe_of(cfg, False), granularity, max_len, search, ahead)
     best = next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len
                  and (last_rung is None or r["config"]["sac"] == cfg.sac)), None)
     best = best or next((r for r in reversed(probes) if r["seq_len"] == outcome.max_seq_len), None)
@@ -188,21 +192,30 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     return row
 
 
-def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, search: dict[str, Any]
-                    ) -> tuple[Any, bool]:
+def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, search: dict[str, Any],
+                    ahead: Any = None) -> tuple[Any, bool]:
     """The planner's own answer from its last rung's (`simulated_search`): the planner simulated whole at the
     rung's longest length and one granule above; where it fits at the first and not the second, that is the
     answer; else its search goes on from those two probes, below (a rung the planner's estimate chose that does
     not fit) or above (host memory bound the last rung, which moves every saved value; the planner keeps some on
     the device). So the answer is always the planner's, simulated whole there and one granule above (unless that
-    is past `max_len`). Returns (the outcome, whether the planner fits at the rung's answer)."""
+    is past `max_len`). Returns (the outcome, whether the planner fits at the rung's answer). `ahead(length)`: a
+    `ProbeElsewhere` of the planner at that length, started before the answer is probed here; its record is used
+    where the sequential search would probe that length, and the process ended where it would not."""
     from autosp.experiments.search import search_max_length
 
     answer = rung.max_seq_len
-    measured = [(answer, planner(answer))]
-    confirmed = measured[0][1][0] == "ok"
-    if confirmed and answer + granularity <= max_len:
-        measured.append((answer + granularity, planner(answer + granularity)))
+    above = answer + granularity
+    elsewhere = ahead(above) if ahead is not None and above <= max_len else None
+    try:
+        measured = [(answer, planner(answer))]
+        confirmed = measured[0][1][0] == "ok"
+        if confirmed and above <= max_len:
+            measured.append((above, planner(above, elsewhere.result() if elsewhere else None)))
+            elsewhere = None
+    finally:
+        if elsewhere is not None:
+            elsewhere.cancel()
     outcome = search_max_length(planner, max_len=max_len if confirmed else answer, measured=measured, **search)
     outcome.probes = rung.probes + outcome.probes
     return outcome, confirmed

@@ -289,6 +289,14 @@ def shared_rank_programs() -> Iterator[None]:
         _SHARED.pop().close()
 
 
+def set_up_program(cfg: RunConfig, device: DeviceModel) -> None:
+    """Inside `shared_rank_programs`: `cfg`'s whole-depth program set up at `cfg.seq_len`, not stepped, as a search's
+    first probe of a configuration sets it up; its later probes at other lengths then step that program."""
+    from autosp.models import get_preset
+
+    _SHARED[0].get(cfg, device, get_preset(cfg.model).num_layers)
+
+
 def rank_peak(cfg: RunConfig, device: DeviceModel, layers: int | None = None) -> RankPeak:
     """`simulate_rank`, or a shared program's next measured step inside `shared_rank_programs`."""
     from autosp.models import get_preset
