@@ -42,7 +42,7 @@ class ModelPreset:
         return self.hidden_size // self.num_attention_heads
 
 
-_PRESETS: dict[str, ModelPreset] = {
+PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
         # Published configs (HF hub config.json of each model).
@@ -68,14 +68,14 @@ _PRESETS: dict[str, ModelPreset] = {
 
 def preset_names() -> list[str]:
     """Names of the presets themselves (without the ``hf:`` forms)."""
-    return list(_PRESETS)
+    return list(PRESETS)
 
 
 def model_names() -> list[str]:
     """Every name `build_model` accepts: each preset and its ``hf:<preset>`` form (also ``hf-mistral:``,
     ``hf-qwen2:``, with ``-w<N>`` for a sliding window of N tokens, e.g. ``hf-mistral-w64:tiny``, and
     ``hf-mixtral:``, ``hf-deepseek-v3:``, ``hf-deepseek-v32:``, ``hf-qwen3.5:``)."""
-    return preset_names() + [HF_PREFIX + name for name in _PRESETS]
+    return preset_names() + [HF_PREFIX + name for name in PRESETS]
 
 
 def is_hf_name(name: str) -> bool:
@@ -100,7 +100,7 @@ def hf_variant(name: str) -> HFVariant:
 def get_preset(name: str) -> ModelPreset:
     """The preset for ``name`` (``hf:<preset>`` gives the same hyper-parameters)."""
     match = _HF_NAME.match(name)
-    preset = _PRESETS.get(match.group(4) if match else name)
+    preset = PRESETS.get(match.group(4) if match else name)
     if preset is None:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(model_names())}")
     return preset

@@ -130,7 +130,7 @@ def _deep(monkeypatch, base: str, num_layers: int = 6, **changes) -> str:
 
     from autosp.models import presets
 
-    monkeypatch.setitem(presets._PRESETS, "deep", dataclasses.replace(presets._PRESETS[base], name="deep",
+    monkeypatch.setitem(presets.PRESETS, "deep", dataclasses.replace(presets.PRESETS[base], name="deep",
                                                                       num_layers=num_layers, **changes))
     return "deep"
 
@@ -281,7 +281,7 @@ def test_alsts_peak_at_depth_is_the_line_through_2_and_3_layers(monkeypatch):
 
     from autosp.models import presets
 
-    monkeypatch.setitem(presets._PRESETS, "tiny6", dataclasses.replace(presets._PRESETS["tiny"], name="tiny6",
+    monkeypatch.setitem(presets.PRESETS, "tiny6", dataclasses.replace(presets.PRESETS["tiny"], name="tiny6",
                                                                       num_layers=6))
     cfg = RunConfig(method="alst", model="hf:tiny6", world_size=2, seq_len=1024, dtype="bfloat16")
     a100 = get_device_model("a100-80gb")
@@ -296,7 +296,7 @@ def test_alsts_peak_at_depth_is_the_line_through_2_and_3_layers(monkeypatch):
     assert 0 <= whole.peak_bytes - line.peak_bytes <= a100.small_block_bytes
     # what backward re-runs, counted (`baselines.recompute_flops`) and on the same line: every layer's forward, and
     # TiledMLP's MLP once more, on this rank's tokens and, after the all-to-all, its heads over the whole sequence
-    p = presets._PRESETS["tiny6"]
+    p = presets.PRESETS["tiny6"]
     tokens, head_dim = cfg.seq_len // 2, p.hidden_size // p.num_attention_heads
     projections = 2 * tokens * p.hidden_size * (2 * p.hidden_size + 2 * p.num_key_value_heads * head_dim)
     mlp = 3 * 2 * tokens * p.hidden_size * p.intermediate_size

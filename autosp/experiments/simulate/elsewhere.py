@@ -25,7 +25,7 @@ class ProbeElsewhere:
         context = get_context("spawn")
         self._receive, send = context.Pipe(duplex=False)
         # the presets as this process has them (a test registers a deeper variant of a CPU preset)
-        self._process = context.Process(target=_probe, args=(send, cfg, device, built_at, dict(presets._PRESETS)),
+        self._process = context.Process(target=_probe, args=(send, cfg, device, built_at, dict(presets.PRESETS)),
                                         daemon=True)
         self._process.start()
         send.close()
@@ -52,7 +52,7 @@ def _probe(send: Connection, cfg: RunConfig, device: DeviceModel, built_at: int,
     from autosp.experiments.simulate.programs import set_up_program, shared_rank_programs
     from autosp.models import presets
 
-    presets._PRESETS.update(preset_table)
+    presets.PRESETS.update(preset_table)
     try:
         with shared_rank_programs():
             set_up_program(simulate_config(cfg.replace(seq_len=built_at)), device)
