@@ -490,7 +490,7 @@ def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeyp
     partition_fn = make_partition_fn("sac")
     gm = torch.fx.symbolic_trace(lambda x: x.sin())
     compile_with_partitioner(gm, [torch.ones(2)], partition_fn=partition_fn, inner="inductor")
-    assert seen == {"allow_buffer_reuse": False, "partitioner": partition_fn}
+    assert seen == {"allow_buffer_reuse": False, "reorder_for_peak_memory": False, "partitioner": partition_fn}
     assert inductor_config.allow_buffer_reuse == before
 
 
