@@ -20,4 +20,7 @@ step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling aut
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --offload activations
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --zero 3  # the last --zero wins
 TMO=200 step $R --method autosp --seq-len 32768 --compile-backend inductor --tiling auto
+# offload under Inductor: its peak beside the aot_eager offload line above (Inductor once issued every reload at
+# the start of backward: docs/measurements/2026-12-06-inductor-reloads.md)
+TMO=200 step $R --method autosp --seq-len 32768 --compile-backend inductor --tiling auto --offload activations
 echo "=== [$(( $(date +%s) - t0 ))s] done"
