@@ -526,6 +526,9 @@ def test_every_autosp_op_is_named_a_collective_attention_or_opaque_kernel() -> N
 
 def _joint_graph() -> tuple[torch.fx.GraphModule, dict[str, torch.fx.Node]]:
     """A joint graph by hand: in layer 0 masked attention and an activation, then the tiled loss outside the layers."""
+    import autosp.compiler.sp  # noqa: F401  (registers autosp_sp::masked_attention, all_to_all)
+    import autosp.compiler.tiling  # noqa: F401  (registers autosp_sp::linear_cross_entropy)
+
     g = torch.fx.Graph()
     q, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
     in_layer = {"layer": ("L['self'].layers.0.attn", nn.Module)}

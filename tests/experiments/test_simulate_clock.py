@@ -235,3 +235,18 @@ def test_a_simulated_step_runs_the_measured_steps_finite_check():
     [trace] = traces
     assert any(op_class == "collective" and kind == "all_reduce" and quantity == 8
                for op_class, quantity, kind, *_ in trace.events)
+
+
+def test_a_recomputed_attention_is_priced_as_attention_inside_the_partitioners_rng_wrappers():
+    """A recomputed SDPA runs inside run_and_save_rng_state in forward and run_with_rng_state in backward (its
+    dropout's RNG, functionalized): priced as attention both times, 1 + 1 + 2.5 forward FLOPs a layer against the
+    kept attention's 1 + 2.5 (these were priced as memory-bound ops: the forward attention went missing)."""
+    attention = {}
+    for sac in ("off", "full"):
+        sim.extrapolate._PREDICTIONS.clear()
+        cfg = RunConfig(method="autosp", model="tiny", world_size=2, seq_len=512, dtype="bfloat16", sac=sac,
+                        tiling="off", offload="off")
+        record = sim.simulate(cfg, get_device_model("h100-80gb"))
+        assert record["status"] == "ok", record["error"]
+        attention[sac] = record["extra"]["time"]["seconds_by_class"]["attention"]
+    assert attention["full"] == pytest.approx(attention["off"] * 4.5 / 3.5)

@@ -31,6 +31,7 @@ from autosp.compiler.fx.node_kinds import (
     is_pinned_value,
     is_random,
     is_view,
+    unwrap_rng,
 )
 from autosp.compiler.fx.nodes import (
     DYNAMO,
@@ -53,4 +54,4 @@ __all__ = ["AUTOSP_ATTENTION_OPS", "AUTOSP_COLLECTIVE_OPS", "AUTOSP_HOST_PARAM_O
            "forward_nodes", "getitem_source", "global_callee", "graph_call", "holds_tensors", "is_attention",
            "is_attention_forward", "is_attention_value", "is_collective", "is_collective_value", "is_mutating",
            "is_opaque", "is_pinned_value", "is_random", "is_view", "layer_of_path", "model_module", "module_path",
-           "node_nbytes", "parse_size", "run_fake", "split_size", "user_path"]
+           "node_nbytes", "parse_size", "run_fake", "split_size", "unwrap_rng", "user_path"]

@@ -3,6 +3,7 @@ view, random or mutating; the project's own ops (`autosp.comm.library`) classifi
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,16 +62,22 @@ AUTOSP_OFFLOAD_OPS = frozenset({"offload", "reload", "wait"})
 AUTOSP_HOST_PARAM_OPS = frozenset({"fetch_parameter", "gradient_to_host"})
 
 
+#: the partitioner's RNG wrappers of a recomputed random op (attention has a dropout), by where the op's own
+#: arguments start: run_and_save_rng_state(op, ...) in forward, run_with_rng_state(state, op, ...) in backward
+RNG_WRAPPERS = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}
+
+
+def unwrap_rng(target: Any, args: Sequence[Any]) -> tuple[Any, tuple]:
+    """The op an RNG wrapper runs and the op's arguments; `target` and `args` as they are otherwise."""
+    start = RNG_WRAPPERS.get(getattr(target, "__name__", ""))
+    if start is None or len(args) < start:
+        return target, tuple(args)
+    return args[start - 1], tuple(args[start:])
+
+
 def _packet(node: fx.Node) -> Any:
-    """The op's OpOverloadPacket, looking through the partitioner's RNG wrappers
-    (run_and_save_rng_state(op, ...) in forward, run_with_rng_state(state, op, ...) in backward)."""
-    target = node.target
-    name = getattr(target, "__name__", "")
-    if name == "run_and_save_rng_state" and node.args:
-        target = node.args[0]
-    elif name == "run_with_rng_state" and len(node.args) > 1:
-        target = node.args[1]
-    return getattr(target, "overloadpacket", None)
+    """The op's OpOverloadPacket, looking through the partitioner's RNG wrappers (`unwrap_rng`)."""
+    return getattr(unwrap_rng(node.target, node.args)[0], "overloadpacket", None)
 
 
 def autosp_op_name(node: fx.Node) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autosp.compiler.fx import getitem_source, is_attention_forward, node_nbytes
+from autosp.compiler.fx import getitem_source, is_attention_forward, node_nbytes, unwrap_rng
 
 
 def recompute_flops(bw: fx.GraphModule) -> int:
@@ -72,8 +72,7 @@ def _flop_key(node: fx.Node) -> Any:
 
 def _attention_flops(node: fx.Node) -> int:
     """4 B H S_q S_k D (QK^T and PV), the flop counter's SDPA formula, which lacks the CPU kernel."""
-    wrapper = {"run_and_save_rng_state": 1, "run_with_rng_state": 2}  # leading (op) or (RNG state tensor, op)
-    args = node.args[wrapper.get(getattr(node.target, "__name__", ""), 0):]
+    _, args = unwrap_rng(node.target, node.args)
     query, key = [a.meta["val"] for a in args
                   if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)][:2]
     *batch_heads_sq, head_dim = query.shape

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from autosp.comm.costs import declared_cost
+from autosp.compiler.fx import unwrap_rng
 from autosp.timing import DeviceRates, StepTime, Timeline
 
 MATMULS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_scaled_mm": (0, 1)}
@@ -104,6 +105,7 @@ class StepClock:
 
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any, serial: Any, host: set[int]) -> None:
         """Record one executed op; `serial(t)` is a tensor's storage id, `host` the ids of host storages."""
+        func, args = unwrap_rng(func, args)  # a recomputed attention runs inside one: priced as attention
         name = _name(func)
         if name.split("::")[-1].split(".")[0] in FREE or getattr(func, "is_view", False):
             return
