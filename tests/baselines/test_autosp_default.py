@@ -123,6 +123,22 @@ def test_under_inductor_reloads_stay_where_the_planner_put_them_and_the_plan_fit
         assert any("autosp_sp.reload.default(" in line for line in calls[first_matmul:]), "every reload before backward"
 
 
+def test_under_inductor_a_tiled_plan_fits_as_planned():
+    """tiny, P=2, ZeRO-3, 24,064 tokens in 48 MiB a rank, Inductor: the planner tiles the MLPs (3 tiles a layer),
+    recomputes one layer's and moves 44.8 MB of saved values to host memory (estimated 45.69 MiB). Inductor fused a
+    gradient summed over the tiles into one kernel, which ran every tile's backward ahead of it, reloads included
+    (measured 53.76 MiB: oom); fusing within a tile only (`autosp.compiler.lowering.TileSegments`) it fits
+    (45.21 MiB; docs/measurements/2026-12-06-tile-fusion.md)."""
+    from autosp.harness.runner import run
+
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=24064, world_size=2, memory_budget=48 << 20, zero=3,
+                    steps=0, compile_backend="inductor", timeout_s=600)
+    record = run(cfg)
+    (plan,) = record["extra"]["sac_auto"]
+    assert plan["offloads"] and plan["tokenwise_recompute_layers"] == 1 and plan["attention_recompute_layers"] == 0
+    assert record["status"] == "ok", record["error"]
+
+
 def test_on_a_roomy_budget_the_default_tiles_and_moves_nothing():
     from autosp.harness.runner import run
 

@@ -23,8 +23,8 @@ from autosp.compiler.fx import (
     is_opaque,
     layer_of_path,
 )
-from autosp.compiler.lowering import sac_backend
-from autosp.compiler.memory import PartitionRecord, Policy, parse_policy, planner
+from autosp.compiler.lowering import compile_with_partitioner, sac_backend
+from autosp.compiler.memory import PartitionRecord, Policy, make_partition_fn, parse_policy, planner
 from autosp.compiler.memory.offload import RELOAD_OP, WAIT_OP, offload_boundaries
 from autosp.compiler.memory.planner import estimated_peak, recompute_flops
 from autosp.compiler.memory.tags import tag_joint_graph
@@ -467,6 +467,56 @@ def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
         torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_inductor_fuses_within_each_mlp_tile_never_across_two_and_stays_exact() -> None:
+    """A kernel Inductor fuses runs where its first member did, its later members' inputs computed ahead of it: fused
+    across two MLP tiles it ran the next tile's reloads and recompute early and held the earlier tile's values (tiny,
+    P=2, 24,064 tokens: 53.76 MiB, oom, where the plan fits: tests/baselines/test_autosp_default.py). tiny's two MLPs
+    in 2 tiles each under SAC, one process: both graphs are cut into the tiles' segments, no scheduled node computes
+    values of two, kernels inside a tile still fuse, and the gradients are eager's."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+
+    from autosp.compiler import lowering
+    from autosp.compiler.tiling import TILE_KEY, apply_tiling, parse_tiling
+
+    scheduled: list[list] = []
+    reports = []
+
+    class Scheduled(CustomSchedulerPass):
+        def __call__(self, nodes: list) -> list:
+            scheduled.append(nodes)
+            return nodes
+
+        def uuid(self) -> None:
+            return None
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202 - a torch.compile backend
+        reports.append(apply_tiling(gm, parse_tiling("auto:16"), loss_only=True))
+        return compile_with_partitioner(gm, example_inputs, partition_fn=make_partition_fn("sac", cacheable=False),
+                                        inner="inductor")
+
+    def in_one_tile(member) -> bool:  # noqa: ANN001 - a scheduler node
+        return all(TILE_KEY in (o.meta.get("custom") or {}) for o in member.node.origins)
+
+    ids = _batch()
+    reference = _eager_grads("tiny", ids)
+    model = build_model("tiny")
+    with inductor_config.patch(_post_fusion_custom_pass=Scheduled(), force_disable_caches=True):
+        torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, labels=ids).loss.backward()
+    forward, backward = scheduled
+    (report,) = reports
+    tiles = sum(-(-block["tokens"] // block["tile_tokens"]) for block in report.mlp)
+    assert tiles == 4  # both layers' MLPs, 2 tiles each (32 tokens a sequence)
+    for nodes in (forward, backward):
+        assert {s for n in nodes for s in lowering._segments(n)} == set(range(1 + tiles))  # the tiles and the head
+        assert not [n.get_name() for n in nodes if len(lowering._segments(n)) > 1]
+    # backward's recompute and gradient of a tile's SwiGLU in one kernel (forward's is one node already)
+    assert any(len(n.get_nodes()) > 1 and all(in_one_tile(m) for m in n.get_nodes()) for n in backward)
+    for p, ref in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeypatch) -> None:
     """Inductor's buffer reuse keeps a freed buffer alive until a later one of its size takes it over, judged
     against a peak estimate blind to opaque ops' scratch: on tiny, P=2, S=15,360 it held 9.9 MiB of layer 1's MLP
@@ -476,12 +526,11 @@ def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeyp
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor import config as inductor_config
 
-    from autosp.compiler.lowering import compile_with_partitioner
-    from autosp.compiler.memory import make_partition_fn
+    from autosp.compiler.lowering import TileSegments
 
     seen = {}
 
-    def fake_compile_fx(gm, example_inputs, config_patches=None):  # noqa: ANN001, ANN202 - compile_fx's signature
+    def fake_compile_fx(gm, example_inputs, inner_compile=None, config_patches=None):  # noqa: ANN001, ANN202
         seen.update(config_patches or {}, partitioner=inductor_config.custom_partitioner_fn)
         return gm.forward
 
@@ -490,6 +539,7 @@ def test_inductor_compiles_every_graph_without_cross_kernel_buffer_reuse(monkeyp
     partition_fn = make_partition_fn("sac")
     gm = torch.fx.symbolic_trace(lambda x: x.sin())
     compile_with_partitioner(gm, [torch.ones(2)], partition_fn=partition_fn, inner="inductor")
+    assert isinstance(seen.pop("post_grad_custom_post_pass"), TileSegments)
     assert seen == {"allow_buffer_reuse": False, "reorder_for_peak_memory": False, "partitioner": partition_fn}
     assert inductor_config.allow_buffer_reuse == before
 

@@ -5,5 +5,6 @@ the modules are private to this package."""
 from __future__ import annotations
 
 from autosp.compiler.tiling.loss import Tiling, TilingReport, apply_tiling, check_outputs, describe, parse_tiling
+from autosp.compiler.tiling.mlp import TILE_KEY
 
-__all__ = ["Tiling", "TilingReport", "apply_tiling", "check_outputs", "describe", "parse_tiling"]
+__all__ = ["TILE_KEY", "Tiling", "TilingReport", "apply_tiling", "check_outputs", "describe", "parse_tiling"]

@@ -16,6 +16,10 @@ from torch import Tensor
 from autosp.comm.library import op_name
 from autosp.compiler.fx import DYNAMO, dynamo_value, emit, run_fake
 
+#: `node.meta["custom"]` key naming the token tile a node belongs to ("<module path>#<tile>"): torch copies
+#: `custom` onto the aten nodes a node traces to and onto their gradients' nodes
+TILE_KEY = "autosp_tile"
+
 #: fewest tokens per tile: below this a [T, d] x [d, V] matmul stops using the hardware well
 MIN_TILE_TOKENS = 256
 
@@ -180,6 +184,7 @@ def _tile_block(graph: fx.Graph, block: _Block, size: int) -> None:
             for node in block.nodes:
                 copy = graph.node_copy(node, lambda n, env=env: env.get(n, n))
                 copy.meta[DYNAMO] = run_fake(copy, DYNAMO)
+                copy.meta["custom"] = {**(node.meta.get("custom") or {}), TILE_KEY: f"{block.path}#{i}"}
                 env[node] = copy
             outputs.append(env[block.result])
         joined = emit_in_block(torch.cat, (outputs, -2))
