@@ -77,9 +77,8 @@ class _FusingWithinTiles:
     """Inductor's heuristics (`V.choices`, delegated to) refusing a fusion of two tile segments' nodes. A fused kernel
     runs where its first member did, its later members' inputs computed ahead of it: a gradient summed over the tiles
     fused into one kernel ran every tile's backward ahead of the sum, out of the planner's order (the next tiles'
-    reloads early, the earlier tiles' values held). Measured (tiny, 2 gloo ranks, S=24,064, ZeRO-3, 48 MiB, a plan
-    estimated at 47.9 MB): peak 53.76 MiB (oom) with it, 45.21 MiB without (aot_eager: 48.34), the kernels inside a
-    tile still fused (docs/measurements/2026-12-06-tile-fusion.md)."""
+    reloads early, the earlier tiles' values held); the kernels inside a tile still fuse
+    (docs/measurements/2026-12-06-tile-fusion.md)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
