@@ -193,7 +193,7 @@ def search_rows(records: pd.DataFrame) -> pd.DataFrame:
 
 
 #: a simulated search row's predicted step at its longest length (`autosp.experiments.simulate.speed`), kept beside it
-TIME_COLUMNS = ("extra.time.iteration_s", "extra.time.tokens_per_s_per_gpu")
+TIME_COLUMNS = ("extra.time.iteration_s", "extra.time.tokens_per_s_per_gpu", "extra.time.time_model")
 
 
 def trainability_table(records: pd.DataFrame, references: tuple[str, ...] = TRAINABILITY_REFERENCES,

@@ -103,6 +103,8 @@ def test_render_relabels_an_old_tables_autosp_keeps_one_world_size_and_says_wher
     `autosp[paper]`, the new rows of the default as `autosp`; rows of another world size and columns not in
     --methods left out; each cell where the default trains less than another column named under the table; the
     footnote gives the command that renders it again, and rendering the output again gives the same table."""
+    from autosp.experiments.simulate.speed import TIME_MODEL
+
     (tmp_path / "old.md").write_text(
         "| model | device | autosp z0 | autosp z3 | ulysses z3 | fsdp z3 | alst (hf) z3 |\n"
         "|---|---|---|---|---|---|---|\n"
@@ -111,7 +113,7 @@ def test_render_relabels_an_old_tables_autosp_keeps_one_world_size_and_says_wher
     search = dict(kind="search", device="a100-80gb", device_name="a100-80gb", memory_budget=8e10, mode="simulated",
                   method="autosp", zero=3, status="found", dtype="bfloat16", config={"ac": "off"})
     rows = [dict(search, model="llama-3.1-8b", world_size=8, max_seq_len=4000 * 1024,
-                 extra={"time": {"iteration_s": 4750.0, "tokens_per_s_per_gpu": 117.0}}),
+                 extra={"time": {"iteration_s": 4750.0, "tokens_per_s_per_gpu": 117.0, "time_model": TIME_MODEL}}),
             dict(search, model="llama-3.2-1b", world_size=8, max_seq_len=300 * 1024),
             dict(search, model="llama-3.1-8b", world_size=1, max_seq_len=400 * 1024),  # another table's
             dict(search, model="llama-3.1-8b", world_size=8, method="ring", max_seq_len=60 * 1024)]
@@ -269,3 +271,44 @@ def test_a_single_simulated_length_that_fits_renders_as_a_lower_bound_in_its_spe
 
     headline = headline_table(trainability_table(simulated_table_rows(out))).set_index("setting")  # README's table
     assert headline.loc["simulated: a100-80gb, 8 ranks", "alst"] == "3216K" and spec not in headline
+
+
+def test_a_later_single_length_at_a_searchs_answer_reprices_its_step_and_an_earlier_time_model_says_so(tmp_path):
+    """`autosp simulate --seq-len N` at a search's answer, in a later file (or later in the same one) and of the
+    same configuration, gives the cell its predicted step; the length stays the search's. A prediction without
+    `time_model` (the time model before 69cbb22) is marked in the time table, with what that model left out."""
+    from autosp.experiments.simulate.speed import EARLIER_TIME_MODELS, TIME_MODEL
+
+    config = dict(method="alst", model="hf:llama-3.1-8b", dtype="bfloat16", ac="off", seq_len=3204 * 1024)
+
+    def record(device, seconds, *, version=None, **fields):
+        time = dict(iteration_s=seconds, tokens_per_s_per_gpu=3204 * 1024 / seconds / 8,
+                    **({"time_model": version} if version else {}))
+        return dict(dict(model="hf:llama-3.1-8b", device=device, device_name=device, memory_budget=8e10,
+                         world_size=8, dtype="bfloat16", mode="simulated", method="alst", zero=3, status="ok",
+                         seq_len=3204 * 1024, config=config, timestamp="2026-12-05", extra={"time": time}), **fields)
+
+    def search(device, seconds):
+        return record(device, seconds, kind="search", status="found", max_seq_len=3204 * 1024, num_probes=2,
+                      first_oom_seq_len=None, floor_limit_seq_len=None, achieved_over_limit=None)
+
+    old = [record("h200-141gb", 9.0, version=TIME_MODEL),  # before its search: re-prices nothing
+           search("h100-80gb", 4640.0), search("h200-141gb", 15100.0), search("a100-80gb", 4000.0),
+           search("gh200-96gb", 5000.0), record("gh200-96gb", 9000.0, version=TIME_MODEL)]
+    new = [record("h100-80gb", 9100.0, version=TIME_MODEL),
+           dict(record("a100-80gb", 7.0, version=TIME_MODEL), seq_len=3000 * 1024),  # another length: a bound
+           dict(record("h200-141gb", 8.0, version=TIME_MODEL), config=dict(config, dtype="float32"))]
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in new))
+    out = tmp_path / "out.md"
+    assert main(["simulate-table", "--render", str(tmp_path / "old.jsonl"), str(tmp_path / "new.jsonl"),
+                 "--table-out", str(out)]) == 0
+    lengths, _, times, note, *_ = out.read_text().split("\n\n")
+    assert all(line.split(" | ")[2] == "3204K" for line in lengths.splitlines()[2:])  # every search's length
+    cells = {line.split(" | ")[1]: line.split(" | ")[2] for line in times.splitlines()[2:]}
+    assert cells == {"a100-80gb": "4e+03 s, 103 tok/s/GPU at 3204K (time model 1) |",
+                     "gh200-96gb": "9e+03 s, 46 tok/s/GPU at 3204K |",
+                     "h100-80gb": "9.1e+03 s, 45 tok/s/GPU at 3204K |",
+                     "h200-141gb": "1.51e+04 s, 27 tok/s/GPU at 3204K (time model 1) |"}
+    assert note == (f"(time model 1): predicted by time model 1, which {EARLIER_TIME_MODELS[1]}; not simulated "
+                    "again since.")

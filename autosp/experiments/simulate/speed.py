@@ -8,6 +8,15 @@ from autosp.experiments.flops import BACKWARD_FACTOR, layer_flops
 from autosp.harness.config import RunConfig
 from autosp.timing import DeviceRates, StepTime
 
+#: the time model's version, in every record's `extra.time.time_model` (a record without one: version 1)
+TIME_MODEL = 2
+#: what each earlier version of the time model left out, for the tables that still show its predictions
+EARLIER_TIME_MODELS = {
+    1: "priced a compiled plan's recomputed attention (inside the partitioner's RNG wrappers) as a memory op, so "
+       "its step is low by up to 1.8x where autosp recomputes attention (fixed in 69cbb22: "
+       "docs/measurements/2026-12-06-recomputed-attention-time.md)",
+}
+
 
 def model_flops(cfg: RunConfig, dp_size: int) -> float:
     """The step's model FLOPs over the whole job (forward + backward, no recompute: the MFU convention): every
@@ -28,6 +37,7 @@ def time_record(time: StepTime, cfg: RunConfig, rates: DeviceRates, dp_size: int
     step = time.iteration_s
     return {
         "prediction": True,
+        "time_model": TIME_MODEL,
         "iteration_s": step,
         "tokens_per_s_per_gpu": tokens / step / cfg.world_size if step else None,
         "mfu": per_gpu / step / rates.peak_flops if step else None,

@@ -236,21 +236,29 @@ def _column_order(labels: list[str]) -> list[str]:
 def time_markdown_table(table: pd.DataFrame) -> str:
     """Each cell's predicted step at its longest length (seconds, tokens/s per GPU, the length), laid out as the
     length table, with only the rows and columns that carry one (a rendered Markdown table's cells and device types
-    without rates carry none)."""
+    without rates carry none). A prediction of an earlier time model says so, and what that model left out."""
+    from autosp.experiments.simulate.speed import EARLIER_TIME_MODELS, TIME_MODEL
+
     if "extra.time.iteration_s" not in table:
         return ""
     hf = table["model"].str.startswith("hf:")
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
     timed = table[table["extra.time.iteration_s"].notna() & (table["status"] != "error")]
+    version = timed.get("extra.time.time_model")  # a record without one: the first model
+    timed = timed.assign(time_model=1 if version is None else version.fillna(1).astype(int))
     labels = _column_order(list(timed["label"]))  # the columns and rows with a prediction
     lines = ["| model | device | " + " | ".join(labels) + " |", "|" + "---|" * (len(labels) + 2)]
     for (model, device), cell in _by_row(timed):
         by_label = {row["label"]: f"{row['extra.time.iteration_s']:.3g} s, "
                                   f"{row['extra.time.tokens_per_s_per_gpu']:,.0f} tok/s/GPU at {_length(row)}"
+                                  + ("" if row["time_model"] == TIME_MODEL else f" (time model {row['time_model']})")
                     for _, row in cell.iterrows()}
         lines.append("| " + " | ".join([model, device, *(by_label.get(label, "") for label in labels)]) + " |")
-    return "\n".join(lines) if labels else ""
+    older = sorted(set(timed["time_model"]) - {TIME_MODEL})
+    notes = "".join(f"\n\n(time model {n}): predicted by time model {n}, which {EARLIER_TIME_MODELS[n]}; not "
+                    "simulated again since." for n in older)
+    return "\n".join(lines) + notes if labels else ""
 
 
 def rendered_rows(paths: list[str], relabel: dict[str, str] | None = None, methods: list[str] | None = None,
@@ -259,7 +267,8 @@ def rendered_rows(paths: list[str], relabel: dict[str, str] | None = None, metho
     whose JSONL is not committed; its HF methods given their `hf:` model back). A cell (model, device, method,
     ZeRO stage) found in a later file replaces an earlier file's: new cells rendered into the committed table. A
     JSONL's single simulated lengths that fit (`autosp simulate --seq-len N`) fill cells no search answered, as
-    lower bounds (`lower_bound_row`): one costly probe at a baseline's length shows a cell's order. `relabel` moves a
+    lower bounds (`lower_bound_row`): one costly probe at a baseline's length shows a cell's order; one at the
+    answer of a search before it gives that search its predicted step (`_reprice`). `relabel` moves a
     Markdown table's column to another (`{"autosp": "autosp[paper]"}`: a table recorded before autosp's default
     became the planner); a Markdown table carries no configuration that would say so, a JSONL's rows do. Only the
     rows `select_rows` keeps (`methods`, `world_size`) take part."""
@@ -274,18 +283,36 @@ def rendered_rows(paths: list[str], relabel: dict[str, str] | None = None, metho
             table["model"] = [f"hf:{m}" if method in HF_MODEL_METHODS else m
                               for m, method in zip(table["model"], table["method"], strict=True)]
             table["method"] = table["method"].replace(relabel or {})
-            found = table.to_dict("records")
-        else:
-            records = read_records(path)
-            found = [r for r in records if r.get("kind") == "search"]
-            bounds.extend(select_rows([lower_bound_row(r) for r in records if _fits_alone(r)], methods, world_size))
-        for row in select_rows(found, methods, world_size):
-            cells[_cell(row)] = row
+            for row in select_rows(table.to_dict("records"), methods, world_size):
+                cells[_cell(row)] = row
+            continue
+        for record in read_records(path):  # in the file's order: a record re-prices only the searches before it
+            if record.get("kind") == "search":
+                for row in select_rows([record], methods, world_size):
+                    cells[_cell(row)] = row
+            elif _fits_alone(record):
+                for row in select_rows([lower_bound_row(record)], methods, world_size):
+                    bounds.append(row)
+                    _reprice(cells, row)
     for row in bounds:  # a search's answer stands, unless it is itself a lower bound below this one
         held = cells.get(_cell(row))
         if held is None or (held["status"] == "no_oom_up_to_max_len" and held["max_seq_len"] < row["max_seq_len"]):
             cells[_cell(row)] = row
     return list(cells.values())
+
+
+def _reprice(cells: dict[tuple, dict], row: dict) -> None:
+    """A single simulated length (`lower_bound_row`) at the answer of its cell's search so far gives that search
+    its predicted step: the same configuration at the same length, simulated later (e.g. `autosp simulate --seq-len
+    N` at a search's answer after the time model changed). The search keeps its length. The same configuration: equal
+    in every field both records' configurations have (a field one lacks did not exist when it was simulated)."""
+    held = cells.get(_cell(row))
+    step = (row.get("extra") or {}).get("time")
+    if held is None or step is None or held.get("max_seq_len") != row["seq_len"]:
+        return
+    ours, theirs = row.get("config") or {}, held.get("config") or {}
+    if all(ours[key] == theirs[key] for key in ours.keys() & theirs.keys()):
+        cells[_cell(row)] = dict(held, extra={**(held.get("extra") or {}), "time": step})
 
 
 def _cell(row: dict) -> tuple:
@@ -465,7 +492,8 @@ def add_simulate_table_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--figure", nargs="*", default=[], help="trainability figure files (.png, .pdf)")
     p.add_argument("--render", nargs="+", default=[], metavar="JSONL",
                    help="no simulation: the table and figure of the search rows in these files (JSONL, or a "
-                        "rendered table .md; a cell in a later file replaces an earlier file's)")
+                        "rendered table .md; a cell in a later file replaces an earlier file's, and a later "
+                        "`autosp simulate --seq-len N` at a search's answer N gives it its predicted step)")
     p.add_argument("--relabel", action="append", default=[], metavar="OLD=NEW",
                    help="with --render: a Markdown table's column OLD is read as NEW, e.g. autosp=autosp[paper] "
                         "for a table recorded before autosp's default became the planner (repeatable)")
