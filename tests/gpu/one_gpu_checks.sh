@@ -19,6 +19,8 @@ step $R --method ulysses --seq-len 16384
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --offload activations
 step $R --method autosp --seq-len 32768 --compile-backend aot_eager --tiling auto --zero 3  # the last --zero wins
+# Inductor fuses within a token tile only (lowering.TileSegments, Inductor choices handler: on torch 2.11 here;
+# docs/measurements/2026-12-06-tile-fusion.md)
 TMO=200 step $R --method autosp --seq-len 32768 --compile-backend inductor --tiling auto
 # offload under Inductor: its peak beside the aot_eager offload line above (Inductor once issued every reload at
 # the start of backward: docs/measurements/2026-12-06-inductor-reloads.md)
