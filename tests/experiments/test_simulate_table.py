@@ -312,3 +312,51 @@ def test_a_later_single_length_at_a_searchs_answer_reprices_its_step_and_an_earl
                      "h200-141gb": "1.51e+04 s, 27 tok/s/GPU at 3204K (time model 1) |"}
     assert note == (f"(time model 1): predicted by time model 1, which {EARLIER_TIME_MODELS[1]}; not simulated "
                     "again since.")
+
+
+#: the commit that made each time model after the first (a record made at or after it carries that version)
+TIME_MODEL_COMMITS = {2: "69cbb22"}
+
+
+def test_every_committed_record_says_the_time_model_its_commit_ran():
+    """A record without `extra.time.time_model` is read as model 1 (the table marks it so), which is wrong for one
+    made by a later model before the field existed (69cbb22 made model 2; the field came in 4203f5e). Each committed
+    record's version is checked against its `git_commit`'s history; a dirty record older than a model is skipped
+    (its working tree may have held the change)."""
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    from autosp.experiments.simulate.speed import TIME_MODEL
+
+    root = Path(__file__).resolve().parents[2]
+    assert max(TIME_MODEL_COMMITS) == TIME_MODEL, "a new time model: add the commit that made it"
+
+    def version_of(commit: str) -> int:
+        """The newest time model whose commit `commit` contains (a commit this clone lacks: skip, a shallow clone)."""
+        versions = [1]
+        for version, made in TIME_MODEL_COMMITS.items():
+            done = subprocess.run(["git", "-C", str(root), "merge-base", "--is-ancestor", made, commit],
+                                  capture_output=True)
+            if done.returncode not in (0, 1):
+                pytest.skip(f"this clone lacks {commit[:9]} or {made} (a shallow clone?)")
+            versions += [version] * (done.returncode == 0)
+        return max(versions)
+
+    checked, wrong, cache = 0, [], {}
+    for path in sorted([*root.glob("docs/measurements/*.jsonl"), *root.glob("results/**/*.jsonl")]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            record = json.loads(line) if line.strip() else {}
+            time = (record.get("extra") or {}).get("time")
+            if not time or not record.get("git_commit"):
+                continue
+            commit = record["git_commit"]
+            if commit not in cache:
+                cache[commit] = version_of(commit)
+            said = time.get("time_model", 1)
+            if said < cache[commit] or (said > cache[commit] and not record.get("git_dirty")):
+                wrong.append(f"{path.name}:{number} says time model {said}, its commit {commit[:9]} ran "
+                             f"{cache[commit]}")
+            checked += 1
+    assert checked > 10 and not wrong, wrong
