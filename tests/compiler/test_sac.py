@@ -229,7 +229,8 @@ def test_with_memory_to_spare_the_time_ranked_planner_moves_and_recomputes_nothi
 def test_a_copy_that_cannot_hide_loses_to_recompute_and_one_that_hides_wins() -> None:
     """At the budget where the ladder moves the layer boundaries to host memory and recomputes nothing: over a
     1 kB/s link the copies cannot hide behind the compute, so recomputing is predicted faster and taken (exact
-    gradients: `_auto_plan`); over a 1 EB/s link they hide, and the ladder's plan stands."""
+    gradients: `_auto_plan`); over a 1 EB/s link they hide, and the ladder's plan stands without the recompute-only
+    ladder being partitioned."""
     _, moved = _auto_plan(None, offload="activations")
     budget = moved["estimated_peak_bytes"]
     with planning_rates(_rates(1e3)):
@@ -241,6 +242,8 @@ def test_a_copy_that_cannot_hide_loses_to_recompute_and_one_that_hides_wins() ->
         _, fast = _auto_plan(budget)
     assert fast["offloaded_bytes"] == moved["offloaded_bytes"] and fast["tokenwise_recompute_layers"] == 0
     assert fast["predicted_added_s"] == fast["ladder_added_s"] < slow["predicted_added_s"]
+    # copies that hide leave no recompute-only plan faster: its ladder is not walked (fewer partitions)
+    assert fast["partitions_tried"] < slow["partitions_tried"]
 
 
 def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_per_op_and_shapes(monkeypatch):

@@ -290,8 +290,11 @@ def _over_any_budget(joint_gm: fx.GraphModule, budget: int | None) -> fx.Node | 
 def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx.GraphModule,
                     joint_inputs: Sequence[Any], offload: str) -> tuple[_Trial, dict[str, Any]]:
     """The ladder's plan, or the plan that recomputes instead of moving saved values to host memory where the time
-    model (`time_rank`) predicts it faster; with the predicted added seconds of both for the record."""
-    from autosp.compiler.memory.time_rank import added_seconds, current_rates
+    model (`time_rank`) predicts it faster; with the predicted added seconds of both for the record. Where the
+    ladder's copies hide entirely, the recompute-only ladder is not walked (its partitions are a third of a long
+    probe's planning: docs/measurements/2026-12-06-planning-time.md): it fits only on a later rung, which recomputes
+    at least what the ladder's does, so it cannot be faster."""
+    from autosp.compiler.memory.time_rank import added_seconds, current_rates, exposed_copy_seconds
 
     rates = current_rates({t.device for t in _flat_tensors(joint_inputs)})
     if rates is None:
@@ -302,7 +305,8 @@ def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx
         return added_seconds(recompute_flops(t.bw_module), t.offload.nbytes if t.offload else 0, forward, rates)
 
     ladder = chosen
-    if offload == "auto" and chosen.offload is not None and chosen.offload.nbytes:
+    if (offload == "auto" and chosen.offload is not None and chosen.offload.nbytes
+            and exposed_copy_seconds(chosen.offload.nbytes, forward, rates) > 0):
         alternative = recompute_only()
         if fits(alternative) and cost(alternative) < cost(chosen):
             chosen = alternative
