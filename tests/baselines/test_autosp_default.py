@@ -77,14 +77,14 @@ def _library_plan(cfg_dict: dict, budget: int) -> tuple[list, list]:
 
 
 def test_run_and_compile_make_the_same_plan_and_it_fits_where_the_old_defaults_did_not():
-    """hf:tiny, P=2, 12,288 tokens in 48 MiB a rank: the default tiles the loss and the MLPs and moves saved values
-    to host memory, and fits; the library's old default (no tiling) and the paper's setting are oom there.
-    `autosp.compile` at the same graph budget makes the same plan and tiles."""
+    """hf:tiny, P=2, 6,144 tokens in 24 MiB a rank: the default tiles the loss and the MLPs and moves saved values
+    to host memory, and fits (17.1 MiB); the library's old default (no tiling: 25.96 MiB) and the paper's setting
+    (35.79 MiB) are oom there. `autosp.compile` at the same graph budget makes the same plan and tiles."""
     from autosp.harness.launch import launch
     from autosp.harness.runner import run
     from baselines.autosp_method import sac_policy
 
-    cfg = RunConfig(method="autosp", model="hf:tiny", seq_len=12288, world_size=2, memory_budget=48 << 20, steps=0,
+    cfg = RunConfig(method="autosp", model="hf:tiny", seq_len=6144, world_size=2, memory_budget=24 << 20, steps=0,
                     compile_backend="aot_eager", timeout_s=600)
     record = run(cfg)
     assert record["status"] == "ok", record["error"]
@@ -124,14 +124,15 @@ def test_under_inductor_reloads_stay_where_the_planner_put_them_and_the_plan_fit
 
 
 def test_under_inductor_a_tiled_plan_fits_as_planned():
-    """tiny, P=2, ZeRO-3, 24,064 tokens in 48 MiB a rank, Inductor: the planner tiles the MLPs (3 tiles a layer),
-    recomputes one layer's and moves 44.8 MB of saved values to host memory (estimated 45.69 MiB). Inductor fused a
+    """tiny, P=2, ZeRO-3, 12,032 tokens in 24 MiB a rank, Inductor: the planner tiles the MLPs (3 tiles a layer),
+    recomputes one layer's and moves 22.4 MB of saved values to host memory (estimated 22.07 MiB). Inductor fused a
     gradient summed over the tiles into one kernel, which ran every tile's backward ahead of it, reloads included
-    (measured 53.76 MiB: oom); fusing within a tile only (`autosp.compiler.lowering.TileSegments`) it fits
-    (45.21 MiB; docs/measurements/2026-12-06-tile-fusion.md)."""
+    (measured 27.66 MiB on b04afd7: oom); fusing within a tile only (`autosp.compiler.lowering.TileSegments`) it fits
+    (23.45 MiB). The cell of docs/measurements/2026-12-06-tile-fusion.md (24,064 tokens in 48 MiB: 53.76 -> 45.21
+    MiB) halved, the same plan (docs/measurements/2026-12-06-suite-b.md)."""
     from autosp.harness.runner import run
 
-    cfg = RunConfig(method="autosp", model="tiny", seq_len=24064, world_size=2, memory_budget=48 << 20, zero=3,
+    cfg = RunConfig(method="autosp", model="tiny", seq_len=12032, world_size=2, memory_budget=24 << 20, zero=3,
                     steps=0, compile_backend="inductor", timeout_s=600)
     record = run(cfg)
     (plan,) = record["extra"]["sac_auto"]

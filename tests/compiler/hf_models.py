@@ -12,8 +12,12 @@ _MLA = dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, moe_i
             first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, n_group=1, topk_group=1, **_MOE)
 
+# hc_sinkhorn_iters=2: the hyper-connections' Sinkhorn loop traced with its body once (HF's default 20 unrolls it 19
+# times in each of a layer's two hyper-connections: per token, over its 2 x 2 mixing matrix, nothing along the
+# sequence); the same ops in a graph compiled in about half the CPU (docs/measurements/2026-12-06-suite-b.md)
 V4 = dict(num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,
            sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=2,
+           hc_sinkhorn_iters=2,
            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, **_MOE)
 
 #: family -> (model class, config class, config overrides, from_config keywords)

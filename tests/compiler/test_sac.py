@@ -474,9 +474,9 @@ def test_inductor_sac_matches_eager_and_keeps_attention() -> None:
 def test_inductor_fuses_within_each_mlp_tile_never_across_two_and_stays_exact() -> None:
     """A kernel Inductor fuses runs where its first member did, its later members' inputs computed ahead of it: fused
     across two MLP tiles it ran the next tile's reloads and recompute early and held the earlier tile's values (tiny,
-    P=2, 24,064 tokens: 53.76 MiB, oom, where the plan fits: tests/baselines/test_autosp_default.py). tiny's two MLPs
-    in 2 tiles each under SAC, one process: both graphs are cut into the tiles' segments, no scheduled node computes
-    values of two, kernels inside a tile still fuse, and the gradients are eager's."""
+    P=2, 24,064 tokens: 53.76 MiB, oom, where the plan fits; tests/baselines/test_autosp_default.py at 12,032). tiny's
+    two MLPs in 2 tiles each under SAC, one process: both graphs are cut into the tiles' segments, no scheduled node
+    computes values of two, kernels inside a tile still fuse, and the gradients are eager's."""
     from torch._inductor import config as inductor_config
     from torch._inductor.custom_graph_pass import CustomSchedulerPass
 
