@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from autosp.cli import main
 from autosp.experiments import simulate as sim
@@ -321,27 +324,27 @@ TIME_MODEL_COMMITS = {2: "69cbb22"}
 def test_every_committed_record_says_the_time_model_its_commit_ran():
     """A record without `extra.time.time_model` is read as model 1 (the table marks it so), which is wrong for one
     made by a later model before the field existed (69cbb22 made model 2; the field came in 4203f5e). Each committed
-    record's version is checked against its `git_commit`'s history; a dirty record older than a model is skipped
-    (its working tree may have held the change)."""
-    import subprocess
-    from pathlib import Path
-
-    import pytest
-
+    record's version is checked against its `git_commit`'s history; a dirty record may say a newer model than its
+    commit (its working tree may have held the change), and a commit missing from the history is reported."""
     from autosp.experiments.simulate.speed import TIME_MODEL
 
     root = Path(__file__).resolve().parents[2]
     assert max(TIME_MODEL_COMMITS) == TIME_MODEL, "a new time model: add the commit that made it"
 
-    def version_of(commit: str) -> int:
-        """The newest time model whose commit `commit` contains (a commit this clone lacks: skip, a shallow clone)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("needs the whole git history (a shallow clone, or no repository)")
+
+    def version_of(commit: str) -> int | None:
+        """The newest time model whose commit `commit` contains; None: `commit` is not in this history."""
         versions = [1]
         for version, made in TIME_MODEL_COMMITS.items():
-            done = subprocess.run(["git", "-C", str(root), "merge-base", "--is-ancestor", made, commit],
-                                  capture_output=True)
-            if done.returncode not in (0, 1):
-                pytest.skip(f"this clone lacks {commit[:9]} or {made} (a shallow clone?)")
-            versions += [version] * (done.returncode == 0)
+            code = git("merge-base", "--is-ancestor", made, commit).returncode
+            if code not in (0, 1):
+                return None
+            versions += [version] * (code == 0)
         return max(versions)
 
     checked, wrong, cache = 0, [], {}
@@ -354,9 +357,10 @@ def test_every_committed_record_says_the_time_model_its_commit_ran():
             commit = record["git_commit"]
             if commit not in cache:
                 cache[commit] = version_of(commit)
-            said = time.get("time_model", 1)
-            if said < cache[commit] or (said > cache[commit] and not record.get("git_dirty")):
-                wrong.append(f"{path.name}:{number} says time model {said}, its commit {commit[:9]} ran "
-                             f"{cache[commit]}")
+            said, ran = time.get("time_model", 1), cache[commit]
+            if ran is None:
+                wrong.append(f"{path.name}:{number}: its commit {commit[:9]} is not in this history")
+            elif said < ran or (said > ran and not record.get("git_dirty")):
+                wrong.append(f"{path.name}:{number} says time model {said}, its commit {commit[:9]} ran {ran}")
             checked += 1
     assert checked > 10 and not wrong, wrong
