@@ -104,9 +104,10 @@ def search_max_length(
     steep as the activations', so its guess lies at or above the limit), else through the two probes nearest
     the boundary; with a single ok peak, its resident bytes stand in for length 0 (that slope is steep, its
     guess falls short of the limit: a safe jump). While the ok peaks are flat the search jumps
-    `FLAT_PEAK_JUMP` times past them. Guesses only choose what to probe; statuses alone decide the answer, and
-    after two guesses that did not pay off one geometric/bisection step follows, so the probe count stays
-    within a small multiple of plain bisection whatever the peaks look like.
+    `FLAT_PEAK_JUMP` times past them. An out-of-memory probe whose peak lies within the budget ran out of something
+    else (host memory): no line is drawn while it bounds the bracket. Guesses only choose what to probe; statuses
+    alone decide the answer, and after two guesses that did not pay off one geometric/bisection step follows, so the
+    probe count stays within a small multiple of plain bisection whatever the peaks look like.
     """
     if granularity < 1:
         raise ConfigError(f"--granularity must be positive, got {granularity}")
@@ -159,6 +160,10 @@ def search_max_length(
     def linear_guess() -> int | None:
         """Where the line through the two probes nearest the boundary reaches the budget, inside the bracket."""
         if budget is None:
+            return None
+        if bad is not None and peaks.get(bad, budget + 1) <= budget:
+            # out of memory with its peak inside the budget: something the peaks do not measure bound it (host
+            # memory): their line does not lead to the boundary (it crept down a granule a probe), so bisect
             return None
         above = sorted(k for k in peaks if bad is not None and k >= bad)[:2]
         if len(above) == 2:

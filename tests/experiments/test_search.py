@@ -227,6 +227,25 @@ def test_misleading_peaks_cannot_change_the_answer_or_blow_up_the_probe_count() 
         assert len(oracle.asked) <= 3 * (2 * math.ceil(math.log2(limit / 512 + 1)) + 2)
 
 
+def test_an_out_of_memory_whose_peak_fits_is_bisected_not_crept_down_on() -> None:
+    """Host memory bounds the length far below where the device's line meets its budget (8B on 8 x h200 simulated:
+    out of memory from 8,134,656 tokens with the device at 101 of 148 GB). The device's line put every guess one
+    granule under the shortest out-of-memory probe: 35 probes. An out-of-memory peak within the budget says another
+    memory binds: bisection, about log2 of the bracket."""
+    budget, granularity, limit = 148_369_645_240, 2048, 8_132_608
+    asked: list[int] = []
+
+    def probe(n: int):
+        asked.append(n)
+        return (OK if n <= limit else OOM), int(30_901_865_472 + 10_336 * (n - 1_345_536)), 20 * GIB
+
+    out = search_max_length(probe, granularity=granularity, min_len=granularity, max_len=1 << 25,
+                            start_len=1_345_536, budget=budget)
+    assert out.max_seq_len == limit and out.first_oom_seq_len == limit + granularity
+    bracket = (asked[1] - asked[0]) // granularity  # the start ok, the line's jump oom
+    assert len(asked) <= 2 + math.ceil(math.log2(bracket)) + 2, asked
+
+
 class FakeRunner:
     """Stands in for autosp.harness.runner.run: peak = per_token * S, OOM above the budget, an error at `error_at`."""
 

@@ -598,6 +598,38 @@ def test_a_simulated_node_that_offloads_more_than_its_host_memory_is_oom_naming_
     assert within["status"] == "ok"
 
 
+def test_a_search_where_host_memory_binds_follows_the_host_memory_not_the_device():
+    """Each rank moves 1 KiB a token to host memory; the node's budget holds 2,560 tokens, the device far more. The
+    probes out of memory have device peaks within the budget, so the search's line is drawn through the host bytes
+    (`binding_peak`): a few probes, where the device's line crept down a granule a probe (8B on 8 x h200: 26)."""
+    cfg = RunConfig(method="ring", model="tiny", seq_len=1, world_size=2, zero=0, host_memory_budget=2 * 2560 * 1024)
+    real_predict = sim.extrapolate._predict_peak
+
+    def offloading(cfg, device):
+        peak, how = real_predict(cfg, device)
+        peak.host_offloaded_bytes = 1024 * cfg.seq_len
+        return peak, how
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sim.extrapolate, "_predict_peak", offloading)
+        sim.extrapolate._PREDICTIONS.clear()
+        row = sim.simulated_search(cfg, CPU, granularity=512, max_len=1 << 16)
+        sim.extrapolate._PREDICTIONS.clear()
+    assert row["status"] == "found" and row["max_seq_len"] == 2560 and row["first_oom_seq_len"] == 3072
+    probes = [(p["seq_len"], p["status"], p["peak_mem_bytes"]) for p in row["probes"]]
+    assert all(peak < CPU.usable_bytes for _, _, peak in probes)  # the device never binds
+    assert len(probes) <= 4, probes
+
+
+def test_the_peak_a_search_follows_is_the_fuller_memory_in_the_devices_scale():
+    record = {"peak_mem_bytes": 30, "extra": {"node_host_bytes": 600, "host_budget_bytes": 1000}}
+    assert sim.binding_peak(record, 100) == 60  # host 60% full: 60 of the device's 100
+    assert sim.binding_peak({**record, "peak_mem_bytes": 70}, 100) == 70  # the device fuller
+    assert sim.binding_peak({"peak_mem_bytes": 30, "extra": {"node_host_bytes": 1001, "host_budget_bytes": 1000}},
+                            100) == 101  # over the host budget: over the device's scale too (rounded up)
+    assert sim.binding_peak({"peak_mem_bytes": 30, "extra": {}}, 100) == 30  # no host bound
+
+
 def test_each_simulated_device_gets_its_own_plan_and_the_record_carries_it():
     """The planner's choice depends on the device's memory: two devices in one process each get their own plan (a
     prediction cached without the device's size gave the second device the first one's), in `extra.sac_auto`."""

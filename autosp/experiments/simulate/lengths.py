@@ -101,6 +101,18 @@ def _host_budget(cfg: RunConfig, device: DeviceModel) -> tuple[int, str] | None:
     return None
 
 
+def binding_peak(record: dict[str, Any], usable: int) -> int:
+    """The peak a search draws its line through: the device's, or where the node's host memory is the fuller of the
+    two, the host bytes in the device's scale (their share of the host budget times `usable`), so that the line
+    follows whichever memory binds and crosses `usable` where that one runs out (8B on 8 x h200: host memory bound
+    and the device's line crept down a granule a probe, 26 probes out of memory)."""
+    extra = record["extra"]
+    host, host_budget = extra.get("node_host_bytes"), extra.get("host_budget_bytes")
+    if not host or not host_budget:
+        return record["peak_mem_bytes"]
+    return max(record["peak_mem_bytes"], -(-host * usable // host_budget))  # ceil: within budget iff host fits
+
+
 def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> int | None:
     """Where the line through the two simulated lengths whose peaks lie nearest `tensor_budget` crosses it.
 
@@ -154,11 +166,14 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
             probes.append(record)
             if record["status"] not in ("ok", "oom"):
                 return record["status"], None, None
+            if "breakdown" not in record["extra"]:  # oom before any peak: the optimizer state alone over the host's
+                return record["status"], None, None
             breakdown = record["extra"]["breakdown"]
             if on_curve:
                 curve[seq_len] = breakdown["allocator_blocks_bytes"]
             # model state at the peak is what was resident at the step's start: the line's value at length 0
-            return record["status"], record["peak_mem_bytes"], breakdown["model_state_bytes"] + device.fixed_bytes
+            return (record["status"], binding_peak(record, device.usable_bytes),
+                    breakdown["model_state_bytes"] + device.fixed_bytes)
         return probe
 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
