@@ -230,6 +230,18 @@ def search_max_length(
     return outcome
 
 
+def binding_peak(record: dict, budget: int | None) -> int | None:
+    """The peak a search draws its line through: the record's device peak, or where the node's host memory is the
+    fuller of the two (the record's `extra.node_host_bytes` of `extra.host_budget_bytes`), the host bytes in the
+    device's scale: their share of the host budget times `budget`, so the line follows whichever memory binds and
+    crosses `budget` where that one runs out."""
+    peak, extra = record.get("peak_mem_bytes"), record.get("extra") or {}
+    host, host_budget = extra.get("node_host_bytes"), extra.get("host_budget_bytes")
+    if peak is None or budget is None or not host or not host_budget:
+        return peak
+    return max(peak, -(-host * budget // host_budget))  # rounded up: within `budget` exactly when the host fits
+
+
 #: `predict(cfg, granularity=g, min_len=a, max_len=b)`: the longest multiple of g in [a, b] predicted to train (0:
 #: not even the shortest); raises ConfigError when it cannot predict (e.g. `autosp.experiments.guided.simulated`)
 Predictor = Callable[..., int]
@@ -391,7 +403,7 @@ def run_search(
         print(f"  [{time.monotonic() - started:6.0f} s] probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
         resident = ((record.get("extra") or {}).get("memory") or {}).get("resident_at_step_start_bytes")
-        return status, record.get("peak_mem_bytes"), resident
+        return status, binding_peak(record, budget), resident
 
     def probe_with_progress(seq_len: int) -> tuple[str, int | None, int | None]:
         bar.set_postfix_str(f"probing S={seq_len}")

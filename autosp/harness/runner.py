@@ -165,9 +165,10 @@ def rank_main(cfg_dict: dict[str, Any], extra_imports: tuple[str, ...] = ()) -> 
         host = _node_host_bytes(measured.detail.get("host_offloaded_bytes", 0), device)
         if over is None and cfg.host_memory_budget is not None and host > cfg.host_memory_budget:
             over = "host"
+        result["node_host"] = host
         if over is not None:  # the record keeps the plan that did not fit: what to look at first
-            result.update(status="oom", oom_in=over, peak=measured.peak_bytes, node_host=host,
-                          memory=measured.detail, metrics=_metrics(step))
+            result.update(status="oom", oom_in=over, peak=measured.peak_bytes, memory=measured.detail,
+                          metrics=_metrics(step))
             return result
     result["cpu_samples"] = []
     for _ in range(cfg.steps):
@@ -228,6 +229,8 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
                   peak_mem_bytes=max(peaks), peak_mem_by_rank=peaks, loss=first["losses"][-1])
     record["extra"].update(losses=first["losses"], memory=results[worst_rank]["memory"],
                            **first.get("metrics", {}))
+    if cfg.host_memory_budget is not None:  # as a simulated record has them: a search follows the fuller memory
+        record["extra"].update(node_host_bytes=first["node_host"], host_budget_bytes=cfg.host_memory_budget)
     if any(r["status"] == "oom" for r in results):
         record["status"] = "oom"
         if first.get("oom_in") == "host":

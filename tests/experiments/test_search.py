@@ -16,6 +16,7 @@ from autosp.experiments.search import (
     OOM,
     OOM_AT_MIN,
     TIMEOUT,
+    binding_peak,
     default_granularity,
     search_max_length,
 )
@@ -264,6 +265,46 @@ class FakeRunner:
             peak = self.per_token * cfg.seq_len
             record.update(status=OK if peak <= cfg.memory_budget else OOM, peak_mem_bytes=peak)
         return record
+
+
+class HostBoundRunner(FakeRunner):
+    """A run that offloads `host_per_token` bytes a token a rank, bounded by the config's --host-memory-budget (two
+    ranks on the node), its device peak far inside the budget."""
+
+    def __init__(self, per_token: int, host_per_token: int) -> None:
+        super().__init__(per_token)
+        self.host_per_token = host_per_token
+
+    def __call__(self, cfg):
+        record = super().__call__(cfg)
+        host = 2 * self.host_per_token * cfg.seq_len
+        record["extra"].update(node_host_bytes=host, host_budget_bytes=cfg.host_memory_budget)
+        if host > cfg.host_memory_budget:
+            record["status"] = OOM
+        return record
+
+
+def test_the_peak_a_search_follows_is_the_fuller_memory_in_the_devices_scale() -> None:
+    record = {"peak_mem_bytes": 30, "extra": {"node_host_bytes": 600, "host_budget_bytes": 1000}}
+    assert binding_peak(record, 100) == 60  # host 60% full: 60 of the device's 100
+    assert binding_peak({**record, "peak_mem_bytes": 70}, 100) == 70  # the device fuller
+    over = {"peak_mem_bytes": 30, "extra": {"node_host_bytes": 1001, "host_budget_bytes": 1000}}
+    assert binding_peak(over, 100) == 101  # over the host budget: over the device's too (rounded up)
+    assert binding_peak({"peak_mem_bytes": 30, "extra": {}}, 100) == 30  # no host bound
+    assert binding_peak({"peak_mem_bytes": None, "extra": {}}, 100) is None and binding_peak(record, None) == 30
+
+
+def test_run_search_where_host_memory_binds_follows_the_host_line(tmp_path) -> None:
+    """Host memory holds 40,960 tokens, the device's line crosses its budget far above: the probes follow the host
+    bytes (a few), where the device's peaks put each guess a granule under the last out-of-memory probe."""
+    from autosp.experiments.search import run_search
+
+    runner = HostBoundRunner(per_token=100, host_per_token=64)
+    cfg = _cfg(host_memory_budget=2 * 64 * 40_960)
+    row = run_search(cfg, out=str(tmp_path / "s.jsonl"), granularity=512, max_len=1 << 20, start_len=512, run=runner)
+    assert row["status"] == FOUND and row["max_seq_len"] == 40_960 and row["first_oom_seq_len"] == 41_472
+    assert all(p["peak_mem_bytes"] <= cfg.memory_budget // 10 for p in row["probes"])  # the device never binds
+    assert row["num_probes"] <= 5, row["probes"]
 
 
 def _cfg(**kw):

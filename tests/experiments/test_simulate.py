@@ -621,15 +621,6 @@ def test_a_search_where_host_memory_binds_follows_the_host_memory_not_the_device
     assert len(probes) <= 4, probes
 
 
-def test_the_peak_a_search_follows_is_the_fuller_memory_in_the_devices_scale():
-    record = {"peak_mem_bytes": 30, "extra": {"node_host_bytes": 600, "host_budget_bytes": 1000}}
-    assert sim.binding_peak(record, 100) == 60  # host 60% full: 60 of the device's 100
-    assert sim.binding_peak({**record, "peak_mem_bytes": 70}, 100) == 70  # the device fuller
-    assert sim.binding_peak({"peak_mem_bytes": 30, "extra": {"node_host_bytes": 1001, "host_budget_bytes": 1000}},
-                            100) == 101  # over the host budget: over the device's scale too (rounded up)
-    assert sim.binding_peak({"peak_mem_bytes": 30, "extra": {}}, 100) == 30  # no host bound
-
-
 def test_each_simulated_device_gets_its_own_plan_and_the_record_carries_it():
     """The planner's choice depends on the device's memory: two devices in one process each get their own plan (a
     prediction cached without the device's size gave the second device the first one's), in `extra.sac_auto`."""

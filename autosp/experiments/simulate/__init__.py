@@ -37,7 +37,7 @@ from autosp.experiments.simulate.extrapolate import (
     extrapolate_peak,
     predict_peak,
 )
-from autosp.experiments.simulate.lengths import binding_peak, curve_hint, simulate, simulated_search, summary_line
+from autosp.experiments.simulate.lengths import curve_hint, simulate, simulated_search, summary_line
 from autosp.experiments.simulate.programs import (
     SHARED_PROGRAM_METHODS,
     RankProgram,
@@ -51,6 +51,6 @@ from autosp.experiments.simulate.world import fake_world
 __all__ = ["AFTER_BACKWARD", "COMPONENTS", "DIRECT_INDUCTOR_BACKEND", "EXACT_LAYERS", "LAST_RUNG_SAC", "LINEAR_TERMS",
            "NOT_LINEAR_IN_DEPTH", "SECOND_PAIR", "SHARED_PROGRAM_METHODS", "SIMULATED_BACKEND", "UNSUPPORTED",
            "VALIDATION_KEY", "LiveStorageTracker", "PeakMoment", "PhasePeak", "RankPeak", "RankProgram",
-           "SimulationError", "add_simulate_parser", "binding_peak", "curve_hint", "extrapolate", "extrapolate_peak",
-           "fake_world", "optimizer_implementation_of", "predict_peak", "programs", "rank_peak", "shared_rank_programs",
-           "simulate", "simulate_config", "simulate_rank", "simulated_search", "summary_line", "validation_table"]
+           "SimulationError", "add_simulate_parser", "curve_hint", "extrapolate", "extrapolate_peak", "fake_world",
+           "optimizer_implementation_of", "predict_peak", "programs", "rank_peak", "shared_rank_programs", "simulate",
+           "simulate_config", "simulate_rank", "simulated_search", "summary_line", "validation_table"]

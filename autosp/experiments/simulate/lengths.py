@@ -101,18 +101,6 @@ def _host_budget(cfg: RunConfig, device: DeviceModel) -> tuple[int, str] | None:
     return None
 
 
-def binding_peak(record: dict[str, Any], usable: int) -> int:
-    """The peak a search draws its line through: the device's, or where the node's host memory is the fuller of the
-    two, the host bytes in the device's scale (their share of the host budget times `usable`), so that the line
-    follows whichever memory binds and crosses `usable` where that one runs out (8B on 8 x h200: host memory bound
-    and the device's line crept down a granule a probe, 26 probes out of memory)."""
-    extra = record["extra"]
-    host, host_budget = extra.get("node_host_bytes"), extra.get("host_budget_bytes")
-    if not host or not host_budget:
-        return record["peak_mem_bytes"]
-    return max(record["peak_mem_bytes"], -(-host * usable // host_budget))  # ceil: within budget iff host fits
-
-
 def curve_hint(curve: dict[int, int], tensor_budget: int, granularity: int) -> int | None:
     """Where the line through the two simulated lengths whose peaks lie nearest `tensor_budget` crosses it.
 
@@ -151,7 +139,14 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     memory bound the last rung, which moves every saved value; the planner keeps some on the device) it goes on
     above, each probe the planner whole. `jobs` >= 2: the planner's probe one granule above runs in a second process
     while this one probes the answer (`elsewhere`; its record kept only where the sequential search makes it)."""
-    from autosp.experiments.search import FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN, default_granularity, search_max_length
+    from autosp.experiments.search import (
+        FOUND,
+        NO_OOM_UP_TO_MAX,
+        OOM_AT_MIN,
+        binding_peak,
+        default_granularity,
+        search_max_length,
+    )
 
     granularity = granularity or default_granularity(cfg.world_size)
     curve = {} if curve is None else curve
