@@ -242,6 +242,14 @@ def binding_peak(record: dict, budget: int | None) -> int | None:
     return max(peak, -(-host * budget // host_budget))  # rounded up: within `budget` exactly when the host fits
 
 
+def memory_that_binds(record: dict | None) -> str | None:
+    """Which memory ran out in an out-of-memory record (one granule above a search's answer: what binds there),
+    ``host`` or ``device``; None for a record that is not out of memory."""
+    if record is None or record.get("status") != OOM:
+        return None
+    return (record.get("extra") or {}).get("oom_in", "device")
+
+
 #: `predict(cfg, granularity=g, min_len=a, max_len=b)`: the longest multiple of g in [a, b] predicted to train (0:
 #: not even the shortest); raises ConfigError when it cannot predict (e.g. `autosp.experiments.guided.simulated`)
 Predictor = Callable[..., int]
@@ -391,6 +399,7 @@ def run_search(
     started = time.monotonic()
     last_record: dict = {}
     peaks: dict[int, int | None] = {}
+    records: dict[int, dict] = {}
 
     def probe(seq_len: int) -> tuple[str, int | None, int | None]:
         nonlocal last_record
@@ -398,7 +407,7 @@ def run_search(
         record["search_id"] = search_id
         append_record(out, record)
         peaks[seq_len] = record.get("peak_mem_bytes")
-        last_record = record
+        last_record = records[seq_len] = record
         status = record["status"]
         print(f"  [{time.monotonic() - started:6.0f} s] probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
@@ -459,6 +468,7 @@ def run_search(
         floor=floor.to_dict() if floor is not None else None,
         wall_s=round(time.monotonic() - started, 3),
     )
+    row["extra"]["binds"] = memory_that_binds(records.get(outcome.first_oom_seq_len))
     append_record(out, row)
     return row
 
@@ -515,6 +525,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
           f"floor limit={row['floor_limit_seq_len']}"
           + (f" (achieved {ratio:.0%} of it)" if ratio else "")
           + f", {row['num_probes']} probes in {row['wall_s']:.0f} s"
+          + (f"; one granule above, {row['extra']['binds']} memory runs out" if row["extra"]["binds"] else "")
           + (f" (predicted {row['predicted_max_seq_len']}"
              + (f", wrong at {len(row['guide_disagreements'])} probe(s))" if row["guide_disagreements"] else ")")
              if row["predicted_max_seq_len"] is not None else "")

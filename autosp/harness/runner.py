@@ -233,6 +233,7 @@ def _fill_measurements(record: dict[str, Any], cfg: RunConfig, results: list[dic
         record["extra"].update(node_host_bytes=first["node_host"], host_budget_bytes=cfg.host_memory_budget)
     if any(r["status"] == "oom" for r in results):
         record["status"] = "oom"
+        record["extra"]["oom_in"] = first.get("oom_in", "device")
         if first.get("oom_in") == "host":
             record["error"] = host_over_budget_error(first["node_host"], cfg.host_memory_budget,
                                                     "--host-memory-budget")

@@ -281,6 +281,7 @@ class HostBoundRunner(FakeRunner):
         record["extra"].update(node_host_bytes=host, host_budget_bytes=cfg.host_memory_budget)
         if host > cfg.host_memory_budget:
             record["status"] = OOM
+            record["extra"]["oom_in"] = "host"  # as `autosp.harness.runner` says it
         return record
 
 
@@ -305,6 +306,7 @@ def test_run_search_where_host_memory_binds_follows_the_host_line(tmp_path) -> N
     assert row["status"] == FOUND and row["max_seq_len"] == 40_960 and row["first_oom_seq_len"] == 41_472
     assert all(p["peak_mem_bytes"] <= cfg.memory_budget // 10 for p in row["probes"])  # the device never binds
     assert row["num_probes"] <= 5, row["probes"]
+    assert row["extra"]["binds"] == "host"  # what ran out one granule above the answer
 
 
 def _cfg(**kw):
@@ -326,6 +328,7 @@ def test_run_search_records_every_probe_and_one_result_row(tmp_path) -> None:
     assert set(probes["search_id"]) == {row["search_id"]}
     assert (row["status"], row["max_seq_len"], row["first_oom_seq_len"]) == (FOUND, 2560, 3072)
     assert row["granularity"] == 512 and row["peak_mem_bytes"] == runner.per_token * 2560
+    assert row["extra"]["binds"] == "device"  # the probe one granule above names no other memory
     assert all(c.method == "ulysses" and c.world_size == 2 and c.memory_budget == 64 << 20 for c in runner.configs)
     # the floor model bounds what any method could do in this budget
     assert row["floor_limit_seq_len"] > 0 and row["achieved_over_limit"] == 2560 / row["floor_limit_seq_len"]
@@ -547,7 +550,7 @@ def test_guided_search_is_the_cli_default_and_can_be_turned_off(monkeypatch, tmp
     monkeypatch.setattr(search, "run_search", lambda cfg, **kw: seen.append(kw["predict"]) or {
         "status": FOUND, "max_seq_len": 512, "first_oom_seq_len": 1024, "floor_limit_seq_len": None,
         "achieved_over_limit": None, "num_probes": 2, "wall_s": 0.0, "predicted_max_seq_len": 512,
-        "guide_disagreements": []})
+        "guide_disagreements": [], "extra": {"binds": "device"}})
     for extra in ([], ["--guide", "off"]):
         assert main([*SEARCH, *extra, "--out", str(tmp_path / "t.jsonl")]) == 0
     from autosp.experiments.guided import simulated

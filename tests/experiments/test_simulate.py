@@ -349,6 +349,8 @@ def test_simulated_search_lands_on_the_budget_boundary_and_feeds_the_trainabilit
     curve: dict[int, int] = {}
     row = sim.simulated_search(cfg, get_device_model("cpu", budget), granularity=512, max_len=4096, curve=curve)
     assert row["status"] == "found" and row["max_seq_len"] == 1024 and row["first_oom_seq_len"] == 1536
+    assert row["extra"]["binds"] == "device"
+    assert sim.summary_line(row).endswith("one granule above, device memory runs out")
     table = trainability_table(pd.json_normalize([{**row, "timestamp": "t"}], sep="."))
     assert table.loc[0, "mode"] == "simulated" and table.loc[0, "max_seq_len"] == 1024
     # a second device type reuses the first search's curve: it starts at its boundary, the answer still backed
@@ -617,7 +619,7 @@ def test_a_search_where_host_memory_binds_follows_the_host_memory_not_the_device
         sim.extrapolate._PREDICTIONS.clear()
     assert row["status"] == "found" and row["max_seq_len"] == 2560 and row["first_oom_seq_len"] == 3072
     probes = [(p["seq_len"], p["status"], p["peak_mem_bytes"]) for p in row["probes"]]
-    assert all(peak < CPU.usable_bytes for _, _, peak in probes)  # the device never binds
+    assert all(peak < CPU.usable_bytes for _, _, peak in probes) and row["extra"]["binds"] == "host"
     assert len(probes) <= 4, probes
 
 

@@ -15,6 +15,7 @@ def test_offloading_past_the_host_budget_is_oom_naming_the_host() -> None:
     assert record["extra"]["memory"]["host_offloaded_bytes"] > 512  # each rank's share is above half the budget
     # what a search's line follows where host memory binds (`autosp.experiments.search.binding_peak`)
     assert record["extra"]["node_host_bytes"] > record["extra"]["host_budget_bytes"] == 1024
+    assert record["extra"]["oom_in"] == "host"
 
 
 def test_the_host_budget_is_a_positive_size_and_unset_options_keep_older_hashes() -> None:

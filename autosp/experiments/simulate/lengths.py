@@ -145,6 +145,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         OOM_AT_MIN,
         binding_peak,
         default_granularity,
+        memory_that_binds,
         search_max_length,
     )
 
@@ -192,8 +193,11 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
                wall_s=round(time.monotonic() - started, 3))
     row.update(floor_limit_seq_len=limit, floor=floor,
                achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
+    above = next((r for r in reversed(probes) if r["seq_len"] == outcome.first_oom_seq_len
+                  and (last_rung is None or r["config"]["sac"] == cfg.sac)), None)
+    row["extra"] = {**row["extra"], "binds": memory_that_binds(above)}
     if last_rung is not None:
-        row["extra"] = {**row["extra"], "searched_on": {"sac": last_rung.sac, "planner_confirmed": confirmed}}
+        row["extra"]["searched_on"] = {"sac": last_rung.sac, "planner_confirmed": confirmed}
     if outcome.status in (FOUND, NO_OOM_UP_TO_MAX, OOM_AT_MIN):
         row["error"] = None
     else:
@@ -261,8 +265,10 @@ def summary_line(record: dict[str, Any]) -> str:
     detail = (f"peak {format_size(record['peak_mem_bytes'])} of {format_size(record['memory_budget'])} "
               f"[{parts}; at {b.get('peak_op')} in {b.get('peak_phase')}]")
     if record.get("kind") == "search":
+        binds = record["extra"].get("binds")
         return f"{head}: {record['status']}, max_seq_len={record['max_seq_len']} ({record['num_probes']} probes, " \
-               f"{record['wall_s']:.0f} s); at that length {detail}"
+               f"{record['wall_s']:.0f} s); at that length {detail}" + \
+               (f"; one granule above, {binds} memory runs out" if binds else "")
     time = record["extra"].get("time")
     if time:
         detail += (f"; predicted step {time['iteration_s']:.3g} s, {time['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
