@@ -3,6 +3,7 @@ gradients stay those of eager (single process, aot_eager; one inductor test)."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from autosp.compiler.fx import (
 from autosp.compiler.lowering import compile_with_partitioner, sac_backend
 from autosp.compiler.memory import PartitionRecord, Policy, make_partition_fn, parse_policy, planner
 from autosp.compiler.memory.offload import RELOAD_OP, WAIT_OP, offload_boundaries
-from autosp.compiler.memory.planner import estimated_peak, recompute_flops
+from autosp.compiler.memory.planner import estimated_peak, recompute_flops, smallest_fitting_rung
 from autosp.compiler.memory.tags import tag_joint_graph
 from autosp.compiler.memory.time_rank import added_seconds, exposed_copy_seconds, planning_rates
 from autosp.harness.config import ConfigError
@@ -271,6 +272,46 @@ def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_pe
     assert len(tagged) == len(set(tagged)) == slow["partitions_tried"] > 1
     memoised = [key for key in counted if key is not None]
     assert memoised and len(memoised) == len(set(memoised))  # never counted twice
+
+
+class _Rungs:
+    """Rung k's estimated peak is `peaks[k]` (falling as k grows); counts the rungs made beyond rung 0 (made
+    already by the ladder)."""
+
+    def __init__(self, peaks: list[int]) -> None:
+        self.peaks, self.made = peaks, []
+
+    def __call__(self, k: int):
+        if k:
+            self.made.append(k)
+        return type("Rung", (), {"peak": self.peaks[k], "k": k})()
+
+
+@pytest.mark.parametrize("layers", [2, 3, 16, 32, 40])
+def test_the_smallest_fitting_rung_is_the_one_a_scan_finds_for_any_falling_peaks(layers: int) -> None:
+    import random
+
+    rng = random.Random(layers)
+    for _ in range(200):
+        peaks = sorted((rng.randrange(1, 1000) for _ in range(layers + 1)), reverse=True)
+        budget = rng.randrange(peaks[-1], peaks[0])  # rung 0 does not fit
+        if peaks[0] <= budget:
+            continue
+        rungs = _Rungs(peaks)
+        got = smallest_fitting_rung(rungs, layers, lambda t, b=budget: t.peak <= b, budget)
+        assert got.k == next(k for k in range(1, layers + 1) if peaks[k] <= budget), (peaks, budget)
+        bisection = 1 + math.ceil(math.log2(layers))
+        assert len(rungs.made) <= 2 * bisection and len(rungs.made) == len(set(rungs.made))
+    assert smallest_fitting_rung(_Rungs([9, 8, 7]), 2, lambda t: t.peak <= 5, 5) is None  # not even the last
+
+
+def test_with_peaks_falling_evenly_two_or_three_rungs_are_made_where_bisection_makes_six() -> None:
+    """32 layers, each recomputed layer 1 GB off the peak (the ladder's rungs at 8B: the peak falls about evenly):
+    the line through rung 0 and rung 32 names the answer, its neighbour below confirms it."""
+    for budget in range(101, 132):
+        rungs = _Rungs([132 - k for k in range(33)])
+        got = smallest_fitting_rung(rungs, 32, lambda t, b=budget: t.peak <= b, budget)
+        assert got.k == 132 - budget and len(rungs.made) <= 3, (budget, rungs.made)
 
 
 def test_an_untiled_graph_with_one_value_over_the_budget_is_tiled_without_partitioning_it() -> None:

@@ -8,13 +8,15 @@ checkpointing does). On a rung that does not fit as it is, saved values move to 
 within the host budget; reloaded a layer ahead, or late where that is what still does not fit): host memory is
 spent before recompute — unless the device's rates are known (`time_rank`), where a plan that moves saved values is
 priced against the ladder's plan without host memory and the one with the fewer predicted seconds is taken. The
-smallest fitting k is found by bisection. The peak is estimated from the graph alone, by a liveness replay of the
-partitioned graphs (`live_at_peak`) with the scratch bytes opaque ops declare; the cost is the recomputed FLOPs
-(`recompute_flops`) and the bytes moved. The ladder, the cost model and how the replay was checked against
-measured peaks: docs/measurements/2026-12-02-planner.md ("How the planner decides").
+smallest fitting k is found by regula falsi on the rungs' peaks, safeguarded by bisection (`smallest_fitting_rung`).
+The peak is estimated from the graph alone, by a liveness replay of the partitioned graphs (`live_at_peak`) with the
+scratch bytes opaque ops declare; the cost is the recomputed FLOPs (`recompute_flops`) and the bytes moved. The
+ladder, the cost model and how the replay was checked against measured peaks:
+docs/measurements/2026-12-02-planner.md ("How the planner decides").
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -221,19 +223,8 @@ def plan_partition(
         return reloaded_late(rung, fw, bw, t)
 
     def smallest_fitting(make: Any, count: int) -> _Trial | None:
-        """Bisection over k = 1..count of make(k), assuming the peak falls as k grows."""
-        top = make(count)
-        if not fits(top):
-            return None
-        low, high, best = 1, count - 1, top
-        while low <= high:
-            mid = (low + high) // 2
-            t = make(mid)
-            if fits(t):
-                best, high = t, mid - 1
-            else:
-                low = mid + 1
-        return best
+        """The smallest k = 1..count whose make(k) fits (make(0), a rung already made, does not)."""
+        return smallest_fitting_rung(make, count, fits, budget)
 
     n = len(order)
     forward = forward_nodes(joint_gm.graph)
@@ -275,6 +266,32 @@ def plan_partition(
                 reload=chosen.reload,
                 fits=fits(chosen), partitions_tried=partitions)
     return chosen.fw_module, chosen.bw_module, {**plan.to_dict(), **ranking}, chosen.offload
+
+
+def smallest_fitting_rung(make: Any, count: int, fits: Any, budget: int | None) -> Any:
+    """The smallest k in 1..count whose rung `make(k)` `fits`, or None where `make(count)` does not; `make(0)` is a rung
+    already made that does not fit. Assuming fitting is monotone in k (each rung recomputes more), any k that fits
+    with k - 1 not fitting is that one; the next k is guessed where the line through the bracket's two peaks crosses
+    `budget` (a rung's peak falls about evenly with the layers it recomputes), with a bisection step after two guesses
+    that did not halve the bracket: at 32 layers two or three rungs beyond the top one, where bisection makes five."""
+    top = make(count)
+    if not fits(top):
+        return None
+    (bad, below), (good, best) = (0, make(0)), (count, top)
+    misses = 0  # guesses in a row that did not halve the bracket
+    while good - bad > 1:
+        width = good - bad
+        # where the peaks say nothing (a rung over the host budget within the device's), bisection
+        guess = misses < 2 and budget is not None and below.peak > budget and below.peak > best.peak
+        k = bad + math.ceil((below.peak - budget) * width / (below.peak - best.peak)) if guess else (bad + good) // 2
+        k = min(max(k, bad + 1), good - 1)
+        t = make(k)
+        if fits(t):
+            good, best = k, t
+        else:
+            bad, below = k, t
+        misses = misses + 1 if guess and 2 * (good - bad) > width else 0
+    return best
 
 
 def _over_any_budget(joint_gm: fx.GraphModule, budget: int | None) -> fx.Node | None:
