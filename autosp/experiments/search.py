@@ -242,6 +242,13 @@ def binding_peak(record: dict, budget: int | None) -> int | None:
     return max(peak, -(-host * budget // host_budget))  # rounded up: within `budget` exactly when the host fits
 
 
+def line_point(record: dict, budget: int | None, resident: int | None) -> tuple[int | None, int | None]:
+    """What a probe gives the search's line: its `binding_peak`, and `resident` (the bytes at the step's start, the
+    device's line at length 0) only where that peak is the device's, not the host's."""
+    peak = binding_peak(record, budget)
+    return peak, resident if peak == record.get("peak_mem_bytes") else None
+
+
 def memory_that_binds(record: dict | None) -> str | None:
     """Which memory ran out in an out-of-memory record (one granule above a search's answer: what binds there),
     ``host`` or ``device``; None for a record that is not out of memory."""
@@ -412,7 +419,7 @@ def run_search(
         print(f"  [{time.monotonic() - started:6.0f} s] probe {cfg.method} {cfg.model} S={seq_len}: {status}"
               + (f" ({record.get('error')})" if status not in (OK, OOM) and record.get("error") else ""), flush=True)
         resident = ((record.get("extra") or {}).get("memory") or {}).get("resident_at_step_start_bytes")
-        return status, binding_peak(record, budget), resident
+        return (status, *line_point(record, budget, resident))
 
     def probe_with_progress(seq_len: int) -> tuple[str, int | None, int | None]:
         bar.set_postfix_str(f"probing S={seq_len}")

@@ -285,6 +285,36 @@ class HostBoundRunner(FakeRunner):
         return record
 
 
+def test_a_probe_where_host_memory_is_fuller_gives_the_search_no_device_intercept(monkeypatch, tmp_path) -> None:
+    """The bytes resident at the step's start are the device's line at length 0: a probe whose host memory is the
+    fuller hands the search its host peak without them (a line from the device's intercept to a host peak guessed
+    a granule above the last ok probe: 1B on 8 x mi250, simulated)."""
+    from autosp.experiments import search
+    from autosp.harness.records import new_record
+
+    resident, host_budget = 20 << 20, 6_553_600
+
+    def runner(cfg):  # the device fuller at short lengths, host memory from about 10K tokens on
+        record = new_record(cfg, sp_size=cfg.world_size)
+        device, host = resident + 100 * cfg.seq_len, host_budget // 5 + 128 * cfg.seq_len
+        record.update(status=OK if host <= host_budget else OOM, peak_mem_bytes=device)
+        record["extra"].update(node_host_bytes=host, host_budget_bytes=host_budget,
+                               memory={"resident_at_step_start_bytes": resident})
+        return record
+
+    seen: list[tuple[int, tuple]] = []
+    real = search.search_max_length
+    monkeypatch.setattr(search, "search_max_length", lambda probe, **kw: real(
+        lambda n: seen.append((n, probe(n))) or seen[-1][1], **kw))
+    row = search.run_search(_cfg(host_memory_budget=host_budget), out=str(tmp_path / "s.jsonl"), granularity=512,
+                            max_len=1 << 20, start_len=512, run=runner)
+    assert row["max_seq_len"] == 40_960
+    devices = {n: resident + 100 * n for n, _ in seen}
+    assert any(peak == devices[n] for n, (_, peak, _) in seen) and any(peak > devices[n] for n, (_, peak, _) in seen)
+    for n, (_, peak, given) in seen:
+        assert given == (resident if peak == devices[n] else None), n
+
+
 def test_the_peak_a_search_follows_is_the_fuller_memory_in_the_devices_scale() -> None:
     record = {"peak_mem_bytes": 30, "extra": {"node_host_bytes": 600, "host_budget_bytes": 1000}}
     assert binding_peak(record, 100) == 60  # host 60% full: 60 of the device's 100

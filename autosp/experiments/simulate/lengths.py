@@ -143,8 +143,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         FOUND,
         NO_OOM_UP_TO_MAX,
         OOM_AT_MIN,
-        binding_peak,
         default_granularity,
+        line_point,
         memory_that_binds,
         search_max_length,
     )
@@ -168,8 +168,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
             if on_curve:
                 curve[seq_len] = breakdown["allocator_blocks_bytes"]
             # model state at the peak is what was resident at the step's start: the line's value at length 0
-            return (record["status"], binding_peak(record, device.usable_bytes),
-                    breakdown["model_state_bytes"] + device.fixed_bytes)
+            resident = breakdown["model_state_bytes"] + device.fixed_bytes
+            return (record["status"], *line_point(record, device.usable_bytes, resident))
         return probe
 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
