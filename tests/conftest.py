@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from autosp.harness.launch import WARM_RANK_PRELOAD
+from autosp.harness.launch import COMPILER_PRELOAD, WARM_RANK_PRELOAD
 from autosp.harness.supervisor import warm_rank_cpu_seconds, warm_ranks
 
 # --- Hypothesis profiles (tests/compiler/test_properties.py): `ci` by default, `--hypothesis-profile=nightly` ----
@@ -30,10 +30,10 @@ def fresh_dynamo():
 
 @pytest.fixture(autouse=True, scope="session")
 def warm_cpu_ranks():
-    """CPU ranks forked from one server that imported torch, Dynamo and the runner once (`supervisor.warm_ranks`):
-    a short check's ranks otherwise spend most of their CPU importing. Tests of how ranks start and end use
-    `cold_ranks`."""
-    with warm_ranks(WARM_RANK_PRELOAD):
+    """CPU ranks forked from one server that imported torch, Dynamo, the compiler and the runner once
+    (`supervisor.warm_ranks`): a short check's ranks otherwise spend most of their CPU importing. Tests of how ranks
+    start and end use `cold_ranks`."""
+    with warm_ranks(WARM_RANK_PRELOAD + COMPILER_PRELOAD):
         yield
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from autosp.harness.config import METHOD_OPTIONS, RunConfig
-from autosp.harness.launch import launch
+from autosp.harness.launch import LaunchResult, launch
 from autosp.harness.runner import build_train_step, global_batch, validate
 
 DEFAULT_TOLERANCE = 1e-4
@@ -227,33 +227,97 @@ def check(cfg: RunConfig, *, tolerance: float | None = None, steps: int = DEFAUL
     _, sp_size = validate(cfg, extra_imports)
     report = CheckReport(cfg.method, cfg.world_size, sp_size, steps,
                          tolerance if tolerance is not None else DEFAULT_TOLERANCE, passed=False)
-    reference = reference_config(cfg, sp_size)
-    # the references share one process: fp32, then (low precision) the same precision as the method
-    references = [reference.replace(dtype="float32")] + ([reference] if calibrated(cfg.dtype) else [])
-    keys = [reference_key(r, extra_imports, steps) for r in references]
     method = launch(trace_rank, (cfg.to_dict(), extra_imports, steps), world_size=cfg.world_size, device=cfg.device,
                     timeout_s=cfg.timeout_s)
     if method.status != "ok":
         report.status, report.error = method.status, f"the method: {method.error}"
         return report
-    missing = [r for r, key in zip(references, keys, strict=True) if key not in _REFERENCES]
-    if missing:  # one process for the references not traced yet in this one
+    references = _references(cfg, sp_size)
+    outcome = _trace_references(references, extra_imports, steps, cfg.device, cfg.timeout_s)
+    if outcome is not None:
+        report.status, report.error = outcome.status, f"the single-process reference: {outcome.error}"
+        return report
+    return _compared(cfg, method.results[0], [_REFERENCES[reference_key(r, extra_imports, steps)] for r in references],
+                     report)
+
+
+def check_many(cfgs: list[RunConfig], *, steps: int = DEFAULT_STEPS,
+               extra_imports: Iterable[str] = ()) -> list[CheckReport]:
+    """`check` of each configuration (default tolerance), those of one world size and device traced one after another
+    in one launch, each compiled afresh (the ranks start, import and first compile once, not once per
+    configuration), and every reference not traced yet in one process. Where a shared launch fails, each of its
+    configurations is checked in a launch of its own, so that a failure is reported as `check` reports it."""
+    extra_imports = tuple(extra_imports)
+    sp_sizes = [validate(cfg, extra_imports)[1] for cfg in cfgs]
+    references = {reference_key(r, extra_imports, steps): r
+                  for cfg, sp_size in zip(cfgs, sp_sizes, strict=True) for r in _references(cfg, sp_size)}
+    traced = _trace_references(list(references.values()), extra_imports, steps, cfgs[0].device,
+                               sum(cfg.timeout_s for cfg in cfgs)) if cfgs else None
+    # held here for the whole batch: the process-wide cache keeps only the last _REFERENCES_KEPT
+    traces = {key: _REFERENCES[key] for key in references} if traced is None else {}
+    groups: dict[tuple[int, str], list[int]] = {}
+    for i, cfg in enumerate(cfgs):
+        groups.setdefault((cfg.world_size, cfg.device), []).append(i)
+    reports: list[CheckReport | None] = [None] * len(cfgs)
+    for (world_size, device), members in groups.items():
+        method = None
+        if len(members) > 1 and traced is None:
+            method = launch(trace_ranks, ([cfgs[i].to_dict() for i in members], extra_imports, steps),
+                            world_size=world_size, device=device, timeout_s=sum(cfgs[i].timeout_s for i in members))
+        for position, i in enumerate(members):
+            if method is None or method.status != "ok":
+                reports[i] = check(cfgs[i], steps=steps, extra_imports=extra_imports)
+                continue
+            report = CheckReport(cfgs[i].method, cfgs[i].world_size, sp_sizes[i], steps, DEFAULT_TOLERANCE,
+                                 passed=False)
+            keys = [reference_key(r, extra_imports, steps) for r in _references(cfgs[i], sp_sizes[i])]
+            reports[i] = _compared(cfgs[i], method.results[0][position], [traces[key] for key in keys], report)
+    return reports
+
+
+def trace_ranks(cfg_dicts: list[dict[str, Any]], extra_imports: tuple[str, ...], steps: int) -> list[dict | None]:
+    """Rank body of `check_many`: `trace_rank` of each configuration in turn, each compiled afresh."""
+    traces = []
+    for cfg_dict in cfg_dicts:
+        torch._dynamo.reset()
+        traces.append(trace_rank(cfg_dict, extra_imports, steps))
+    return traces
+
+
+def _references(cfg: RunConfig, sp_size: int) -> list[RunConfig]:
+    """The references share one process: fp32, then (low precision) the same precision as the method."""
+    reference = reference_config(cfg, sp_size)
+    return [reference.replace(dtype="float32")] + ([reference] if calibrated(cfg.dtype) else [])
+
+
+def _trace_references(references: list[RunConfig], extra_imports: tuple[str, ...], steps: int, device: str,
+                      timeout_s: float) -> LaunchResult | None:
+    """Trace, in one process, the references this one has not traced yet, into `_REFERENCES` (the last
+    _REFERENCES_KEPT kept, the ones asked for last); None, or the failed launch."""
+    missing = [r for r in references if reference_key(r, extra_imports, steps) not in _REFERENCES]
+    if missing:
         outcome = launch(trace_references, ([r.to_dict() for r in missing], extra_imports, steps), world_size=1,
-                         device=cfg.device, timeout_s=cfg.timeout_s)
+                         device=device, timeout_s=timeout_s)
         if outcome.status != "ok":
-            report.status, report.error = outcome.status, f"the single-process reference: {outcome.error}"
-            return report
+            return outcome
         _REFERENCES.update((reference_key(r, extra_imports, steps), t)
                            for r, t in zip(missing, outcome.results[0], strict=True))
-    traces = [method.results[0]] + [_REFERENCES[key] for key in keys]
-    for key in keys:
-        _REFERENCES.move_to_end(key)
-    while len(_REFERENCES) > _REFERENCES_KEPT:
+    for r in references:
+        _REFERENCES.move_to_end(reference_key(r, extra_imports, steps))
+    while len(_REFERENCES) > max(_REFERENCES_KEPT, len(references)):
         _REFERENCES.popitem(last=False)
+    return None
+
+
+def _compared(cfg: RunConfig, trace: dict[str, Any], references: list[dict[str, Any]],
+              report: CheckReport) -> CheckReport:
+    """`report` filled with the method's trace against the fp32 reference (and, in low precision, bounded by the
+    same-precision reference's spread)."""
     if calibrated(cfg.dtype):
-        spread = compare(traces[2], traces[1], CheckReport("single", 1, 1, steps, report.tolerance, passed=False))
+        spread = compare(references[1], references[0],
+                         CheckReport("single", 1, 1, report.steps, report.tolerance, passed=False))
         report.reference_spread = {"loss": {"loss": max(spread.loss_errors)}, "grads": spread.grad_errors,
                                    "params": spread.param_errors}
         report.bounds = spread_bounds(spread, report.tolerance)
-    report.plans = traces[0].get("plans", [])
-    return compare(traces[0], traces[1], report)
+    report.plans = trace.get("plans", [])
+    return compare(trace, references[0], report)

@@ -47,16 +47,23 @@ _EXIT_GRACE_S = 30.0
 #: what a warm CPU rank's fork server imports once (`supervisor.warm_ranks`): most of a short rank's start-up cost
 WARM_RANK_PRELOAD = ("torch", "torch._dynamo", "torch._functorch.aot_autograd", "autosp.harness.runner", "autosp.api",
                      "transformers.models.llama.modeling_llama")
+#: what a compiling rank imports at its first compile, also under aot_eager (AOT autograd's min-cut partitioner
+#: imports Inductor's pattern matcher for its CSE): about 1 CPU-s a rank, imported once by the server instead
+COMPILER_PRELOAD = ("torch._inductor.pattern_matcher",)
+#: the built-in methods whose ranks compile
+COMPILING_METHODS = ("autosp", "ds-autosp", "ulysses-compile")
 
 
 def warm_preload(method_specs: str) -> tuple[str, ...]:
     """What the warm-rank server of a command running `method_specs` ("autosp", "ulysses[ac=layer],zero3") imports
-    once: the common start-up modules and each built-in method's own module (DeepSpeed's for zero3, alst, ...)."""
+    once: the common start-up modules, the compiler's where a method compiles, and each built-in method's own module
+    (DeepSpeed's for zero3, alst, ...)."""
     from autosp.harness.strategy import BUILTIN_MODULES
 
-    names = re.sub(r"\[[^\]]*\]", "", method_specs).split(",")
-    return WARM_RANK_PRELOAD + tuple(dict.fromkeys(BUILTIN_MODULES[n.strip()] for n in names
-                                                   if n.strip() in BUILTIN_MODULES))
+    names = [n.strip() for n in re.sub(r"\[[^\]]*\]", "", method_specs).split(",")]
+    compiler = COMPILER_PRELOAD if any(n in COMPILING_METHODS for n in names) else ()
+    return WARM_RANK_PRELOAD + compiler + tuple(dict.fromkeys(BUILTIN_MODULES[n] for n in names
+                                                              if n in BUILTIN_MODULES))
 
 
 #: set to 1 to run several local ranks on one GPU over gloo (see the module docstring)

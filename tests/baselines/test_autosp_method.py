@@ -2,27 +2,59 @@
 two AdamW steps) on 2 and 4 gloo ranks, for the project Llama and unmodified HF transformers Llama."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autosp
 from autosp.errors import SequenceParallelError
-from autosp.harness.check import check
+from autosp.harness.check import check, check_many
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.launch import launch
 from autosp.harness.runner import build_train_step, global_batch, validate
 
 
-def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", zero: int = 0, **kw):
+def _config(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_eager", zero: int = 0,
+            **kw) -> RunConfig:
     """Stage 0 unless a test is about a stage: the coverage here is the SP pass's (the ZeRO matrix runs 1-3)."""
     data = DataConfig(**{k: kw.pop(k) for k in ("ignore_fraction", "packed_documents", "pad_fraction", "pad_side")
                          if k in kw})
-    cfg = RunConfig(method="autosp", model=model, seq_len=seq_len, world_size=world_size, compile_backend=backend,
-                    data=data, timeout_s=400, zero=zero, **kw)
-    report = check(cfg)
+    return RunConfig(method="autosp", model=model, seq_len=seq_len, world_size=world_size, compile_backend=backend,
+                     data=data, timeout_s=400, zero=zero, **kw)
+
+
+def _check(model: str, world_size: int, **kw):
+    report = check(_config(model, world_size, **kw))
     assert report.passed, report.format()
     return report
+
+
+class Checks:
+    """The checks of this module's selected tests, run together the first time one is asked for (`check_many`: one
+    launch per world size, the references in one process); each test then asserts its own report."""
+
+    def __init__(self, cfgs: list[RunConfig]) -> None:
+        self.cfgs, self.reports = cfgs, None
+
+    def passed(self, cfg: RunConfig):
+        if self.reports is None:
+            self.reports = dict(zip((_key(c) for c in self.cfgs), check_many(self.cfgs), strict=True))
+        report = self.reports[_key(cfg)]
+        assert report.passed, report.format()
+        return report
+
+
+def _key(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+
+
+@pytest.fixture(scope="module")
+def checks(request) -> Checks:
+    """Every selected test of this module that checks through it (`CONFIGS`, by its parameters)."""
+    return Checks([CONFIGS[item.originalname](**item.callspec.params) for item in request.session.items
+                   if item.module is request.module and item.originalname in CONFIGS])
 
 
 @pytest.mark.parametrize("model, world_size, options", [
@@ -40,8 +72,12 @@ def _check(model: str, world_size: int, seq_len: int = 64, backend: str = "aot_e
     ("tiny", 4, dict(attention_chunks=2, ulysses_size=2, ignore_fraction=0.3)),
     pytest.param("small", 4, dict(attention_chunks=2), marks=pytest.mark.long),  # ... pure Ulysses over 4
 ])
-def test_project_llama_matches_single_process(model, world_size, options):
-    _check(model, world_size, **{"sac": "off" if world_size == 4 else "sac", **options})
+def test_project_llama_matches_single_process(checks, model, world_size, options):
+    checks.passed(_project_llama(model, world_size, options))
+
+
+def _project_llama(model: str, world_size: int, options: dict) -> RunConfig:
+    return _config(model, world_size, **{"sac": "off" if world_size == 4 else "sac", **options})
 
 
 def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
@@ -71,8 +107,13 @@ def test_sac_auto_budget_is_the_run_budget_less_the_resident_model_state():
     (2, dict(pad_fraction=0.25, pad_side="left", model="hf-mistral-w16:tiny")),
     (4, dict(packed_documents=3, model="hf-qwen2-w16:tiny")),
 ])
-def test_unmodified_hf_llama_matches_single_process(world_size, options):
-    _check(options.pop("model", "hf:tiny"), world_size, **options)
+def test_unmodified_hf_llama_matches_single_process(checks, world_size, options):
+    checks.passed(_hf_llama(world_size, options))
+
+
+def _hf_llama(world_size: int, options: dict) -> RunConfig:
+    options = dict(options)
+    return _config(options.pop("model", "hf:tiny"), world_size, **options)
 
 
 @pytest.mark.parametrize("model, world_size, zero, options", [
@@ -85,8 +126,12 @@ def test_unmodified_hf_llama_matches_single_process(world_size, options):
     ("tiny", 2, 0, dict(dtype="bfloat16", seq_len=128)),  # parameters cast where used (autosp.comm.precision)
     ("tiny", 2, 3, dict(dtype="bfloat16", seq_len=128)),  # bf16 gathers of fp32 master shards
 ])
-def test_zero_stages_match_single_process(model, world_size, zero, options):
-    _check(model, world_size, zero=zero, **options)
+def test_zero_stages_match_single_process(checks, model, world_size, zero, options):
+    checks.passed(_zero_stage(model, world_size, zero, options))
+
+
+def _zero_stage(model: str, world_size: int, zero: int, options: dict) -> RunConfig:
+    return _config(model, world_size, zero=zero, **options)
 
 
 @pytest.mark.parametrize("options, exact", [
@@ -96,10 +141,14 @@ def test_zero_stages_match_single_process(model, world_size, zero, options):
     (dict(offload="optimizer", ignore_fraction=0.3), True),  # the host AdamW is torch's, on the same values
     (dict(tiling="auto:8", offload="auto,optimizer"), False),  # tiles sum the loss's gradient in another order
 ])
-def test_one_rank_equals_single_process_training(options, exact):
-    report = _check("tiny", 1, **options)
+def test_one_rank_equals_single_process_training(checks, options, exact):
+    report = checks.passed(_one_rank(options, exact))
     worst = max(*report.loss_errors, *report.grad_errors.values(), *report.param_errors.values())
     assert worst == 0.0 if exact else worst < 1e-4, report.format()
+
+
+def _one_rank(options: dict, exact: bool) -> RunConfig:
+    return _config("tiny", 1, **options)
 
 
 @pytest.mark.parametrize("world_size, zero, options", [
@@ -112,11 +161,15 @@ def test_one_rank_equals_single_process_training(options, exact):
     pytest.param("bf16", 0, dict(dtype="bfloat16", seq_len=128), marks=pytest.mark.long),  # bf16 replicas
     pytest.param("bf16", 1, dict(dtype="bfloat16", seq_len=128), marks=pytest.mark.long),  # masters of one's share
 ])
-def test_optimizer_state_in_host_memory_matches_single_process(world_size, zero, options):
+def test_optimizer_state_in_host_memory_matches_single_process(checks, world_size, zero, options):
     """offload=optimizer (`autosp.comm.host_optimizer`): masters and AdamW moments on the host, the step on the
     CPU; loss, gradients and parameters after two steps as single-process training (fp32 tolerance; bf16 mixed
     within the mixed-precision bound). That the state really is on the host: the record test below."""
-    _check("tiny", 2 if world_size == "bf16" else world_size, zero=zero, offload="optimizer", **options)
+    checks.passed(_optimizer_in_host_memory(world_size, zero, options))
+
+
+def _optimizer_in_host_memory(world_size: int | str, zero: int, options: dict) -> RunConfig:
+    return _config("tiny", 2 if world_size == "bf16" else world_size, zero=zero, offload="optimizer", **options)
 
 
 @pytest.mark.parametrize("world_size, options", [
@@ -125,12 +178,27 @@ def test_optimizer_state_in_host_memory_matches_single_process(world_size, zero,
     ("bf16", dict(dtype="bfloat16", seq_len=128)),  # bf16 shards in host memory, fp32 masters beside them
     pytest.param(4, dict(pad_fraction=0.25), marks=pytest.mark.long),
 ])
-def test_parameters_in_host_memory_match_single_process(world_size, options):
+def test_parameters_in_host_memory_match_single_process(checks, world_size, options):
     """offload=optimizer,params (`autosp.comm.host_params`): the parameters (shards) in host memory, fetched to the
     device at each use in forward and again in backward, each gradient sent back to host memory as backward makes
     it; loss, gradients and parameters after two steps as single-process training (fp32 tolerance; bf16 mixed
     within the mixed-precision bound). That the state really leaves the device: the record test below."""
-    _check("tiny", 2 if world_size == "bf16" else world_size, zero=3, offload="optimizer,params", **options)
+    checks.passed(_parameters_in_host_memory(world_size, options))
+
+
+def _parameters_in_host_memory(world_size: int | str, options: dict) -> RunConfig:
+    return _config("tiny", 2 if world_size == "bf16" else world_size, zero=3, offload="optimizer,params", **options)
+
+
+#: each test that checks through `checks`: its configuration from its parameters
+CONFIGS = {
+    "test_project_llama_matches_single_process": _project_llama,
+    "test_unmodified_hf_llama_matches_single_process": _hf_llama,
+    "test_zero_stages_match_single_process": _zero_stage,
+    "test_one_rank_equals_single_process_training": _one_rank,
+    "test_optimizer_state_in_host_memory_matches_single_process": _optimizer_in_host_memory,
+    "test_parameters_in_host_memory_match_single_process": _parameters_in_host_memory,
+}
 
 
 def test_parameters_in_host_memory_at_a_stage_other_than_3_are_refused_before_any_rank_starts():

@@ -7,6 +7,7 @@ from autosp.harness.check import (
     SPREAD_FACTOR,
     CheckReport,
     check,
+    check_many,
     compare,
     parameter_group,
     relative_error,
@@ -123,3 +124,35 @@ def test_checks_of_the_same_training_share_one_reference_process(monkeypatch) ->
     assert check(cfg.replace(zero=3, sac="off", compile_backend="aot_eager"), steps=1).passed
     assert check(cfg.replace(data=DataConfig(ignore_fraction=0.3)), steps=1).passed  # other data: other training
     assert started == ["trace_rank", "trace_references", "trace_rank", "trace_rank", "trace_references"]
+
+
+def test_checks_of_one_world_size_share_one_launch_and_a_failed_one_is_checked_one_by_one(monkeypatch) -> None:
+    """`check_many`: every reference in one process, the configurations of one world size in one launch (a world size
+    with one configuration in a launch of its own); where a shared launch fails, each of its configurations is
+    checked in a launch of its own, so that its failure reads as `check`'s."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    import autosp.harness.check as checking
+
+    started, shared_fails = [], []
+    trace = {"losses": [1.0], "grads": [{"w": torch.ones(2)}], "params": [{"w": torch.ones(2)}]}
+
+    def fake_launch(body, args, world_size, **_):
+        started.append((body.__name__, world_size))
+        if body is checking.trace_ranks and shared_fails:
+            return SimpleNamespace(status="error", results=[None] * world_size, error="rank 1: RuntimeError: boom")
+        many = body in (checking.trace_references, checking.trace_ranks)
+        return SimpleNamespace(status="ok", results=[[trace] * len(args[0]) if many else trace], error=None)
+
+    monkeypatch.setattr(checking, "launch", fake_launch)
+    monkeypatch.setattr(checking, "_REFERENCES", OrderedDict())
+    cfg = _cfg("autosp", world_size=2, zero=0)
+    cfgs = [cfg, cfg.replace(zero=3), cfg.replace(world_size=4), cfg.replace(data=DataConfig(ignore_fraction=0.3))]
+    reports = check_many(cfgs, steps=1)
+    assert all(r.passed for r in reports) and [r.world_size for r in reports] == [2, 2, 4, 2]
+    assert started == [("trace_references", 1), ("trace_ranks", 2), ("trace_rank", 4)]
+    started.clear()
+    shared_fails.append(True)
+    assert all(r.passed for r in check_many(cfgs, steps=1))  # the references traced above are reused
+    assert started == [("trace_ranks", 2)] + [("trace_rank", 2)] * 3 + [("trace_rank", 4)]

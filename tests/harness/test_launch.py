@@ -12,7 +12,15 @@ import torch.distributed as dist
 
 from autosp.harness import launch as launch_mod
 from autosp.harness.config import ConfigError
-from autosp.harness.launch import WARM_RANK_PRELOAD, backend_for, check_device, existing_job, launch
+from autosp.harness.launch import (
+    COMPILER_PRELOAD,
+    WARM_RANK_PRELOAD,
+    backend_for,
+    check_device,
+    existing_job,
+    launch,
+    warm_preload,
+)
 from autosp.harness.supervisor import warm_ranks
 
 
@@ -201,6 +209,13 @@ def test_warm_ranks_take_the_launchers_environment_and_directory(tmp_path, monke
         result = launch(environment_and_directory, world_size=2, timeout_s=60)
     assert result.status == "ok", result.error
     assert result.results == [("after the server started", str(tmp_path))] * 2
+
+
+def test_a_commands_warm_server_imports_the_compiler_only_for_a_method_that_compiles() -> None:
+    assert warm_preload("autosp") == WARM_RANK_PRELOAD + COMPILER_PRELOAD + ("baselines.autosp_method",)
+    assert warm_preload("ulysses[ac=layer],ulysses-compile") == (WARM_RANK_PRELOAD + COMPILER_PRELOAD
+                                                                   + ("baselines.ulysses",))
+    assert warm_preload("ulysses[ac=layer],zero3") == WARM_RANK_PRELOAD + ("baselines.ulysses", "baselines.zero3")
 
 
 def test_one_line_error_carries_the_root_cause() -> None:
