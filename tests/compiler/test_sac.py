@@ -27,7 +27,8 @@ from autosp.compiler.fx import (
 from autosp.compiler.lowering import compile_with_partitioner, sac_backend
 from autosp.compiler.memory import PartitionRecord, Policy, make_partition_fn, parse_policy, planner
 from autosp.compiler.memory.offload import RELOAD_OP, WAIT_OP, offload_boundaries
-from autosp.compiler.memory.planner import estimated_peak, recompute_flops, smallest_fitting_rung
+from autosp.compiler.memory.planner import estimated_peak, recompute_flops
+from autosp.compiler.memory.rungs import smallest_fitting_rung
 from autosp.compiler.memory.tags import tag_joint_graph
 from autosp.compiler.memory.time_rank import added_seconds, exposed_copy_seconds, planning_rates
 from autosp.harness.config import ConfigError

@@ -46,8 +46,9 @@ from autosp.compiler.memory.tags import tag_joint_graph
 
 #: the modules whose source decides a partition: Inductor's caches are keyed by their contents (`SacPartitioner.uuid`)
 PARTITION_SOURCES = ("autosp.compiler.memory.partitioner", "autosp.compiler.memory.planner",
-                     "autosp.compiler.memory.flops", "autosp.compiler.memory.tags", "autosp.compiler.memory.offload",
-                     "autosp.compiler.fx.node_kinds", "autosp.compiler.fx.layers")
+                     "autosp.compiler.memory.rungs", "autosp.compiler.memory.time_rank", "autosp.compiler.memory.flops",
+                     "autosp.compiler.memory.tags", "autosp.compiler.memory.offload", "autosp.compiler.fx.node_kinds",
+                     "autosp.compiler.fx.layers")
 
 
 class SacPartitioner(CustomPartitionerFn):

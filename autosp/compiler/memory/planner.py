@@ -16,7 +16,6 @@ docs/measurements/2026-12-02-planner.md ("How the planner decides").
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,6 +49,7 @@ from autosp.compiler.memory.offload import (
 )
 from autosp.compiler.memory.records import saved_values
 from autosp.compiler.memory.retile import KeepLargerTiles, TileFirst, TileSmaller
+from autosp.compiler.memory.rungs import smallest_fitting_rung
 from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
 
 
@@ -266,32 +266,6 @@ def plan_partition(
                 reload=chosen.reload,
                 fits=fits(chosen), partitions_tried=partitions)
     return chosen.fw_module, chosen.bw_module, {**plan.to_dict(), **ranking}, chosen.offload
-
-
-def smallest_fitting_rung(make: Any, count: int, fits: Any, budget: int | None) -> Any:
-    """The smallest k in 1..count whose rung `make(k)` `fits`, or None where `make(count)` does not; `make(0)` is a rung
-    already made that does not fit. Assuming fitting is monotone in k (each rung recomputes more), any k that fits
-    with k - 1 not fitting is that one; the next k is guessed where the line through the bracket's two peaks crosses
-    `budget` (a rung's peak falls about evenly with the layers it recomputes), with a bisection step after two guesses
-    that did not halve the bracket: at 32 layers two or three rungs beyond the top one, where bisection makes five."""
-    top = make(count)
-    if not fits(top):
-        return None
-    (bad, below), (good, best) = (0, make(0)), (count, top)
-    misses = 0  # guesses in a row that did not halve the bracket
-    while good - bad > 1:
-        width = good - bad
-        # where the peaks say nothing (a rung over the host budget within the device's), bisection
-        guess = misses < 2 and budget is not None and below.peak > budget and below.peak > best.peak
-        k = bad + math.ceil((below.peak - budget) * width / (below.peak - best.peak)) if guess else (bad + good) // 2
-        k = min(max(k, bad + 1), good - 1)
-        t = make(k)
-        if fits(t):
-            good, best = k, t
-        else:
-            bad, below = k, t
-        misses = misses + 1 if guess and 2 * (good - bad) > width else 0
-    return best
 
 
 def _over_any_budget(joint_gm: fx.GraphModule, budget: int | None) -> fx.Node | None:
