@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 from autosp.harness.launch import COMPILER_PRELOAD, WARM_RANK_PRELOAD
 from autosp.harness.supervisor import warm_rank_cpu_seconds, warm_ranks
+from tests.baselines.checking import module_checks
 
 # --- Hypothesis profiles (tests/compiler/test_properties.py): `ci` by default, `--hypothesis-profile=nightly` ----
 # ci: a small fixed set (derandomized: every run draws the same examples); nightly: many more, a new seed each run.
@@ -35,6 +36,12 @@ def warm_cpu_ranks():
     start and end use `cold_ranks`."""
     with warm_ranks(WARM_RANK_PRELOAD + COMPILER_PRELOAD):
         yield
+
+
+@pytest.fixture(scope="module")
+def checks(request):
+    """The module's checks through its `CONFIGS`, sharing launches (tests/baselines/checking.py, `module_checks`)."""
+    return module_checks(request)
 
 
 @pytest.fixture

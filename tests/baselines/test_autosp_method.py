@@ -2,15 +2,13 @@
 two AdamW steps) on 2 and 4 gloo ranks, for the project Llama and unmodified HF transformers Llama."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autosp
 from autosp.errors import SequenceParallelError
-from autosp.harness.check import check, check_many
+from autosp.harness.check import check
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.launch import launch
 from autosp.harness.runner import build_train_step, global_batch, validate
@@ -29,32 +27,6 @@ def _check(model: str, world_size: int, **kw):
     report = check(_config(model, world_size, **kw))
     assert report.passed, report.format()
     return report
-
-
-class Checks:
-    """The checks of this module's selected tests, run together the first time one is asked for (`check_many`: one
-    launch per world size, the references in one process); each test then asserts its own report."""
-
-    def __init__(self, cfgs: list[RunConfig]) -> None:
-        self.cfgs, self.reports = cfgs, None
-
-    def passed(self, cfg: RunConfig):
-        if self.reports is None:
-            self.reports = dict(zip((_key(c) for c in self.cfgs), check_many(self.cfgs), strict=True))
-        report = self.reports[_key(cfg)]
-        assert report.passed, report.format()
-        return report
-
-
-def _key(cfg: RunConfig) -> str:
-    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
-
-
-@pytest.fixture(scope="module")
-def checks(request) -> Checks:
-    """Every selected test of this module that checks through it (`CONFIGS`, by its parameters)."""
-    return Checks([CONFIGS[item.originalname](**item.callspec.params) for item in request.session.items
-                   if item.module is request.module and item.originalname in CONFIGS])
 
 
 @pytest.mark.parametrize("model, world_size, options", [
@@ -190,7 +162,7 @@ def _parameters_in_host_memory(world_size: int | str, options: dict) -> RunConfi
     return _config("tiny", 2 if world_size == "bf16" else world_size, zero=3, offload="optimizer,params", **options)
 
 
-#: each test that checks through `checks`: its configuration from its parameters
+#: each test that checks through `checks` (tests/baselines/checking.py): its configuration from its parameters
 CONFIGS = {
     "test_project_llama_matches_single_process": _project_llama,
     "test_unmodified_hf_llama_matches_single_process": _hf_llama,

@@ -5,7 +5,7 @@ import torch
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.models.build import build_model
 from baselines.checkpointing import apply_activation_checkpointing
-from tests.baselines.checking import assert_check_passes
+from tests.baselines.checking import check_config
 
 
 def saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
@@ -38,13 +38,21 @@ def test_layer_checkpointing_keeps_only_the_layer_inputs_and_computes_the_same_g
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ulysses", "zero3"])
-def test_checkpointed_baselines_equal_single_process_training(method: str) -> None:
+def test_checkpointed_baselines_equal_single_process_training(checks, method: str) -> None:
     """--ac layer under both sharding stacks: ulysses at its default ZeRO 3 checkpoints before FSDP2 wraps the layers
     (as ring and fsdp do), zero3 inside DeepSpeed's ZeRO-3 engine."""
-    report = assert_check_passes(method, 2, ac="layer")
+    report = checks.passed(_checkpointed(method))
     assert report.status == "ok"
+
+
+def _checkpointed(method: str) -> RunConfig:
+    return check_config(method, 2, ac="layer")
 
 
 def test_ac_takes_off_or_layer_only() -> None:
     with pytest.raises(ConfigError, match="--ac must be one of off, layer"):
         RunConfig("ulysses", "tiny", 64, ac="full")
+
+
+#: each test that checks through `checks` (tests/baselines/checking.py): its configuration from its parameters
+CONFIGS = {"test_checkpointed_baselines_equal_single_process_training": _checkpointed}

@@ -6,7 +6,7 @@ from torch.utils._pytree import tree_leaves
 from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.harness.runner import build_train_step, global_batch
 from autosp.harness.strategy import get_strategy
-from tests.baselines.checking import assert_check_passes
+from tests.baselines.checking import check_config
 from tests.baselines.gloo import run_ranks
 
 
@@ -19,9 +19,13 @@ from tests.baselines.gloo import run_ranks
     # bf16 mixed precision against fp32 single-process training, bounded by the bf16 single process's own error
     ("ulysses", 2, dict(dtype="bfloat16", seq_len=128, zero=0)),
 ])
-def test_ulysses_matches_single_process(method: str, world_size: int, options: dict) -> None:
-    report = assert_check_passes(method, world_size, **options)
+def test_ulysses_matches_single_process(checks, method: str, world_size: int, options: dict) -> None:
+    report = checks.passed(_ulysses(method, world_size, options))
     assert report.sp_size == options.get("sp_size", world_size)
+
+
+def _ulysses(method: str, world_size: int, options: dict) -> RunConfig:
+    return check_config(method, world_size, **options)
 
 
 def test_ulysses_rejects_heads_not_divisible_by_sp() -> None:
@@ -35,10 +39,13 @@ def test_hand_written_sp_refuses_hf_models_it_cannot_hook(method: str) -> None:
         get_strategy(method).validate(RunConfig(method, "hf:tiny", 64, world_size=2), 4, 2)
 
 
-def test_ulysses_at_zero_stage_3_matches_single_process() -> None:
+def test_ulysses_at_zero_stage_3_matches_single_process(checks) -> None:
     """DeepSpeed-Ulysses with FSDP2 sharding every layer over all ranks: the like-for-like baseline of autosp at 3."""
-    report = assert_check_passes("ulysses", 2, zero=3, ignore_fraction=0.3)
-    assert report.passed
+    checks.passed(_at_zero_stage_3())
+
+
+def _at_zero_stage_3() -> RunConfig:
+    return check_config("ulysses", 2, zero=3, ignore_fraction=0.3)
 
 
 class _Shapes(TorchDispatchMode):
@@ -75,3 +82,10 @@ def test_the_retired_spelling_names_the_one_spelling() -> None:
     """One spelling per method (issue 42): `ulysses-ac` was `ulysses[ac=layer]` at ZeRO 0."""
     with pytest.raises(ConfigError, match=r"^method 'ulysses-ac' is now spelled ulysses\[ac=layer\] with --zero 0"):
         get_strategy("ulysses-ac")
+
+
+#: each test that checks through `checks` (tests/baselines/checking.py): its configuration from its parameters
+CONFIGS = {
+    "test_ulysses_matches_single_process": _ulysses,
+    "test_ulysses_at_zero_stage_3_matches_single_process": _at_zero_stage_3,
+}

@@ -2,13 +2,17 @@ import pytest
 
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.strategy import get_strategy
-from tests.baselines.checking import assert_check_passes
+from tests.baselines.checking import check_config
 from tests.baselines.gloo import run_ranks
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_zero3_matches_single_process_with_uneven_ignored_labels(world_size: int) -> None:
-    assert_check_passes("zero3", world_size, ignore_fraction=0.3)
+def test_zero3_matches_single_process_with_uneven_ignored_labels(checks, world_size: int) -> None:
+    checks.passed(_zero3(world_size))
+
+
+def _zero3(world_size: int) -> RunConfig:
+    return check_config("zero3", world_size, ignore_fraction=0.3)
 
 
 def test_zero3_rejects_sequence_parallel() -> None:
@@ -42,3 +46,7 @@ def test_zero3_buckets_never_exceed_the_model() -> None:
     assert zero["reduce_bucket_size"] == zero["stage3_prefetch_bucket_size"] == 1000
     big = zero3_config(RunConfig("zero3", "tiny", 64, world_size=2), num_params=8 * 10**9)["zero_optimization"]
     assert big["reduce_bucket_size"] == DEFAULT_REDUCE_BUCKET
+
+
+#: each test that checks through `checks` (tests/baselines/checking.py): its configuration from its parameters
+CONFIGS = {"test_zero3_matches_single_process_with_uneven_ignored_labels": _zero3}

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from autosp.harness.config import ConfigError, DataConfig
+from autosp.harness.config import ConfigError, DataConfig, RunConfig
 from autosp.models import build_model, get_preset
 from autosp.models.build import init_parameters
 from autosp.models.data import make_batch
@@ -117,16 +117,19 @@ def test_hf_deepseek_v32_is_deepseek_v3_with_an_indexer():
 
 
 @pytest.mark.parametrize("model", ["hf-mixtral:tiny", "hf-deepseek-v3:tiny", "hf-deepseek-v32:tiny"])
-def test_autosp_check_passes_on_the_moe_and_mla_harness_models(model):
+def test_autosp_check_passes_on_the_moe_and_mla_harness_models(checks, model):
     """With the tiled loss: on MLA it once came out wrong (the key buffer's in-place fills were dead-code
-    eliminated)."""
-    from autosp.harness.check import check
-    from autosp.harness.config import RunConfig
+    eliminated). The three share one launch (`checks`, tests/baselines/checking.py)."""
+    checks.passed(_moe_and_mla(model))
 
-    cfg = RunConfig(method="autosp", model=model, seq_len=128, world_size=2, compile_backend="aot_eager", zero=3,
-                    tiling="loss", timeout_s=400)
-    report = check(cfg)
-    assert report.passed, report.format()
+
+def _moe_and_mla(model: str) -> RunConfig:
+    return RunConfig(method="autosp", model=model, seq_len=128, world_size=2, compile_backend="aot_eager", zero=3,
+                     tiling="loss", timeout_s=400)
+
+
+#: each test that checks through `checks` (tests/baselines/checking.py): its configuration from its parameters
+CONFIGS = {"test_autosp_check_passes_on_the_moe_and_mla_harness_models": _moe_and_mla}
 
 
 @pytest.mark.parametrize("name", ["hf-gpt2:tiny", "hf-deepseek-v3-w16:tiny", "hf-mixtral:huge"])
