@@ -61,6 +61,9 @@ def peers_published() -> pd.DataFrame:
 SAME_SHAPES = {"llama-3.1-8b": ("llama-3-8b",)}
 #: our methods put beside the published peers' lengths (`peers_table`)
 PEER_COLUMNS = ("autosp", "alst")
+#: a throughput anchor's GPU that the device catalogue lacks -> the catalogue's GPU of the same chip its speed is
+#: compared on (torchtitan's H100 96GB HBM2e at 500 W: the H100 SXM's 80 GB at 700 W, so ours is likely optimistic)
+SAME_CHIP = {"h100-96gb": "h100-80gb"}
 
 
 def _base_model(name: object) -> str:
@@ -93,33 +96,84 @@ def peer_lengths(records: pd.DataFrame, model: str) -> pd.DataFrame:
     return best[columns].reset_index(drop=True)
 
 
+def peer_speeds(records: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Per (device, world_size, method, length): tokens/s per GPU of `model`'s latest run that fit at that length
+    (not a search): a simulated run's predicted step (`extra.time`), a measured run's median step over its GPUs."""
+    columns = ["device", "world_size", "method", "length", "tokens_per_s_per_gpu", "mode"]
+    rows = records[records["model"].map(_base_model) == model]
+
+    def column(name: str) -> pd.Series:
+        return rows[name] if name in rows else pd.Series(None, index=rows.index, dtype=object)
+
+    rows = rows[(column("kind") != "search") & (column("status") == "ok")]
+    if rows.empty:
+        return pd.DataFrame(columns=columns)
+    mode = column("mode").fillna("measured")
+    predicted = pd.to_numeric(column("extra.time.tokens_per_s_per_gpu"), errors="coerce")
+    measured = pd.to_numeric(column("tokens_per_s"), errors="coerce") / rows["world_size"]
+    speeds = pd.DataFrame({"device": rows["device"], "world_size": rows["world_size"],
+                           "method": column("method_spec").fillna(rows["method"]),
+                           "length": pd.to_numeric(rows["seq_len"], errors="coerce"), "mode": mode,
+                           "tokens_per_s_per_gpu": predicted.where(mode == "simulated", measured),
+                           "timestamp": column("timestamp")})
+    speeds = speeds.dropna(subset=["length", "tokens_per_s_per_gpu"]).sort_values("timestamp", kind="stable")
+    return speeds.groupby(["device", "world_size", "method", "length"], as_index=False).last()[columns]
+
+
 def peers_table(records: pd.DataFrame | None = None) -> pd.DataFrame:
     """Every published peer anchor (`peers_published`); with `records`, our longest length of each method of
     `PEER_COLUMNS` at the anchor's model (or one of the same shapes), device type and GPU count (`peer_lengths`:
     `>=` a lower bound), and autosp's ratio to the published length. A throughput anchor (torchtitan's) is a length it
-    ran at, not its longest: no ratio."""
+    ran at, not its longest: beside it, our tokens/s per GPU at that length on its GPU (or `SAME_CHIP`'s), predicted
+    or measured as the cell says (`peer_speeds`), and autosp's ratio of tokens/s."""
     table = peers_published()
     if records is None:
         return table
-    ours = pd.concat([peer_lengths(records, model).assign(model=model)
-                      for model in {*table["model"], *SAME_SHAPES}], ignore_index=True)
+    models = {*table["model"], *SAME_SHAPES}
+    ours = pd.concat([peer_lengths(records, model).assign(model=model) for model in models], ignore_index=True)
+    speeds = pd.concat([peer_speeds(records, model).assign(model=model) for model in models], ignore_index=True)
     same = {alias: model for model, aliases in SAME_SHAPES.items() for alias in aliases}
     out = table.drop(columns=["recipe"])
     for method in PEER_COLUMNS:
-        mine = ours[ours["method"] == method]
+        mine, fast = ours[ours["method"] == method], speeds[speeds["method"] == method]
         cells, ratios = [], []
         for _, anchor in table.iterrows():
-            hit = mine[mine["model"].isin({anchor["model"], same.get(anchor["model"])})
-                       & (mine["device"] == anchor["device"]) & (mine["world_size"] == anchor["world_size"])]
-            best = hit.sort_values("length").iloc[-1] if len(hit) else None
-            cells.append("" if best is None else f"{'>=' if best['bound'] else ''}{int(best['length']):,}")
-            longest = pd.isna(anchor["tokens_per_s_per_gpu"]) and best is not None
-            ratios.append(f"{'>=' if best['bound'] else ''}{best['length'] / anchor['seq_len']:.2f}x" if longest
-                          else "")
+            names = {anchor["model"], same.get(anchor["model"])}
+            if pd.isna(anchor["tokens_per_s_per_gpu"]):
+                cell, ratio = _peer_length_cell(mine, names, anchor)
+            else:  # a throughput anchor: our speed at its length
+                cell, ratio = _peer_speed_cell(fast, names, anchor)
+            cells.append(cell)
+            ratios.append(ratio)
         out[f"{method} (ours)"] = cells
         if method == "autosp":
             out["autosp / published"] = ratios
     return out[[c for c in out.columns if c != "source"] + ["source"]]
+
+
+def _peer_length_cell(mine: pd.DataFrame, names: set, anchor: pd.Series) -> tuple[str, str]:
+    """(our longest length at a length anchor's model, GPU and count, its ratio to the published length)."""
+    hit = mine[mine["model"].isin(names) & (mine["device"] == anchor["device"])
+               & (mine["world_size"] == anchor["world_size"])]
+    if hit.empty:
+        return "", ""
+    best = hit.sort_values("length").iloc[-1]
+    bound = ">=" if best["bound"] else ""
+    return f"{bound}{int(best['length']):,}", f"{bound}{best['length'] / anchor['seq_len']:.2f}x"
+
+
+def _peer_speed_cell(fast: pd.DataFrame, names: set, anchor: pd.Series) -> tuple[str, str]:
+    """(our tokens/s per GPU at a throughput anchor's length, model, GPU (`SAME_CHIP`) and count, its ratio to the
+    published tokens/s)."""
+    device = SAME_CHIP.get(anchor["device"], anchor["device"])
+    hit = fast[fast["model"].isin(names) & (fast["device"] == device) & (fast["world_size"] == anchor["world_size"])
+               & (fast["length"] == anchor["seq_len"])]
+    if hit.empty:
+        return "", ""
+    run = hit.iloc[-1]
+    how = "predicted" if run["mode"] == "simulated" else "measured"
+    return (f"{run['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU ({how}, {device})",
+            f"{run['tokens_per_s_per_gpu'] / anchor['tokens_per_s_per_gpu']:.2f}x tokens/s")
 
 
 def alst_table(records: pd.DataFrame) -> pd.DataFrame:
