@@ -98,7 +98,8 @@ def peer_lengths(records: pd.DataFrame, model: str) -> pd.DataFrame:
 
 def peer_speeds(records: pd.DataFrame, model: str) -> pd.DataFrame:
     """Per (device, world_size, method, length): tokens/s per GPU of `model`'s latest run that fit at that length
-    (not a search): a simulated run's predicted step (`extra.time`), a measured run's median step over its GPUs."""
+    (not a search): a measured run's median step over its GPUs where there is one (a measurement outranks any
+    prediction, however recent), else a simulated run's predicted step (`extra.time`)."""
     columns = ["device", "world_size", "method", "length", "tokens_per_s_per_gpu", "mode"]
     rows = records[records["model"].map(_base_model) == model]
 
@@ -116,7 +117,8 @@ def peer_speeds(records: pd.DataFrame, model: str) -> pd.DataFrame:
                            "length": pd.to_numeric(rows["seq_len"], errors="coerce"), "mode": mode,
                            "tokens_per_s_per_gpu": predicted.where(mode == "simulated", measured),
                            "timestamp": column("timestamp")})
-    speeds = speeds.dropna(subset=["length", "tokens_per_s_per_gpu"]).sort_values("timestamp", kind="stable")
+    speeds = speeds.assign(measured=speeds["mode"] != "simulated").dropna(subset=["length", "tokens_per_s_per_gpu"])
+    speeds = speeds.sort_values(["measured", "timestamp"], kind="stable")
     return speeds.groupby(["device", "world_size", "method", "length"], as_index=False).last()[columns]
 
 

@@ -321,7 +321,8 @@ def test_the_published_peers_are_data_with_their_sources(capsys) -> None:
 def test_a_throughput_anchor_gets_our_tokens_per_second_at_its_length_on_the_same_chip() -> None:
     """torchtitan's 548 tokens/s/GPU (8B, 262,144 tokens, 8 H100 96GB): beside it our latest run that fit at that length
     on the same chip (the catalogue's h100-80gb), predicted (`extra.time`) or measured (tokens/s over the GPUs), and
-    autosp's ratio of tokens/s; a run at another length or GPU count, or a search, is not its speed."""
+    autosp's ratio of tokens/s; a run at another length or GPU count, or a search, is not its speed, and a measured
+    run outranks a later prediction."""
     from autosp.experiments.tables import peers_table
 
     def run(method: str, tokens_per_s_per_gpu: float, **fields) -> dict:
@@ -334,7 +335,9 @@ def test_a_throughput_anchor_gets_our_tokens_per_second_at_its_length_on_the_sam
         run("autosp", 1_096.0),
         run("autosp", 5_000.0, seq_len=131_072), run("autosp", 5_000.0, world_size=4),
         dict(search_row("autosp", 6_498_304, model="llama-3.1-8b"), device="h100-80gb", world_size=8),
-        run("alst", float("nan"), mode="measured", model="hf:llama-3.1-8b", tokens_per_s=8 * 500.0),
+        run("alst", float("nan"), mode="measured", model="hf:llama-3.1-8b", tokens_per_s=8 * 500.0,
+            timestamp="2026-01-01T00:00:00"),
+        run("alst", 900.0),  # a later prediction of the same cell: the measurement stands
     ])
     row = peers_table(records).set_index("peer").loc["torchtitan"]
     assert row["autosp (ours)"] == "1,096 tokens/s/GPU (predicted, h100-80gb)"
