@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from autosp.harness.config import ConfigError
+from autosp.errors import ConfigError
 
 #: runs are comparable only within one (model, ranks, device type, budget) setting, measured or simulated
 TRAINABILITY_GROUP = ["model", "world_size", "device", "device_name", "memory_budget", "mode"]
