@@ -654,9 +654,11 @@ def _planner_search(monkeypatch, longest: dict[str, int]) -> dict:
 
     def simulate(cfg: RunConfig, device) -> dict:
         status = "ok" if cfg.seq_len <= longest[cfg.sac] else "oom"
+        whole = [{"partitions_tried": 3}, {"partitions_tried": 1}] if cfg.sac == "auto" else None  # two graphs
         return {"status": status, "seq_len": cfg.seq_len, "peak_mem_bytes": cfg.seq_len, "error": None,
                 "config": {"sac": cfg.sac}, "extra": {"breakdown": {"allocator_blocks_bytes": cfg.seq_len,
-                                                                      "model_state_bytes": 0}}}
+                                                                      "model_state_bytes": 0},
+                                                       "wall_s": 2.0, "cpu_s": 1.5, "sac_auto": whole}}
 
     monkeypatch.setattr(lengths, "simulate", simulate)
     cfg = RunConfig(method="autosp", model=_deep(monkeypatch, "tiny"), seq_len=1, world_size=2, sac="auto")
@@ -673,6 +675,11 @@ def test_the_planners_search_runs_on_its_last_rung_then_simulates_the_answer_wit
     assert [p["sac"] for p in row["probes"] if p["seq_len"] == 2560][-1] == "auto"  # the answer, the planner's
     assert [p["seq_len"] for p in row["probes"] if p["sac"] == "auto"] == [2560, 3072]
     assert row["config"]["sac"] == "auto"
+    # where the search's time went, probe by probe: seconds, and the whole-depth planner's partitions
+    assert all((p["wall_s"], p["cpu_s"]) == (2.0, 1.5) for p in row["probes"])
+    assert [p["partitions"] for p in row["probes"] if p["sac"] == "auto"] == [4, 4]
+    assert {p["partitions"] for p in row["probes"] if p["sac"] == sim.LAST_RUNG_SAC} == {None}
+    assert row["cpu_s"] >= 0
 
 
 def test_where_the_planner_fits_above_its_last_rungs_answer_the_search_goes_on_above_with_the_planner(monkeypatch):

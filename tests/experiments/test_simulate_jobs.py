@@ -12,7 +12,7 @@ from autosp.harness.config import RunConfig
 from tests.experiments.test_simulate import _deep, _planner_search
 
 #: what differs between two runs of the same simulation: identity, time and the clock of the probe
-VOLATILE = ("run_id", "search_id", "timestamp", "wall_s")
+VOLATILE = ("run_id", "search_id", "timestamp", "wall_s", "cpu_s")
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +22,11 @@ def fresh_predictions():
     sim.extrapolate._PREDICTIONS.clear()
 
 
-def _stable(record: dict) -> dict:
-    return {k: _stable(v) if isinstance(v, dict) else v for k, v in record.items() if k not in VOLATILE}
+def _stable(value):
+    """`value` without what is `VOLATILE`, in every record nested in it (a search row's probes included)."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    return [_stable(v) for v in value] if isinstance(value, list) else value
 
 
 def _planner(monkeypatch) -> RunConfig:

@@ -37,16 +37,20 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     strategy, sp_size = validate(cfg.replace(device="cpu"))
     record = new_record(cfg, sp_size=sp_size, mode="simulated", zero=strategy.zero_stage(cfg))
     record.update(device=device.name, device_name=f"simulated {device.name}", memory_budget=device.usable_bytes)
-    started = time.monotonic()
+    started = (time.monotonic(), time.process_time())
+
+    def clock() -> dict[str, float]:  # this simulation's wall and CPU seconds (the CPU of this process)
+        return {"wall_s": round(time.monotonic() - started[0], 3), "cpu_s": round(time.process_time() - started[1], 3)}
+
     try:
         peak, how = predict_peak(cfg, device)
     except SimulationError as exc:
         record.update(status="error", error=str(exc))
-        record["extra"]["wall_s"] = round(time.monotonic() - started, 3)
+        record["extra"].update(clock())
         return record
     except HostMemoryError as exc:  # offload=optimizer: the state alone is over the rank's share of the host budget
         record.update(status="oom", error=str(exc))
-        record["extra"].update(oom_in="host", wall_s=round(time.monotonic() - started, 3))
+        record["extra"].update(oom_in="host", **clock())
         return record
     total = peak.peak_bytes + device.fixed_bytes
     host_budget, node_host = _host_budget(cfg, device), node_host_bytes(peak.host_offloaded_bytes,
@@ -60,7 +64,7 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
         record.update(status="oom", error=host_over_budget_error(node_host, *host_budget))
         record["extra"]["oom_in"] = "host"
     record["extra"].update(
-        simulated=True, simulated_rank=0, wall_s=round(time.monotonic() - started, 3),
+        simulated=True, simulated_rank=0, **clock(),
         executed_backend=DIRECT_INDUCTOR_BACKEND if cfg.method == "ds-autosp" else SIMULATED_BACKEND,
         assumed_healthy_reads=peak.assumed_healthy_reads,
         fusion="none: every intermediate of the partitioned graphs is materialised (as aot_eager runs them)",
@@ -152,7 +156,7 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     granularity = granularity or default_granularity(cfg.world_size)
     curve = {} if curve is None else curve
     probes: list[dict[str, Any]] = []
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     limit, floor = _floor_limit(cfg, device.usable_bytes - device.fixed_bytes, granularity)
     last_rung = _last_rung(cfg, device)
 
@@ -188,9 +192,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     row.update(kind="search", seq_len=outcome.max_seq_len or 0, status=outcome.status,
                max_seq_len=outcome.max_seq_len, first_oom_seq_len=outcome.first_oom_seq_len,
                granularity=granularity, num_probes=len(outcome.probes),
-               probes=[{"seq_len": r["seq_len"], "status": r["status"], "peak_mem_bytes": r["peak_mem_bytes"],
-                        **({"sac": r["config"]["sac"]} if last_rung is not None else {})} for r in probes],
-               wall_s=round(time.monotonic() - started, 3))
+               probes=[_probe_summary(r, with_sac=last_rung is not None) for r in probes],
+               wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu_started, 3))
     row.update(floor_limit_seq_len=limit, floor=floor,
                achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
     above = next((r for r in reversed(probes) if r["seq_len"] == outcome.first_oom_seq_len
@@ -204,6 +207,17 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
         row["error"] = probes[-1]["error"]
     row["run_id"] = row["search_id"] = uuid.uuid4().hex
     return row
+
+
+def _probe_summary(record: dict[str, Any], *, with_sac: bool) -> dict[str, Any]:
+    """A probe as the search's row lists it: its length, status and peak, its wall and CPU seconds, and where the
+    planner was simulated whole, the min-cut partitions it made (what a search's time goes to, probe by probe)."""
+    extra = record.get("extra") or {}
+    plans = extra.get("sac_auto") or []
+    return {"seq_len": record["seq_len"], "status": record["status"], "peak_mem_bytes": record["peak_mem_bytes"],
+            **({"sac": record["config"]["sac"]} if with_sac else {}),
+            "wall_s": extra.get("wall_s"), "cpu_s": extra.get("cpu_s"),
+            "partitions": sum(plan["partitions_tried"] for plan in plans) if plans else None}
 
 
 def _planner_around(rung: Any, planner: Any, granularity: int, max_len: int, search: dict[str, Any],
