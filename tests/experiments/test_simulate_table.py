@@ -119,7 +119,10 @@ def test_render_relabels_an_old_tables_autosp_keeps_one_world_size_and_says_wher
                  extra={"time": {"iteration_s": 4750.0, "tokens_per_s_per_gpu": 117.0, "time_model": TIME_MODEL}}),
             dict(search, model="llama-3.2-1b", world_size=8, max_seq_len=300 * 1024),
             dict(search, model="llama-3.1-8b", world_size=1, max_seq_len=400 * 1024),  # another table's
-            dict(search, model="llama-3.1-8b", world_size=8, method="ring", max_seq_len=60 * 1024)]
+            dict(search, model="llama-3.1-8b", world_size=8, method="ring", max_seq_len=60 * 1024),
+            dict(search, model="llama-3.1-8b", world_size=8, method="ulysses", status="oom_at_min_len",
+                 max_seq_len=None,  # no length, so no time: the step of the probe that did not fit is not its time
+                 extra={"time": {"iteration_s": 0.7, "tokens_per_s_per_gpu": 343.0, "time_model": TIME_MODEL}})]
     (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.md"
     args = ["simulate-table", "--render", str(tmp_path / "old.md"), str(tmp_path / "new.jsonl"),

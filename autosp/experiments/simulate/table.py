@@ -236,7 +236,10 @@ def _column_order(labels: list[str]) -> list[str]:
 def time_markdown_table(table: pd.DataFrame) -> str:
     """Each cell's predicted step at its longest length (seconds, tokens/s per GPU, the length), laid out as the
     length table, with only the rows and columns that carry one (a rendered Markdown table's cells and device types
-    without rates carry none). A prediction of an earlier time model says so, and what that model left out."""
+    without rates carry none; a search that found no length carries only its failed probe's, not shown). A
+    prediction of an earlier time model says so, and what that model left out."""
+    import pandas as pd
+
     from autosp.experiments.simulate.speed import EARLIER_TIME_MODELS, TIME_MODEL
 
     if "extra.time.iteration_s" not in table:
@@ -244,7 +247,8 @@ def time_markdown_table(table: pd.DataFrame) -> str:
     hf = table["model"].str.startswith("hf:")
     table = table.assign(label=table["method"] + hf.map({True: " (hf)", False: ""}) + " z"
                          + table["zero"].astype("Int64").astype(str), model=table["model"].str.removeprefix("hf:"))
-    timed = table[table["extra.time.iteration_s"].notna() & (table["status"] != "error")]
+    found = pd.to_numeric(table["max_seq_len"], errors="coerce").fillna(0) > 0
+    timed = table[table["extra.time.iteration_s"].notna() & (table["status"] != "error") & found]
     version = timed.get("extra.time.time_model")  # a record without one: the first model
     timed = timed.assign(time_model=1 if version is None else version.fillna(1).astype(int))
     labels = _column_order(list(timed["label"]))  # the columns and rows with a prediction
