@@ -70,6 +70,20 @@ def test_an_elementwise_op_costs_the_bytes_it_reads_and_writes_and_a_view_nothin
     assert clocked(program).by_class["memory"] == pytest.approx(20_000 / 1e9)
 
 
+def test_an_op_whose_output_is_its_inputs_storage_costs_only_its_overhead():
+    """aten._unsafe_view (a reshape's view that its schema does not mark as one: the partitioner's graphs hold
+    dozens per layer) moves no bytes; an in-place op on the same storage still reads it."""
+    from dataclasses import replace
+
+    def program():
+        a = torch.randn(1000)                              # 4,000 bytes written
+        torch.ops.aten._unsafe_view(a, [10, 100])           # free but its overhead
+        a.mul_(2.0)                                          # 4,000 bytes read (written where they lie)
+
+    time = clocked(program, replace(RATES, op_overhead_s=1e-6))
+    assert time.by_class["memory"] == pytest.approx(8_000 / 1e9 + 3e-6)
+
+
 def test_an_offloaded_value_is_copied_at_the_host_link_beside_the_compute():
     def program():
         x = torch.randn(250)            # 1,000 bytes: 1 us of memory time

@@ -21,8 +21,9 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - a parameter DeepSpeed ZeRO-3 all-gathers (`fetched`, told by the simulator's DeepSpeed adapter): its gather is a
   collective as above, and its hooks' host work (fetch, wait, release) costs the rates' ZeRO-3 fetch seconds;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
-  free, and so is an op that makes and writes no tensor (prim.device); a wait (autosp_sp::wait, wait_tensor)
-  costs nothing but makes the compute stream wait for its value.
+  free, and so is an op that makes and writes no tensor (prim.device); an op whose outputs are its inputs' storages
+  and that writes nothing in place (aten._unsafe_view, a view its schema does not mark) costs its overhead only; a
+  wait (autosp_sp::wait, wait_tensor) costs nothing but makes the compute stream wait for its value.
 
 Element-wise ops are costed one by one (no fusion: aot_eager's graphs, as the memory model runs them).
 """
@@ -112,7 +113,8 @@ class StepClock:
         ins = list(_tensors((args, kwargs)))
         outs = list(_tensors(out))
         reads = {serial(t) for t in ins}
-        writes = {serial(t) for t in outs} | {serial(t) for t in _mutated(func, args, kwargs)}
+        mutated = {serial(t) for t in _mutated(func, args, kwargs)}
+        writes = {serial(t) for t in outs} | mutated
         trace = self.trace
         if any(mark in name for mark in WAITS):
             trace.add("memory", 0.0, reads, writes)
@@ -149,6 +151,9 @@ class StepClock:
             trace.add("copy", sum(_nbytes(t) for t in ins if serial(t) in host), reads, writes)
         else:
             fresh = [t for t in outs if serial(t) not in reads]
+            if not fresh and not mutated:  # every output is an input's storage (aten._unsafe_view): no bytes move
+                trace.add("memory", 0.0, reads, writes)
+                return
             nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, fresh))
             trace.add("host" if out_host else "memory", nbytes, reads, writes)
 
