@@ -3,10 +3,12 @@ this machine as the ranks of a CPU run see it: P gloo ranks, one thread each (as
 measuring at once so that they share the cores and the memory bus as a run's ranks do.
 
 Per rank, each the median of `repeats` timings after one untimed call (float32, the CPU runs' dtype):
-matmul FLOP/s ([2048, 128] x [128, 512]: a CPU preset's projection at a few thousand local tokens), attention
-FLOP/s (causal SDPA forward + backward, [1, 4, S, 32]: forward 4·H·D·S(S+1)/2, backward 2.5x that, as the
-simulator counts it; at S = 2048, the row's attention fraction, and at each of `ATTENTION_KEYS`, its
-`attention_by_keys`: a CPU flash kernel's rate grows with the keys), memory bytes/s (an add of two 32 MiB tensors:
+matmul FLOP/s (a linear layer's three matmuls, forward [2048, 128] x [128, 512] and backward's input and weight
+gradients, as every projection of a step runs them: a CPU preset's projection at a few thousand local tokens),
+attention FLOP/s (causal SDPA forward + backward, [1, 4, S, `CPU_HEAD_DIM`], the CPU presets' head size: forward
+4·H·D·S(S+1)/2, backward 2.5x that, as the simulator counts it; at S = 2048, the row's attention fraction, and at
+each of `ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate grows with the keys and with the head
+size), memory bytes/s (an add of two 32 MiB tensors:
 read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy on a CPU), per-op overhead (an add of
 one-element tensors), gloo's collective latency (an all-reduce of one element) and bandwidth (an all-gather of 32 MiB:
 (P-1)/P of it sent per rank), and, where
@@ -35,6 +37,9 @@ FETCH_LAYERS = 16
 FETCH_SHAPE = (448, 128)
 #: key lengths the attention rate is measured at (the cpu row's `attention_by_keys`; 2048 is its attention fraction)
 ATTENTION_KEYS = (512, 1024, 2048, 4096)
+#: the head size attention is measured at: every CPU preset's (hidden / heads; a flash kernel's rate per FLOP falls
+#: with it: docs/measurements/2026-12-07-time-by-op.md)
+CPU_HEAD_DIM = 16
 
 
 def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -52,8 +57,8 @@ def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
 def measure_rank(repeats: int) -> dict[str, float]:
     """This rank's rates (the module docstring says what each times)."""
     torch.manual_seed(0)
-    a, b = torch.randn(2048, 128), torch.randn(128, 512)
-    matmul = 2 * 2048 * 128 * 512 / _seconds(lambda: a @ b, repeats, 5)
+    a, w, g = torch.randn(2048, 128), torch.randn(128, 512), torch.randn(2048, 512)  # input, weight, output's grad
+    matmul = 3 * 2 * 2048 * 128 * 512 / _seconds(lambda: (a @ w, g @ w.t(), a.t() @ g), repeats, 5)
     x, y = torch.randn(8 * MIB), torch.randn(8 * MIB)  # 32 MiB each
     memory = 3 * x.nbytes / _seconds(lambda: x + y, repeats)
     copy = x.nbytes / _seconds(x.clone, repeats)
@@ -71,8 +76,9 @@ def measure_rank(repeats: int) -> dict[str, float]:
 
 
 def _attention_rate(length: int, repeats: int) -> float:
-    """FLOP/s of a causal SDPA forward + backward over `length` tokens (4 heads of 32), as the clock counts it."""
-    heads, dim = 4, 32
+    """FLOP/s of a causal SDPA forward + backward over `length` tokens (4 heads of `CPU_HEAD_DIM`), as the clock
+    counts it."""
+    heads, dim = 4, CPU_HEAD_DIM
     q = torch.randn(1, heads, length, dim, requires_grad=True)
 
     def attention() -> None:

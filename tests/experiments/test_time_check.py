@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import csv
 
-from autosp.experiments.calibrate import calibrate
+from autosp.experiments.calibrate import CPU_HEAD_DIM, calibrate
 from autosp.experiments.time_check import cell_configs, format_rows, time_check
 from autosp.timing.rates import write_cpu_rates
 
@@ -18,6 +18,15 @@ def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(t
     path = write_cpu_rates(row, tmp_path / "rates.csv")
     rows = {r["device"]: r for r in csv.DictReader(path.open())}
     assert rows["cpu"]["peak_tflops"] == row["peak_tflops"] and "h100-80gb" in rows
+
+
+def test_attention_is_calibrated_at_the_head_size_of_every_cpu_preset():
+    """A CPU flash kernel's rate per FLOP depends on the head size (docs/measurements/2026-12-07-time-by-op.md: at
+    16 it ran 1.4-1.75x slower than the rate measured at 32); the cpu row prices the CPU presets' attention."""
+    from autosp.models import get_preset
+
+    for name in ("tiny", "tiny-mha", "tiny-tied", "small", "llama3-mini"):
+        assert get_preset(name).head_dim == CPU_HEAD_DIM, name
 
 
 def test_time_check_predicts_and_measures_each_cell_and_says_which_miss(tmp_path):

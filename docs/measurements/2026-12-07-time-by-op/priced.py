@@ -1,0 +1,49 @@
+"""One-off (not committed): the simulated step's priced seconds per aten op name on the cpu rates."""
+import json
+import sys
+from collections import defaultdict
+
+import autosp.experiments.simulate.clock as clock
+from autosp.experiments.simulate import simulate
+from autosp.experiments.simulate.devices import get_device_model
+from autosp.harness.config import RunConfig
+from autosp.harness.measure import parse_size
+from autosp.harness.method_spec import parse_method_spec
+from autosp.timing.rates import device_rates
+
+R = device_rates("cpu")
+PRICE = {"matmul": R.matmul_seconds, "memory": R.memory_seconds, "copy": R.copy_seconds, "host": R.host_seconds,
+         "fetch": R.fetch_seconds}
+per_trace = defaultdict(lambda: defaultdict(lambda: [0, 0.0, ""]))
+original = clock.StepClock.op
+
+
+def op(self, func, args, kwargs, out, serial, host):
+    before = len(self.trace.events)
+    original(self, func, args, kwargs, out, serial, host)
+    name = clock._name(clock.unwrap_rng(func, args)[0])
+    for op_class, quantity, kind, group, _r, _w, keys in self.trace.events[before:]:
+        if op_class == "collective":
+            s = R.collective_seconds(kind, quantity, group, 2)
+        elif op_class == "attention":
+            s = R.attention_seconds(quantity, keys)
+        else:
+            s = PRICE[op_class](quantity)
+        s += 0.0 if op_class == "fetch" else R.op_overhead_s
+        entry = per_trace[id(self.trace)][name]
+        entry[0] += 1
+        entry[1] += s
+        entry[2] = op_class
+
+
+clock.StepClock.op = op
+label, model, seq, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+spec = parse_method_spec(label)
+cfg = spec.config(RunConfig(method=spec.method, model=model, seq_len=seq, world_size=2, device="cpu",
+                            memory_budget=parse_size("16GiB"), steps=3, compile_backend="aot_eager"))
+record = simulate(cfg, get_device_model("cpu", cfg.memory_budget))
+time = record["extra"]["time"]
+traces = {k: {n: v for n, v in d.items()} for k, d in per_trace.items()}
+totals = {k: sum(v[1] for v in d.values()) for k, d in traces.items()}
+print(json.dumps(time), totals)
+json.dump({"time": time, "traces": list(traces.values()), "totals": list(totals.values())}, open(out, "w"))
