@@ -1,4 +1,4 @@
-"""One-off diagnostic (not committed): the real CPU step's aten ops by self CPU time (torch.profiler), per op name.
+"""One-off diagnostic (not part of the package): a real CPU step's aten ops by self CPU time (torch.profiler).
 
 Imported in every rank by `autosp run --import opclass_probe`: wraps `autosp.harness.runner.train_step`; of the
 OPCLASS_TOTAL calls (warmup + 1 measured + steps) the last OPCLASS_MODED run under the profiler, the ones before it

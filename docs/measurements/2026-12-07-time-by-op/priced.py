@@ -1,4 +1,4 @@
-"""One-off (not committed): the simulated step's priced seconds per aten op name on the cpu rates."""
+"""One-off (not part of the package): the simulated step's priced seconds per aten op name on the cpu rates."""
 import json
 import sys
 from collections import defaultdict
@@ -37,7 +37,8 @@ def op(self, func, args, kwargs, out, serial, host):
 
 
 clock.StepClock.op = op
-label, model, seq, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+given = dict(arg.split("=", 1) for arg in sys.argv[1:])  # method=autosp model=llama3-mini seq=4096 out=priced.json
+label, model, seq, out = given["method"], given["model"], int(given["seq"]), given["out"]
 spec = parse_method_spec(label)
 cfg = spec.config(RunConfig(method=spec.method, model=model, seq_len=seq, world_size=2, device="cpu",
                             memory_budget=parse_size("16GiB"), steps=3, compile_backend="aot_eager"))
