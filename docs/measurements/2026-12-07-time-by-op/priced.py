@@ -11,9 +11,7 @@ from autosp.harness.measure import parse_size
 from autosp.harness.method_spec import parse_method_spec
 from autosp.timing.rates import device_rates
 
-R = device_rates("cpu")
-PRICE = {"matmul": R.matmul_seconds, "memory": R.memory_seconds, "copy": R.copy_seconds, "host": R.host_seconds,
-         "fetch": R.fetch_seconds}
+RATES = device_rates("cpu")
 per_trace = defaultdict(lambda: defaultdict(lambda: [0, 0.0, ""]))
 original = clock.StepClock.op
 
@@ -22,18 +20,11 @@ def op(self, func, args, kwargs, out, serial, host):
     before = len(self.trace.events)
     original(self, func, args, kwargs, out, serial, host)
     name = clock._name(clock.unwrap_rng(func, args)[0])
-    for op_class, quantity, kind, group, _r, _w, keys in self.trace.events[before:]:
-        if op_class == "collective":
-            s = R.collective_seconds(kind, quantity, group, 2)
-        elif op_class == "attention":
-            s = R.attention_seconds(quantity, keys)
-        else:
-            s = PRICE[op_class](quantity)
-        s += 0.0 if op_class == "fetch" else R.op_overhead_s
+    for event in self.trace.events[before:]:  # each event priced alone, as `OpTrace.time` prices it in line
         entry = per_trace[id(self.trace)][name]
         entry[0] += 1
-        entry[1] += s
-        entry[2] = op_class
+        entry[1] += clock.OpTrace(events=[event]).time(RATES, gpus_per_node=2).iteration_s
+        entry[2] = event[0]
 
 
 clock.StepClock.op = op
