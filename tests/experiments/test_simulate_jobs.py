@@ -1,6 +1,7 @@
 """`autosp simulate --search --jobs 2`: the planner's whole-depth probe one granule above its last rung's answer runs
-in a second (spawned) process while the search's own process probes the answer; the search finds what the
-sequential one finds, probe for probe, the second process's record equal to the sequential search's."""
+in a second (spawned) process while the search's own process probes the answer, and each extrapolated pair's deeper
+program in a second process beside the shallower one; the search finds what the sequential one finds, probe for
+probe, each second process's record or peak equal to the sequential search's."""
 from __future__ import annotations
 
 import pytest
@@ -121,3 +122,42 @@ def test_cli_jobs_must_be_positive(capsys):
     assert main(["simulate", "--method", "ring", "--model", "tiny", "--world-size", "2", "--seq-len", "256",
                  "--jobs", "0"]) == 2
     assert "--jobs must be at least 1" in capsys.readouterr().err
+
+
+def test_the_deeper_program_elsewhere_makes_the_records_made_here(monkeypatch):
+    """AutoSP (the paper's setting, compiled) on the 5-layer tiny, extrapolated from 2 and 3 layers at two lengths on
+    shared programs: with the 3-layer program in a second process (`deeper_programs_elsewhere`, kept there across
+    the lengths: one symbolic Dynamo trace) every record equals the one-process record, and its CPU seconds count
+    the second process's."""
+    from autosp.experiments.simulate.programs import cpu_elsewhere, deeper_programs_elsewhere
+
+    cfg = _planner(monkeypatch).replace(sac="sac", offload="off", tiling="off")
+    device = get_device_model("cpu", 14 * MIB)
+    lengths = (512, 1024)
+    with sim.shared_rank_programs():
+        here = [sim.simulate(cfg.replace(seq_len=n), device) for n in lengths]
+    sim.extrapolate._PREDICTIONS.clear()
+    with sim.shared_rank_programs(), deeper_programs_elsewhere(2):
+        there = [sim.simulate(cfg.replace(seq_len=n), device) for n in lengths]
+        elsewhere_cpu_s = cpu_elsewhere()
+    assert [r["extra"]["layers_simulated"] for r in there] == [[2, 3]] * 2
+    assert _stable(there) == _stable(here)
+    assert elsewhere_cpu_s > 0 and sum(r["extra"]["cpu_s"] for r in there) > elsewhere_cpu_s
+
+
+def test_what_the_depth_process_raises_is_raised_here(monkeypatch):
+    """A request the second process cannot run (a model it was not given) comes back as its own error, and the
+    process then serves the next request."""
+    from autosp.experiments.simulate.elsewhere import DepthElsewhere
+
+    cfg, device = _planner(monkeypatch).replace(sac=sim.LAST_RUNG_SAC, seq_len=2048), get_device_model("cpu", 14 * MIB)
+    process = DepthElsewhere()
+    try:
+        process.start(cfg.replace(model="no-such-model"), device, 3)
+        with pytest.raises(Exception, match="no-such-model"):
+            process.result()
+        process.start(cfg, device, 2)
+        peak, cpu_s = process.result()
+        assert peak.num_layers == 2 and cpu_s > 0
+    finally:
+        process.close()

@@ -9,7 +9,7 @@ from autosp.errors import AutoSPError
 from autosp.experiments.simulate.clock import LinedTrace
 from autosp.experiments.simulate.config import EXACT_LAYERS, SimulationError, simulate_config
 from autosp.experiments.simulate.devices import DeviceModel
-from autosp.experiments.simulate.programs import rank_peak
+from autosp.experiments.simulate.programs import rank_peak, rank_peaks
 from autosp.experiments.simulate.tracker import LINEAR_TERMS, PhasePeak, RankPeak
 from autosp.harness.config import RunConfig
 
@@ -41,7 +41,7 @@ def _predict_peak(cfg: RunConfig, device: DeviceModel) -> tuple[RankPeak, dict[s
             return rank_peak(run_cfg, device), {"layers_simulated": [depth], "extrapolated": False,
                                                  "note": f"{whole}: simulated whole"}
         pair = SECOND_PAIR if _layers_reach_their_neighbours(cfg) else (2, 3)
-        runs = [rank_peak(run_cfg, device, layers) for layers in pair]
+        runs = rank_peaks(run_cfg, device, pair)
         peak, note = extrapolate_peak(*runs, depth)
         if peak is None and pair != SECOND_PAIR and depth > SECOND_PAIR[1]:
             runs.append(rank_peak(run_cfg, device, SECOND_PAIR[1]))

@@ -22,7 +22,7 @@ from autosp.experiments.simulate.extrapolate import (
     planned_by_device,
     predict_peak,
 )
-from autosp.experiments.simulate.programs import shared_rank_programs
+from autosp.experiments.simulate.programs import cpu_elsewhere, deeper_programs_elsewhere, shared_rank_programs
 from autosp.experiments.simulate.speed import time_record
 from autosp.harness.config import ConfigError, RunConfig
 from autosp.harness.measure import format_size, host_over_budget_error, node_host_bytes
@@ -37,10 +37,11 @@ def simulate(cfg: RunConfig, device: DeviceModel) -> dict[str, Any]:
     strategy, sp_size = validate(cfg.replace(device="cpu"))
     record = new_record(cfg, sp_size=sp_size, mode="simulated", zero=strategy.zero_stage(cfg))
     record.update(device=device.name, device_name=f"simulated {device.name}", memory_budget=device.usable_bytes)
-    started = (time.monotonic(), time.process_time())
+    started = (time.monotonic(), time.process_time() + cpu_elsewhere())
 
-    def clock() -> dict[str, float]:  # this simulation's wall and CPU seconds (the CPU of this process)
-        return {"wall_s": round(time.monotonic() - started[0], 3), "cpu_s": round(time.process_time() - started[1], 3)}
+    def clock() -> dict[str, float]:  # this simulation's wall and CPU seconds (this process's and its depth process's)
+        return {"wall_s": round(time.monotonic() - started[0], 3),
+                "cpu_s": round(time.process_time() + cpu_elsewhere() - started[1], 3)}
 
     try:
         peak, how = predict_peak(cfg, device)
@@ -141,8 +142,10 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     granule above (`_planner_around`): the answer is the planner's own. Where the planner fails there (its
     estimate chose a rung that does not fit) its search goes on below; where it fits one granule above (host
     memory bound the last rung, which moves every saved value; the planner keeps some on the device) it goes on
-    above, each probe the planner whole. `jobs` >= 2: the planner's probe one granule above runs in a second process
-    while this one probes the answer (`elsewhere`; its record kept only where the sequential search makes it)."""
+    above, each probe the planner whole. `jobs` >= 2 (`elsewhere`): each extrapolated pair's deeper program runs in a
+    second process beside the shallower one here, and the planner's probe one granule above runs in a second process
+    while this one probes the answer (its record kept only where the sequential search makes it). The row's `cpu_s`
+    counts this process and the depth process."""
     from autosp.experiments.search import (
         FOUND,
         NO_OOM_UP_TO_MAX,
@@ -179,7 +182,10 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
     start = curve_hint(curve, device.usable_bytes - device.fixed_bytes, granularity) or limit
     search = dict(granularity=granularity, min_len=min_len or granularity, budget=device.usable_bytes)
     with shared_rank_programs():
-        outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start, **search)
+        with deeper_programs_elsewhere(jobs):  # an extrapolated pair's deeper program in a second process
+            outcome = search_max_length(probe_of(last_rung or cfg, True), max_len=max_len, start_len=start,
+                                        **search)
+            depth_cpu_s = cpu_elsewhere()
         confirmed = None
         if last_rung is not None and outcome.max_seq_len:
             built_at = outcome.max_seq_len  # the planner's program is set up at its first probe, the answer
@@ -193,7 +199,8 @@ def simulated_search(cfg: RunConfig, device: DeviceModel, *, granularity: int | 
                max_seq_len=outcome.max_seq_len, first_oom_seq_len=outcome.first_oom_seq_len,
                granularity=granularity, num_probes=len(outcome.probes),
                probes=[_probe_summary(r, with_sac=last_rung is not None) for r in probes],
-               wall_s=round(time.monotonic() - started, 3), cpu_s=round(time.process_time() - cpu_started, 3))
+               wall_s=round(time.monotonic() - started, 3),
+               cpu_s=round(time.process_time() - cpu_started + depth_cpu_s, 3))
     row.update(floor_limit_seq_len=limit, floor=floor,
                achieved_over_limit=(outcome.max_seq_len / limit) if (limit and outcome.max_seq_len) else None)
     above = next((r for r in reversed(probes) if r["seq_len"] == outcome.first_oom_seq_len

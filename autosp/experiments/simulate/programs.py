@@ -272,6 +272,9 @@ class _SharedPrograms:
 
 
 _SHARED: list[_SharedPrograms] = []  # the active scope of `shared_rank_programs`, if any
+#: the active scope of `deeper_programs_elsewhere`, if any: its process (spawned at its first pair) and the CPU
+#: seconds spent there so far
+_DEEPER: list[dict[str, Any]] = []
 
 
 @contextlib.contextmanager
@@ -287,6 +290,49 @@ def shared_rank_programs() -> Iterator[None]:
         yield
     finally:
         _SHARED.pop().close()
+
+
+@contextlib.contextmanager
+def deeper_programs_elsewhere(jobs: int) -> Iterator[None]:
+    """Inside a `shared_rank_programs` scope, with `jobs` >= 2: `rank_peaks` runs the deepest program of each pair
+    in a second process (`elsewhere.DepthElsewhere`, spawned at the first pair) while this one runs the others."""
+    if jobs < 2 or _DEEPER or not _SHARED:
+        yield
+        return
+    _DEEPER.append({"process": None, "cpu_s": 0.0})
+    try:
+        yield
+    finally:
+        scope = _DEEPER.pop()
+        if scope["process"] is not None:
+            scope["process"].close()
+
+
+def cpu_elsewhere() -> float:
+    """CPU seconds the depth process of `deeper_programs_elsewhere` has spent so far (0 outside it)."""
+    return _DEEPER[0]["cpu_s"] if _DEEPER else 0.0
+
+
+def rank_peaks(cfg: RunConfig, device: DeviceModel, depths: tuple[int, ...]) -> list[RankPeak]:
+    """`rank_peak` at each depth; inside `deeper_programs_elsewhere` the deepest in its process, at once."""
+    from autosp.experiments.simulate.elsewhere import DepthElsewhere
+
+    if not _DEEPER or len(depths) < 2 or cfg.method not in SHARED_PROGRAM_METHODS:
+        return [rank_peak(cfg, device, layers) for layers in depths]
+    scope = _DEEPER[0]
+    if scope["process"] is None:
+        scope["process"] = DepthElsewhere()
+    *here, deepest = depths
+    scope["process"].start(cfg, device, deepest)
+    try:
+        peaks = [rank_peak(cfg, device, layers) for layers in here]
+    except BaseException:
+        scope["process"].close(wait=False)  # its programs go too; the next pair spawns a fresh process
+        scope["process"] = None
+        raise
+    peak, cpu_s = scope["process"].result()
+    scope["cpu_s"] += cpu_s
+    return [*peaks, peak]
 
 
 def set_up_program(cfg: RunConfig, device: DeviceModel) -> None:
