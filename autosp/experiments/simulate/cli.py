@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from autosp.experiments.simulate.devices import DeviceModel, get_device_model
 from autosp.experiments.simulate.lengths import simulate, simulated_search, summary_line
-from autosp.experiments.simulate.programs import shared_rank_programs
+from autosp.experiments.simulate.programs import deeper_programs_elsewhere, shared_rank_programs
 from autosp.harness.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
@@ -36,8 +36,12 @@ def _simulate_devices(args: argparse.Namespace, cfg: RunConfig, devices: list[De
     status = 0
     for device in devices:
         max_len = args.max_len or default_max_len(cfg.world_size)
-        record = simulated_search(cfg, device, granularity=args.granularity, max_len=max_len, curve=curve,
-                                  jobs=args.jobs) if args.search else simulate(cfg, device)
+        if args.search:
+            record = simulated_search(cfg, device, granularity=args.granularity, max_len=max_len, curve=curve,
+                                      jobs=args.jobs)
+        else:
+            with deeper_programs_elsewhere(args.jobs):  # an extrapolated pair's deeper program in a second process
+                record = simulate(cfg, device)
         append_record(args.out, record)
         print(summary_line(record) + f" -> {args.out}", flush=True)
         if record.get("status") == "no_oom_up_to_max_len":
@@ -111,8 +115,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=None,
                    help="longest length the search tries (default: 2M tokens per rank, at least 4M)")
     p.add_argument("--jobs", type=int, default=_cores(),
-                   help="processes simulating at once: the planner's whole-depth probes at the answer and one "
-                        "granule above run together from 2 (default: the cores available; 1: one process)")
+                   help="processes simulating at once, from 2: an extrapolated pair's two depths, and a search's "
+                        "whole-depth planner probes at the answer and one granule above (default: the cores "
+                        "available; 1: one process)")
     p.add_argument("--out", default="results/simulated.jsonl", help="JSONL file the records are appended to")
     p.set_defaults(func=_cmd_simulate)
     # --device names the simulated device type here (a catalogue entry, comma-separated for several)
