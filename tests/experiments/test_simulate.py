@@ -161,6 +161,14 @@ def test_fsdp2_programs_are_extrapolated_from_3_and_4_layers_exactly(monkeypatch
     assert_same_prediction(extrapolated, sim.simulate_rank(sim.simulate_config(cfg), mi250))
 
 
+def _stand_in_rank_peak(monkeypatch, rank_peak) -> None:
+    """`rank_peak(cfg, device, layers)` in place of the simulation, as `predict_peak` calls it: one depth, or an
+    extrapolated pair's (`rank_peaks`)."""
+    monkeypatch.setattr(sim.extrapolate, "rank_peak", rank_peak)
+    monkeypatch.setattr(sim.extrapolate, "rank_peaks",
+                        lambda cfg, device, depths: [rank_peak(cfg, device, layers) for layers in depths])
+
+
 def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(monkeypatch):
     """2 layers peak at another op than 3 (a 2-layer model has no inner layer): 4 layers are simulated and the
     line through 3 and 4, which peak at the same op, is the prediction."""
@@ -169,7 +177,7 @@ def test_peak_ops_that_differ_at_2_and_3_layers_are_extrapolated_from_3_and_4(mo
         return sim.RankPeak(**vars(phase), peak_phase="backward", num_layers=layers, ops=1, phases={"backward": phase})
 
     runs = {2: run(2, 55, "view"), 3: run(3, 71, "empty_like"), 4: run(4, 81, "empty_like")}
-    monkeypatch.setattr(sim.extrapolate, "rank_peak", lambda cfg, device, layers=None: runs[layers])
+    _stand_in_rank_peak(monkeypatch, lambda cfg, device, layers=None: runs[layers])
     peak, how = sim.predict_peak(RunConfig(method="autosp", model="llama-2-13b", seq_len=18432, world_size=8,
                                            sac="sac", tiling="off", offload="off"),  # the paper's: extrapolated
                                  get_device_model("mi250-gcd"))
@@ -202,7 +210,7 @@ def test_deepspeed_zero3_is_simulated_at_full_depth_never_extrapolated(monkeypat
                             saved_activation_bytes=0, transient_bytes=0, peak_op="mm", peak_phase="backward",
                             num_layers=layers or 28, ops=1, phases={"backward": sim.PhasePeak(1, 1, 1, 0, 0, 0, "mm")})
 
-    monkeypatch.setattr(sim.extrapolate, "rank_peak", rank_peak)  # the name predict_peak calls
+    _stand_in_rank_peak(monkeypatch, rank_peak)
     cfg = RunConfig(method="zero3", model="llama-3.2-3b", seq_len=12288, world_size=8, dtype="bfloat16")
     _, how = sim.predict_peak(cfg, get_device_model("a100-80gb"))
     assert depths == [None] and how["layers_simulated"] == [28] and "not linear in the depth" in how["note"]
