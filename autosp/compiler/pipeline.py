@@ -203,13 +203,15 @@ class Partitioner(CustomPartitionerFn):
 
     def __init__(self, c: Compilation, record: GraphRecord, dump: _Dump | None = None, *,
                  tile_first: bool = False, smaller_tiles_below: int | None = None,
-                 larger_tiles_peak: int | None = None, last_rung_first: bool = False) -> None:
+                 larger_tiles_peak: int | None = None, last_rung_first: bool = False,
+                 no_rung_fits: bool = False) -> None:
         self.c, self.record, self.dump = c, record, dump or _Dump()
         self.cacheable = c.partition_fn.cacheable
         self.tile_first = tile_first  # `tiling="plan"`'s untiled try: the planner raises TileFirst where it is tight
         self.smaller_tiles_below = smaller_tiles_below  # its tiled tries: TileSmaller where no rung fits
         self.larger_tiles_peak = larger_tiles_peak  # a halving's try: KeepLargerTiles where it peaks no lower
         self.last_rung_first = last_rung_first  # a retry with halved tiles: the last rung tried first
+        self.no_rung_fits = no_rung_fits  # the larger tiles again (KeepLargerTiles): their last rung, partitioned alone
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], *, num_fwd_outputs: int,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -226,6 +228,8 @@ class Partitioner(CustomPartitionerFn):
             kwargs["larger_tiles_peak"] = self.larger_tiles_peak
         if self.last_rung_first:
             kwargs["last_rung_first"] = True
+        if self.no_rung_fits:
+            kwargs["no_rung_fits"] = True
         fw, bw = self.c.partition_fn(joint_gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         self.dump("partition", "after", [("-forward", fw), ("-backward", bw)])
         for step in PARTITIONED_PASSES:
@@ -242,7 +246,7 @@ class Partitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         return (self.c.partition_fn.uuid(), repr(self.c.reduction), self.record.param_positions,
                 self.c.options.offload_mode, self.tile_first, self.smaller_tiles_below, self.larger_tiles_peak,
-                self.last_rung_first,
+                self.last_rung_first, self.no_rung_fits,
                 get_hash_for_files((__file__, *_sources(zero, memory))))
 
 
@@ -281,7 +285,8 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
     a recomputed layer's backward binds, its token-wise blocks' tile-sized intermediates among its working set),
     tiled again with the blocks' tiles halved (`Tiling.mlp_halvings`) while the tiles stay above the floor
     (`TilingReport.halvable`). A halving is kept only where it lowers the planner's estimated peak: where it does
-    not (`KeepLargerTiles`), the previous tiles are lowered again, as they are. Each retry partitions the planner's
+    not (`KeepLargerTiles`), the previous tiles are lowered again with the plan their try found, the last rung
+    (`plan_partition(no_rung_fits=True)`: one partition, not the ladder). Each retry partitions the planner's
     last rung first (`plan_partition(last_rung_first=True)`). A graph that fits with the `when_tight` tiles is
     lowered once, unchanged. The plan records the halvings (`mlp_tile_halvings`)."""
     below, halvings, halve = sys.maxsize, 0, True
@@ -295,7 +300,7 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
             compiled = _lower(c, gm, example_inputs, dump,
                               smaller_tiles_below=below if halve and c.tiling_reports[-1].halvable else None,
                               larger_tiles_peak=below if halve and halvings else None,
-                              last_rung_first=halvings > 0)
+                              last_rung_first=halvings > 0, no_rung_fits=not halve)
         except (TileSmaller, KeepLargerTiles) as tight:
             c.graphs.pop()
             c.tiling_reports.pop()
@@ -311,14 +316,15 @@ def _lower_tiled(c: Compilation, untiled: fx.GraphModule, example_inputs: list[A
 
 def _lower(c: Compilation, gm: fx.GraphModule, example_inputs: list[Any], dump: _Dump, *,
            tile_first: bool = False, smaller_tiles_below: int | None = None,
-           larger_tiles_peak: int | None = None, last_rung_first: bool = False) -> Callable:
+           larger_tiles_peak: int | None = None, last_rung_first: bool = False,
+           no_rung_fits: bool = False) -> Callable:
     """aot_autograd and the backend's compiler over `gm`, `Partitioner` deciding the joint graph's split."""
     positions = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter) and t.requires_grad)
     record = GraphRecord(param_positions=positions if c.reduction is not None else ())
     c.graphs.append(record)
     return compile_with_partitioner(gm, example_inputs, partition_fn=Partitioner(
         c, record, dump, tile_first=tile_first, smaller_tiles_below=smaller_tiles_below,
-        larger_tiles_peak=larger_tiles_peak, last_rung_first=last_rung_first),
+        larger_tiles_peak=larger_tiles_peak, last_rung_first=last_rung_first, no_rung_fits=no_rung_fits),
                                     inner=c.options.backend)
 
 

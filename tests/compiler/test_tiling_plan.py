@@ -10,6 +10,7 @@ import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from autosp.compiler import pipeline
+from autosp.compiler.fx import copy_graph
 from autosp.compiler.memory import planner
 from autosp.compiler.options import CompileOptions
 from autosp.compiler.pipeline import Compilation, compile_static
@@ -83,7 +84,8 @@ def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_i
     the default (`plan:1024`) halves them while that lowers the planner's peak: 512 lowers it, 256 does not (the
     tiles no longer bind), so 512 is lowered again and kept; the records are that lowering's only, the plan says
     how many halvings, its peak is below the unhalved one's, and the gradients are single-process training's. Each
-    retry (512, 256) partitions only the last rung first (it does not fit)."""
+    retry (512, 256) partitions only the last rung first (it does not fit), and 512 again its last rung alone (no
+    rung fits: the ladder's plan)."""
     assert not unhalved["fits"] and "mlp_tile_halvings" not in unhalved
     partitions = []
     monkeypatch.setattr(planner, "min_cut_rematerialization_partition",
@@ -95,12 +97,35 @@ def test_where_no_rung_fits_tiled_the_planner_halves_the_blocks_tiles_lowering_i
     assert len(lever.graphs) == 1 and [b["tile_tokens"] for b in report.mlp] == [512, 512]
     assert plan["mlp_tile_halvings"] == 1 and plan["estimated_peak_bytes"] < unhalved["estimated_peak_bytes"]
     # tiles of 1,024: the ladder; of 512: the last rung alone (lower); of 256: the last rung alone (not lower, the
-    # estimate at 512's or above it); of 512 again: the ladder
-    assert len(partitions) == unhalved["partitions_tried"] + 1 + 1 + plan["partitions_tried"]
+    # estimate at 512's or above it); of 512 again: the last rung alone, the plan (it did not fit at 512)
+    assert len(partitions) == unhalved["partitions_tried"] + 1 + 1 + 1 and plan["partitions_tried"] == 1
+    assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == plan["layers"] > 0
     reference = build_model("tiny", seed=0)
     reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_larger_tiles_lowered_again_get_the_plan_the_ladder_makes(monkeypatch):
+    """The lowering after `KeepLargerTiles` partitions its last rung alone (`no_rung_fits`): the same forward and
+    backward programs and the same plan as the whole ladder on that joint graph, but for the partitions tried."""
+    real, compared = planner.plan_partition, []
+
+    def both(joint_gm, joint_inputs, budget, **kwargs):
+        if kwargs.get("no_rung_fits"):
+            made = [real(copy_graph(joint_gm), joint_inputs, budget, **{**kwargs, "no_rung_fits": False}),
+                    real(joint_gm, joint_inputs, budget, **kwargs)]
+            # as made, before the pipeline's later passes and its halvings' count change them
+            compared.append([(fw.code, bw.code, dict(plan), offload and offload.nbytes)
+                             for fw, bw, plan, offload in made])
+            return made[1]
+        return real(joint_gm, joint_inputs, budget, **kwargs)
+
+    monkeypatch.setattr(planner, "plan_partition", both)
+    _long_step(sac="budget=1MiB", tiling="plan:1024")
+    ((ladder, alone),) = compared
+    assert ladder[2]["partitions_tried"] > alone[2]["partitions_tried"] == 1 and not alone[2]["fits"]
+    assert ladder == (*alone[:2], {**alone[2], "partitions_tried": ladder[2]["partitions_tried"]}, alone[3])
 
 
 def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are(unhalved):
@@ -114,7 +139,8 @@ def test_where_a_rung_fits_tiled_the_tiles_stay_as_they_are(unhalved):
 def test_a_halving_that_does_not_lower_the_planners_peak_is_not_kept(unhalved, monkeypatch):
     """The planner's estimate made flat (every partition peaks at the same bytes, over the budget): the first
     halving does not lower it, so the tiles of 1,024 are lowered again as they are (no `mlp_tile_halvings`); the
-    partitions: the ladder at 1,024, the last rung alone at 512, the ladder at 1,024 again."""
+    partitions: the ladder at 1,024, the last rung alone at 512, the last rung alone at 1,024 again (the ladder's
+    plan there: no rung fits)."""
     flat = 2 * unhalved["estimated_peak_bytes"]
     real = planner.estimated_peak
     monkeypatch.setattr(planner, "estimated_peak", lambda *args: (flat, real(*args)[1]))
@@ -126,7 +152,8 @@ def test_a_halving_that_does_not_lower_the_planners_peak_is_not_kept(unhalved, m
     (plan,) = [r.plan for r in kept.partition_fn.records]
     assert len(kept.graphs) == 1 and [b["tile_tokens"] for r in kept.tiling_reports for b in r.mlp] == [1024, 1024]
     assert "mlp_tile_halvings" not in plan and not plan["fits"] and plan["estimated_peak_bytes"] == flat
-    assert len(partitions) == 2 * plan["partitions_tried"] + 1
+    assert len(partitions) == unhalved["partitions_tried"] + 1 + 1 and plan["partitions_tried"] == 1
+    assert plan["tokenwise_recompute_layers"] == plan["attention_recompute_layers"] == plan["layers"] > 0
     reference = build_model("tiny", seed=0)
     reference(input_ids=LONG_IDS, labels=LONG_IDS).loss.backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):

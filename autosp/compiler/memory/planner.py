@@ -147,7 +147,7 @@ def plan_partition(
     joint_gm: fx.GraphModule, joint_inputs: Sequence[Any], budget_bytes: int | None, *, num_fwd_outputs: int,
     offload: str = "auto", host_budget_bytes: int | None = None, tile_first: bool = False,
     smaller_tiles_below: int | None = None, larger_tiles_peak: int | None = None, last_rung_first: bool = False,
-    **kwargs: Any,
+    no_rung_fits: bool = False, **kwargs: Any,
 ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, Any], OffloadReport | None]:
     """Partition `joint_gm` with the cheapest rung whose estimated peak fits `budget_bytes` (see the module doc);
     `offload` (`autosp.compiler.memory.offload.offload_mode`): `auto` moves saved values to host memory where a rung
@@ -161,7 +161,8 @@ def plan_partition(
     when even the last rung does not fit); `larger_tiles_peak` (a retry after it): raise `KeepLargerTiles` where no
     rung fits and the peak is not below it. `last_rung_first` (such a retry): the last rung is partitioned first
     and, where it does not fit either, either raised at once (one partition, not the ladder's: its bisection
-    already assumes no rung peaks below the last)."""
+    already assumes no rung peaks below the last). `no_rung_fits` (the larger tiles lowered again after
+    `KeepLargerTiles`: their last rung was found over the budget): the last rung is the plan, partitioned alone."""
     budget = budget_bytes if budget_bytes is not None else default_budget(joint_inputs)
     order = layer_order(joint_gm)
     trials: list[_Trial] = []
@@ -255,7 +256,7 @@ def plan_partition(
                       or trial(n, n, c, moves=moves))
         return chosen
 
-    chosen = ladder(offload)
+    chosen = trial(n, n, c) if no_rung_fits and n else ladder(offload)  # the ladder's plan where no rung fits
     halve_or_keep(chosen.peak)
     chosen, ranking = _ranked_by_time(chosen, lambda: ladder("off"), fits, joint_gm, joint_inputs, offload)
     plan = Plan(budget_bytes=budget, host_budget_bytes=host_budget_bytes, estimated_peak_bytes=chosen.peak,
@@ -284,7 +285,8 @@ def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx
     model (`time_rank`) predicts it faster; with the predicted added seconds of both for the record. Where the
     ladder's copies hide entirely, the recompute-only ladder is not walked (its partitions are a third of a long
     probe's planning: docs/measurements/2026-12-06-planning-time.md): it fits only on a later rung, which recomputes
-    at least what the ladder's does, so it cannot be faster."""
+    at least what the ladder's does, so it cannot be faster. Nor where the ladder's plan does not fit: a rung without
+    host memory is the variant the ladder tried first at that rung, so none of them fits either."""
     from autosp.compiler.memory.time_rank import added_seconds, current_rates, exposed_copy_seconds
 
     rates = current_rates({t.device for t in _flat_tensors(joint_inputs)})
@@ -296,7 +298,7 @@ def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx
         return added_seconds(recompute_flops(t.bw_module), t.offload.nbytes if t.offload else 0, forward, rates)
 
     ladder = chosen
-    if (offload == "auto" and chosen.offload is not None and chosen.offload.nbytes
+    if (offload == "auto" and fits(chosen) and chosen.offload is not None and chosen.offload.nbytes
             and exposed_copy_seconds(chosen.offload.nbytes, forward, rates) > 0):
         alternative = recompute_only()
         if fits(alternative) and cost(alternative) < cost(chosen):

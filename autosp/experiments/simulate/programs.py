@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from autosp.experiments.simulate.adapters import (
 )
 from autosp.experiments.simulate.clock import StepClock
 from autosp.experiments.simulate.devices import DeviceModel
+from autosp.experiments.simulate.elsewhere import DepthElsewhere
 from autosp.experiments.simulate.tracker import LiveStorageTracker, PeakMoment, PhasePeak, RankPeak, local_shard
 from autosp.experiments.simulate.world import (
     fake_world,
@@ -271,10 +273,17 @@ class _SharedPrograms:
         self.key = None
 
 
+@dataclass
+class _DepthScope:
+    """One `deeper_programs_elsewhere` scope: its depth process (spawned at the scope's first pair, None until
+    then or after a failed pair) and the CPU seconds spent there so far."""
+
+    process: DepthElsewhere | None = None
+    cpu_s: float = 0.0
+
+
 _SHARED: list[_SharedPrograms] = []  # the active scope of `shared_rank_programs`, if any
-#: the active scope of `deeper_programs_elsewhere`, if any: its process (spawned at its first pair) and the CPU
-#: seconds spent there so far
-_DEEPER: list[dict[str, Any]] = []
+_DEEPER: list[_DepthScope] = []  # the active scope of `deeper_programs_elsewhere`, if any
 
 
 @contextlib.contextmanager
@@ -299,39 +308,37 @@ def deeper_programs_elsewhere(jobs: int) -> Iterator[None]:
     if jobs < 2 or _DEEPER or not _SHARED:
         yield
         return
-    _DEEPER.append({"process": None, "cpu_s": 0.0})
+    _DEEPER.append(_DepthScope())
     try:
         yield
     finally:
         scope = _DEEPER.pop()
-        if scope["process"] is not None:
-            scope["process"].close()
+        if scope.process is not None:
+            scope.process.close()
 
 
 def cpu_elsewhere() -> float:
     """CPU seconds the depth process of `deeper_programs_elsewhere` has spent so far (0 outside it)."""
-    return _DEEPER[0]["cpu_s"] if _DEEPER else 0.0
+    return _DEEPER[0].cpu_s if _DEEPER else 0.0
 
 
 def rank_peaks(cfg: RunConfig, device: DeviceModel, depths: tuple[int, ...]) -> list[RankPeak]:
     """`rank_peak` at each depth; inside `deeper_programs_elsewhere` the deepest in its process, at once."""
-    from autosp.experiments.simulate.elsewhere import DepthElsewhere
-
     if not _DEEPER or len(depths) < 2 or cfg.method not in SHARED_PROGRAM_METHODS:
         return [rank_peak(cfg, device, layers) for layers in depths]
     scope = _DEEPER[0]
-    if scope["process"] is None:
-        scope["process"] = DepthElsewhere()
+    if scope.process is None:
+        scope.process = DepthElsewhere()
     *here, deepest = depths
-    scope["process"].start(cfg, device, deepest)
+    scope.process.start(cfg, device, deepest)
     try:
         peaks = [rank_peak(cfg, device, layers) for layers in here]
     except BaseException:
-        scope["process"].close(wait=False)  # its programs go too; the next pair spawns a fresh process
-        scope["process"] = None
+        scope.process.close(wait=False)  # its programs go too; the next pair spawns a fresh process
+        scope.process = None
         raise
-    peak, cpu_s = scope["process"].result()
-    scope["cpu_s"] += cpu_s
+    peak, cpu_s = scope.process.result()
+    scope.cpu_s += cpu_s
     return [*peaks, peak]
 
 
