@@ -276,29 +276,33 @@ def test_the_time_ranking_reuses_the_ladders_partitions_and_counts_flops_once_pe
 
 
 class _Rungs:
-    """Rung k's estimated peak is `peaks[k]` (falling as k grows); counts the rungs made beyond rung 0 (made
-    already by the ladder)."""
+    """Rung k's estimated peak is `peaks[k]` (falling as k grows) and its saved bytes `saved[k]` (default: the
+    peak, all of it saved values); counts the rungs made beyond rung 0 (made already by the ladder)."""
 
-    def __init__(self, peaks: list[int]) -> None:
-        self.peaks, self.made = peaks, []
+    def __init__(self, peaks: list[int], saved: list[int] | None = None) -> None:
+        self.peaks, self.saved, self.made = peaks, saved or peaks, []
 
     def __call__(self, k: int):
         if k:
             self.made.append(k)
-        return type("Rung", (), {"peak": self.peaks[k], "k": k})()
+        return type("Rung", (), {"peak": self.peaks[k], "saved": self.saved[k], "k": k})()
 
 
 @pytest.mark.parametrize("layers", [2, 3, 16, 32, 40])
-def test_the_smallest_fitting_rung_is_the_one_a_scan_finds_for_any_falling_peaks(layers: int) -> None:
+@pytest.mark.parametrize("saved_by_itself", [False, True])
+def test_the_smallest_fitting_rung_is_the_one_a_scan_finds_for_any_falling_peaks(layers: int,
+                                                                                 saved_by_itself: bool) -> None:
+    """Any falling peaks, and saved bytes equal to them or falling on their own (the guesses' slope says nothing)."""
     import random
 
     rng = random.Random(layers)
     for _ in range(200):
         peaks = sorted((rng.randrange(1, 1000) for _ in range(layers + 1)), reverse=True)
+        saved = sorted((rng.randrange(0, 1000) for _ in range(layers + 1)), reverse=True) if saved_by_itself else None
         budget = rng.randrange(peaks[-1], peaks[0])  # rung 0 does not fit
         if peaks[0] <= budget:
             continue
-        rungs = _Rungs(peaks)
+        rungs = _Rungs(peaks, saved)
         got = smallest_fitting_rung(rungs, layers, lambda t, b=budget: t.peak <= b, budget)
         assert got.k == next(k for k in range(1, layers + 1) if peaks[k] <= budget), (peaks, budget)
         bisection = 1 + math.ceil(math.log2(layers))
@@ -313,6 +317,17 @@ def test_with_peaks_falling_evenly_two_or_three_rungs_are_made_where_bisection_m
         rungs = _Rungs([132 - k for k in range(33)])
         got = smallest_fitting_rung(rungs, 32, lambda t, b=budget: t.peak <= b, budget)
         assert got.k == 132 - budget and len(rungs.made) <= 3, (budget, rungs.made)
+
+
+def test_where_a_layers_backward_binds_the_top_rungs_the_saved_bytes_name_the_answer() -> None:
+    """The 8B's attention line at 633,856 tokens on one h100 (the planner whole, tiles halved once; GB): each layer
+    recomputed sheds 5.27 of saved values, the peak is the saved values plus 40.88 until a recomputed layer's
+    backward binds at 67.295 (the top rungs). The line through the two peaks guessed 31, 30, then bisected: five
+    rungs; the saved bytes' slope names 29 and its neighbour below confirms it."""
+    saved = [176.38 - 5.2737 * k for k in range(33)]
+    rungs = _Rungs([max(s + 40.88, 67.295) for s in saved], saved)
+    assert smallest_fitting_rung(rungs, 32, lambda t: t.peak <= 67.3085, 67.3085).k == 29
+    assert rungs.made == [32, 29, 28]
 
 
 def test_an_untiled_graph_with_one_value_over_the_budget_is_tiled_without_partitioning_it() -> None:
