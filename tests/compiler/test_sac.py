@@ -310,11 +310,13 @@ def test_the_smallest_fitting_rung_is_the_one_a_scan_finds_for_any_falling_peaks
     assert smallest_fitting_rung(_Rungs([9, 8, 7]), 2, lambda t: t.peak <= 5, 5) is None  # not even the last
 
 
-def test_with_peaks_falling_evenly_two_or_three_rungs_are_made_where_bisection_makes_six() -> None:
+@pytest.mark.parametrize("saved", [None, [20] * 33], ids=["saved-falling", "saved-on-host"])
+def test_with_peaks_falling_evenly_two_or_three_rungs_are_made_where_bisection_makes_six(saved) -> None:
     """32 layers, each recomputed layer 1 GB off the peak (the ladder's rungs at 8B: the peak falls about evenly):
-    the line through rung 0 and rung 32 names the answer, its neighbour below confirms it."""
+    the line through rung 0 and rung 32 names the answer, its neighbour below confirms it; also where the saved bytes
+    on the device do not fall (every rung's moved to host memory), by the peaks."""
     for budget in range(101, 132):
-        rungs = _Rungs([132 - k for k in range(33)])
+        rungs = _Rungs([132 - k for k in range(33)], saved)
         got = smallest_fitting_rung(rungs, 32, lambda t, b=budget: t.peak <= b, budget)
         assert got.k == 132 - budget and len(rungs.made) <= 3, (budget, rungs.made)
 
