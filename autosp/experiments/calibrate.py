@@ -15,8 +15,10 @@ one-element tensors), gloo's collective latency (an all-reduce of one element) a
 DeepSpeed is installed, what a ZeRO-3 parameter fetch costs the host: a forward through a ZeRO-3 engine of
 `FETCH_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights; every weight partitioned, so
 each layer's call all-gathers it in its hook and releases it after), per layer, less the same layers unsharded and
-less an all-gather of one weight's shard on its own: the hooks' host work, which the time model has no op for (it
-prices the gather as a collective). The slowest rank's figure is written: a step ends when its slowest rank does."""
+less an all-gather of one weight's shard on its own, each in this thread's CPU seconds (`time.thread_time`: waiting on
+the other rank, which jitters by hundreds of us on shared cores, made the wall-clock difference swing from 0 to
+1.8 ms): the hooks' host work, which the time model has no op for (it prices the gather as a collective).
+The slowest rank's figure is written: a step ends when its slowest rank does."""
 from __future__ import annotations
 
 import argparse
@@ -42,15 +44,16 @@ ATTENTION_KEYS = (512, 1024, 2048, 4096)
 CPU_HEAD_DIM = 16
 
 
-def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
-    """Median seconds of one call of `fn` (each timing `inner` calls), after one untimed call."""
+def _seconds(fn: Callable[[], object], repeats: int, inner: int = 1,
+             clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of one call of `fn` (each timing `inner` calls) by `clock`, after one untimed call."""
     fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - start) / inner)
+        samples.append((clock() - start) / inner)
     return statistics.median(samples)
 
 
@@ -112,8 +115,11 @@ def _zero3_fetch(repeats: int) -> float | None:
     x = torch.randn(64, FETCH_SHAPE[1])
     weight = torch.empty(FETCH_SHAPE[0] * FETCH_SHAPE[1])
     shard = torch.randn(weight.numel() // dist.get_world_size())
-    gather = _seconds(lambda: dist.all_gather_into_tensor(weight, shard), repeats, FETCH_LAYERS)
-    return (_seconds(lambda: engine(x), repeats) - _seconds(lambda: plain(x), repeats)) / FETCH_LAYERS - gather
+    def cpu(fn: Callable[[], object], inner: int = 1) -> float:
+        return _seconds(fn, repeats, inner, time.thread_time)
+
+    gather = cpu(lambda: dist.all_gather_into_tensor(weight, shard), FETCH_LAYERS)
+    return (cpu(lambda: engine(x)) - cpu(lambda: plain(x))) / FETCH_LAYERS - gather
 
 
 def calibrate(world_size: int, repeats: int) -> dict[str, str]:
