@@ -11,22 +11,25 @@ each of `ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate gro
 size), memory bytes/s (an add of two 32 MiB tensors:
 read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy on a CPU), per-op overhead (an add of
 one-element tensors), gloo's collective latency (an all-reduce of one element) and bandwidth (an all-gather of 32 MiB:
-(P-1)/P of it sent per rank), and, where
-DeepSpeed is installed, what a ZeRO-3 parameter fetch costs the host: a forward through a ZeRO-3 engine of
-`FETCH_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights; every weight partitioned, so
-each layer's call all-gathers it in its hook and releases it after), per layer, less the same layers unsharded and
-less an all-gather of one weight's shard on its own, each in this thread's CPU seconds (`time.thread_time`: waiting on
-the other rank, which jitters by hundreds of us on shared cores, made the wall-clock difference swing from 0 to
-1.8 ms): the hooks' host work, which the time model has no op for (it prices the gather as a collective).
+(P-1)/P of it sent per rank), and, where DeepSpeed is installed, the host work of one call of ZeRO-3's parameter
+coordinator (a module's hook fetching its parameters before it runs or releasing them after): a forward and backward
+through a ZeRO-3 engine of `HOOK_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights, every
+one partitioned), less the same layers' unsharded step, over the coordinator's calls in that step (counted as the
+simulator counts them), in this thread's CPU seconds outside the collectives (the time model prices those apart;
+wall time also held the other rank's jitter, which swung a per-fetch difference from 0 to 1.8 ms between runs).
 The slowest rank's figure is written: a step ends when its slowest rank does."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,9 +37,12 @@ import torch.distributed as dist
 from autosp.harness.config import ConfigError
 
 MIB = 1 << 20
-#: layers of the ZeRO-3 fetch measurement, and their weights' shape
-FETCH_LAYERS = 16
-FETCH_SHAPE = (448, 128)
+#: layers of the ZeRO-3 hook measurement, and their weights' shape
+HOOK_LAYERS = 16
+HOOK_SHAPE = (448, 128)
+#: `deepspeed.comm`'s collectives a ZeRO-3 engine calls (`_clock_outside_collectives` stands still inside them)
+COLLECTIVES = ("allgather_fn", "all_gather_into_tensor", "all_gather", "reduce_scatter_fn", "reduce_scatter_tensor",
+               "reduce_scatter", "all_reduce", "broadcast", "all_to_all_single")
 #: key lengths the attention rate is measured at (the cpu row's `attention_by_keys`; 2048 is its attention fraction)
 ATTENTION_KEYS = (512, 1024, 2048, 4096)
 #: the head size attention is measured at: every CPU preset's (hidden / heads; a flash kernel's rate per FLOP falls
@@ -75,7 +81,7 @@ def measure_rank(repeats: int) -> dict[str, float]:
     by_keys = {keys: _attention_rate(keys, repeats) for keys in ATTENTION_KEYS}
     return {"matmul": matmul, "attention": by_keys[2048], "by_keys": by_keys, "memory": memory,
             "copy": copy, "overhead": overhead, "latency": latency, "peer": peer,
-            "fetch": _zero3_fetch(repeats)}
+            "zero3_hook": _zero3_hook(repeats)}
 
 
 def _attention_rate(length: int, repeats: int) -> float:
@@ -90,9 +96,10 @@ def _attention_rate(length: int, repeats: int) -> float:
     return 4 * heads * dim * length * (length + 1) / 2 * (1 + 2.5) / _seconds(attention, repeats)
 
 
-def _zero3_fetch(repeats: int) -> float | None:
-    """Seconds a ZeRO-3 engine's forward takes per layer beyond the same layers' unsharded forward and the weight's
-    all-gather, or None without DeepSpeed."""
+def _zero3_hook(repeats: int) -> float | None:
+    """This thread's CPU seconds per call of DeepSpeed ZeRO-3's parameter coordinator in a forward and backward
+    through a ZeRO-3 engine, beyond the same layers' unsharded step and outside the collectives; None without
+    DeepSpeed."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
@@ -102,9 +109,9 @@ def _zero3_fetch(repeats: int) -> float | None:
     deepspeed = import_deepspeed("zero3")
 
     def layers() -> torch.nn.Sequential:
-        out, into = FETCH_SHAPE
+        out, into = HOOK_SHAPE
         return torch.nn.Sequential(*(torch.nn.Linear(into, out, bias=False) if i % 2 == 0 else
-                                     torch.nn.Linear(out, into, bias=False) for i in range(FETCH_LAYERS)))
+                                     torch.nn.Linear(out, into, bias=False) for i in range(HOOK_LAYERS)))
 
     plain, sharded = layers(), layers()
     config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
@@ -112,14 +119,60 @@ def _zero3_fetch(repeats: int) -> float | None:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": False}}
     engine, *_ = deepspeed.initialize(model=sharded, optimizer=torch.optim.SGD(sharded.parameters(), lr=0.0),
                                       config=config)
-    x = torch.randn(64, FETCH_SHAPE[1])
-    weight = torch.empty(FETCH_SHAPE[0] * FETCH_SHAPE[1])
-    shard = torch.randn(weight.numel() // dist.get_world_size())
-    def cpu(fn: Callable[[], object], inner: int = 1) -> float:
-        return _seconds(fn, repeats, inner, time.thread_time)
+    x = torch.randn(64, HOOK_SHAPE[1])
 
-    gather = cpu(lambda: dist.all_gather_into_tensor(weight, shard), FETCH_LAYERS)
-    return (cpu(lambda: engine(x)) - cpu(lambda: plain(x))) / FETCH_LAYERS - gather
+    def sharded_step() -> None:
+        engine.backward(engine(x).sum())
+
+    def plain_step() -> None:
+        plain(x).sum().backward()
+
+    with _clock_outside_collectives() as host_clock:
+        extra = _seconds(sharded_step, repeats, clock=host_clock) - _seconds(plain_step, repeats, clock=host_clock)
+    return extra / _coordinator_calls(sharded_step)
+
+
+def _coordinator_calls(step: Callable[[], object]) -> int:
+    """Calls of DeepSpeed's parameter coordinator in one `step`, counted as the simulator counts them."""
+    from types import SimpleNamespace
+
+    from autosp.experiments.simulate.adapters import deepspeed_hooks_clocked
+
+    calls = SimpleNamespace(n=0)
+    counter = SimpleNamespace(clock=SimpleNamespace(zero3_hooks=lambda n: setattr(calls, "n", calls.n + n)))
+    with deepspeed_hooks_clocked(counter):
+        step()
+    return calls.n
+
+
+@contextlib.contextmanager
+def _clock_outside_collectives() -> Iterator[Callable[[], float]]:
+    """A clock of this thread's CPU seconds that stands still inside DeepSpeed's collectives (`deepspeed.comm`'s,
+    wrapped while open; an outer call's time is counted once): the time model prices those apart, and waiting on the
+    other rank is not this thread's work."""
+    import deepspeed.comm
+    import deepspeed.comm.comm
+
+    inside, depth = [0.0], [0]
+
+    def timed(collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start, depth[0] = time.thread_time(), depth[0] + 1
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    inside[0] += time.thread_time() - start
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name in COLLECTIVES:
+            wrapped = timed(getattr(deepspeed.comm.comm, name))
+            for module in (deepspeed.comm, deepspeed.comm.comm):
+                stack.enter_context(mock.patch.object(module, name, wrapped))
+        yield lambda: time.thread_time() - inside[0]
 
 
 def calibrate(world_size: int, repeats: int) -> dict[str, str]:
@@ -135,8 +188,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
     worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
     by_keys = " ".join(f"{keys}:{min(r['by_keys'][keys] for r in result.results) / worst['matmul']:.4g}"
                        for keys in ATTENTION_KEYS)
-    fetches = [r["fetch"] for r in result.results if r["fetch"] is not None]
-    fetch = f"{max(0.0, *fetches) * 1e6:.4g}" if fetches else "0"
+    hooks = [r["zero3_hook"] for r in result.results if r["zero3_hook"] is not None]
+    hook = f"{max(0.0, *hooks) * 1e6:.4g}" if hooks else "0"
     g = 1e9
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return {
@@ -146,7 +199,7 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
         "collective_latency_us": f"{worst['latency'] * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
-        "zero3_fetch_us": fetch, "streams": "0",
+        "zero3_hook_us": hook, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "
                    "float32, the slowest rank's medians; MFU on cpu is against the measured matmul rate"),

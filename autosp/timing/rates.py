@@ -16,9 +16,10 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
 - collective latency: seconds per collective call (measured on the cpu row; 0 on the GPU rows: not modelled);
 - op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
   cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
-- ZeRO-3 fetch: host seconds each parameter DeepSpeed's ZeRO-3 all-gathers costs beyond its collective's price (its
-  hooks fetch, wait for and release it: Python on the rank's thread; measured on the cpu row; 0 on the GPU rows:
-  not measured on a GPU host);
+- ZeRO-3 hook: host seconds of one call of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching its
+  parameters before it runs, forward or backward, or releasing them after: Python on the rank's thread, beyond the
+  collectives it starts, which are priced as collectives; measured per call on the cpu row; 0 on the GPU rows: not
+  measured on a GPU host);
 - streams: whether copies and collectives run beside compute (GPU streams) or in line (one CPU thread).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from autosp.errors import AutoSPError
 RATES_FILE = "device_rates.csv"
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "attention_by_keys", "hbm_gb_s",
            "hbm_fraction", "peer_gb_s", "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us",
-           "op_overhead_us", "zero3_fetch_us", "streams", "source")
+           "op_overhead_us", "zero3_hook_us", "streams", "source")
 
 
 class RatesError(AutoSPError):
@@ -60,7 +61,7 @@ class DeviceRates:
     collective_latency_s: float
     streams: bool
     op_overhead_s: float = 0.0
-    zero3_fetch_s: float = 0.0
+    zero3_hook_s: float = 0.0
     attention_by_keys: tuple[tuple[int, float], ...] = ()  # (key length, FLOP/s), ascending
     source: str = ""
 
@@ -95,9 +96,10 @@ class DeviceRates:
         """Host-side work moving `nbytes` through host memory (the host optimizer step)."""
         return nbytes / self.host_memory_bytes_s
 
-    def fetch_seconds(self, parameters: float) -> float:
-        """The host work of DeepSpeed ZeRO-3 fetching `parameters` parameters (their gathers priced apart)."""
-        return parameters * self.zero3_fetch_s
+    def zero3_hook_seconds(self, calls: float) -> float:
+        """The host work of `calls` calls of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching or
+        releasing its parameters; the gathers they start are priced apart, as collectives)."""
+        return calls * self.zero3_hook_s
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, gpus_per_node: int) -> float:
         """A ring collective of `kind` over `group_size` ranks on a tensor of `nbytes` (`collective_bytes`): the
@@ -156,7 +158,7 @@ def device_rates(name: str) -> DeviceRates:
         memory_bytes_s=num("hbm_gb_s") * g * num("hbm_fraction"), peer_bytes_s=num("peer_gb_s") * g,
         node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
         host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
-        op_overhead_s=num("op_overhead_us") * 1e-6, zero3_fetch_s=num("zero3_fetch_us") * 1e-6,
+        op_overhead_s=num("op_overhead_us") * 1e-6, zero3_hook_s=num("zero3_hook_us") * 1e-6,
         attention_by_keys=tuple((keys, peak * fraction) for keys, fraction in parse_by_keys(row, name)),
         streams=bool(int(row["streams"])), source=row["source"])
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 #: the op classes and the stream each runs on (a class's seconds are summed in `StepTime.by_class`)
 STREAM_OF = {"matmul": "compute", "attention": "compute", "memory": "compute", "host": "compute",
-             "fetch": "compute", "collective": "comm", "copy": "copy"}
+             "zero3_hooks": "compute", "collective": "comm", "copy": "copy"}
 
 
 @dataclass

@@ -122,22 +122,42 @@ def test_deepspeeds_ulysses_all_to_all_is_a_collective_over_its_group():
     assert time.by_class["collective"] == pytest.approx(12_000 / 1e8)
 
 
-def test_a_zero3_fetch_costs_its_host_seconds_and_no_op_overhead():
+def test_zero3_hook_calls_cost_their_host_seconds_and_no_op_overhead():
     from dataclasses import replace
 
-    rates = replace(RATES, zero3_fetch_s=1e-3, op_overhead_s=1e-6)
+    rates = replace(RATES, zero3_hook_s=1e-3, op_overhead_s=1e-6)
     clock = StepClock()
-    clock.fetched(3)  # three parameters gathered by DeepSpeed's hooks
-    assert clock.trace.time(rates, gpus_per_node=8).by_class["fetch"] == pytest.approx(3e-3)
+    clock.zero3_hooks(3)  # three calls of DeepSpeed's parameter coordinator
+    assert clock.trace.time(rates, gpus_per_node=8).by_class["zero3_hooks"] == pytest.approx(3e-3)
 
 
-def test_alsts_simulated_step_tells_the_clock_each_parameter_zero3_gathers(monkeypatch):
-    """alst's program (ZeRO-3 over every weight of hf:tiny, TiledMLP's shards re-gathering theirs): each parameter
-    DeepSpeed's coordinator all-gathers is a fetch in the step's trace, beside the gather op the clock prices."""
+def test_alsts_simulated_step_tells_the_clock_each_call_of_zero3s_coordinator(monkeypatch):
+    """alst's program (ZeRO-3 over every weight of hf:tiny, TiledMLP's shards re-gathering theirs): each call of
+    DeepSpeed's parameter coordinator in the measured step (fetch or release, counted here apart from the moment its
+    clock starts; the warm-up step before it makes as many) is one in the step's trace, beside the gathers the clock
+    prices as ops."""
     from dataclasses import replace
 
-    from autosp.experiments.simulate import clock
+    from autosp.experiments.simulate import clock, programs
+    from baselines.deepspeed_env import import_deepspeed
 
+    import_deepspeed("zero3")
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+    clocks, calls = [], []
+    monkeypatch.setattr(programs, "StepClock", lambda: clocks.append(clock.StepClock()) or clocks[-1])
+
+    def spied(name: str):
+        method = getattr(Coordinator, name)
+
+        def call(self, *args, **kwargs):
+            if clocks:  # the measured step's, from its clock on
+                calls.append(name)
+            return method(self, *args, **kwargs)
+        return call
+
+    for name in ("fetch_sub_module", "release_sub_module"):
+        monkeypatch.setattr(Coordinator, name, spied(name))
     traces = []
     time = clock.OpTrace.time
     monkeypatch.setattr(clock.OpTrace, "time", lambda self, *args: traces.append(self) or time(self, *args))
@@ -145,10 +165,10 @@ def test_alsts_simulated_step_tells_the_clock_each_parameter_zero3_gathers(monke
     cfg = RunConfig(method="alst", model="hf:tiny", world_size=2, seq_len=512, dtype="bfloat16")
     assert sim.simulate(cfg, get_device_model("h100-80gb"))["status"] == "ok"
     [trace] = traces
-    fetches = sum(quantity for op_class, quantity, *_ in trace.events if op_class == "fetch")
+    hooks = sum(quantity for op_class, quantity, *_ in trace.events if op_class == "zero3_hooks")
     gathers = sum(1 for op_class, _, kind, *_ in trace.events if kind == "all_gather")
-    assert 0 < fetches <= gathers
-    assert trace.time(replace(RATES, zero3_fetch_s=1e-3), 8).by_class["fetch"] == pytest.approx(fetches * 1e-3)
+    assert 0 < gathers <= hooks == len(calls) and {"fetch_sub_module", "release_sub_module"} <= set(calls)
+    assert trace.time(replace(RATES, zero3_hook_s=1e-3), 8).by_class["zero3_hooks"] == pytest.approx(hooks * 1e-3)
 
 
 def test_on_a_cpu_the_same_ops_run_in_line():

@@ -20,6 +20,33 @@ def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(t
     assert rows["cpu"]["peak_tflops"] == row["peak_tflops"] and "h100-80gb" in rows
 
 
+def test_the_zero3_hook_clock_stands_still_inside_deepspeeds_collectives_and_counts_a_nested_one_once(monkeypatch):
+    """`autosp calibrate` prices a ZeRO-3 coordinator call by this thread's CPU seconds outside the collectives: the
+    time model prices those apart, and a gather's wait is the other rank's pace."""
+    import time
+
+    from autosp.experiments.calibrate import _clock_outside_collectives
+    from baselines.deepspeed_env import import_deepspeed
+
+    import_deepspeed("zero3")
+    import deepspeed.comm as dist
+    import deepspeed.comm.comm as comm
+
+    def busy(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    monkeypatch.setattr(comm, "all_gather_into_tensor", lambda *a, **k: busy(0.05))
+    monkeypatch.setattr(comm, "allgather_fn", lambda *a, **k: (busy(0.05), comm.all_gather_into_tensor())[0])
+    with _clock_outside_collectives() as clock:
+        start, cpu = clock(), time.thread_time()
+        dist.allgather_fn(None, None)  # 0.1 s inside, the nested gather's included once
+        busy(0.02)
+        inside, outside = time.thread_time() - cpu, clock() - start
+    assert inside >= 0.12 and 0.02 <= outside < 0.03, (inside, outside)
+
+
 def test_attention_is_calibrated_at_the_head_size_of_every_cpu_preset():
     """A CPU flash kernel's rate per FLOP depends on the head size (docs/measurements/2026-12-07-time-by-op.md: at
     16 it ran 1.4-1.75x slower than the rate measured at 32); the cpu row prices the CPU presets' attention."""

@@ -42,12 +42,12 @@ def test_every_gpu_row_has_rates_with_a_source_and_a_memory_entry():
             assert rates.streams
 
 
-def test_a_zero3_fetch_costs_the_measured_host_seconds_on_the_cpu_row_only():
-    """DeepSpeed ZeRO-3's hooks per gathered parameter: measured by `autosp calibrate` on the cpu row; no GPU host
-    measured it, so the GPU rows price it at nothing (not modelled there)."""
+def test_a_zero3_hook_call_costs_the_measured_host_seconds_on_the_cpu_row_only():
+    """DeepSpeed ZeRO-3's coordinator per call: measured by `autosp calibrate` on the cpu row; no GPU host measured
+    it, so the GPU rows price it at nothing (not modelled there)."""
     cpu = device_rates("cpu")
-    assert cpu.zero3_fetch_s > 0 and cpu.fetch_seconds(270) == pytest.approx(270 * cpu.zero3_fetch_s)
-    assert device_rates("h100-80gb").fetch_seconds(270) == 0.0
+    assert cpu.zero3_hook_s > 0 and cpu.zero3_hook_seconds(270) == pytest.approx(270 * cpu.zero3_hook_s)
+    assert device_rates("h100-80gb").zero3_hook_seconds(270) == 0.0
 
 
 def test_an_unknown_device_is_refused_in_one_line():

@@ -4,7 +4,7 @@ answers to DeepSpeed's consistency checks, `Module.to` as the identity (each exa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -234,10 +234,12 @@ def alst_data_answers(twins: RealTwins, tracker: Any, valid_labels: int) -> Iter
 
 
 @contextlib.contextmanager
-def deepspeed_fetches_clocked(tracker: Any) -> Iterator[None]:
-    """Each parameter DeepSpeed ZeRO-3's coordinator all-gathers, told to the measured step's clock
-    (`StepClock.fetched`): the clock prices its gather as an op, and its hooks' host work by the rates' ZeRO-3 fetch
-    seconds. Only while a DeepSpeed engine was set up (its coordinator is imported), else nothing is touched."""
+def deepspeed_hooks_clocked(tracker: Any) -> Iterator[None]:
+    """Each call of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching its parameters before the
+    module runs, forward or backward, or releasing them after), told to the measured step's clock
+    (`StepClock.zero3_hooks`): the clock prices their host work by the rates' ZeRO-3 hook seconds (`autosp
+    calibrate` measures them per call), the gathers they start as ops. Only while a DeepSpeed engine was set up (its
+    coordinator is imported), else nothing is touched."""
     import sys
     from unittest import mock
 
@@ -245,16 +247,17 @@ def deepspeed_fetches_clocked(tracker: Any) -> Iterator[None]:
     if coordinator is None:
         yield
         return
-    name = "_PartitionedParameterCoordinator__all_gather_params_"  # the one place its gathers start
-    original = getattr(coordinator.PartitionedParameterCoordinator, name)
-    partitioned = coordinator.ZeroParamStatus.NOT_AVAILABLE
+    cls = coordinator.PartitionedParameterCoordinator
 
-    def gather(self: Any, params: Any, forward: bool, quantize: bool = False) -> None:
-        if tracker.clock is not None and (count := sum(p.ds_status == partitioned for p in params)):
-            tracker.clock.fetched(count)
-        return original(self, params, forward, quantize=quantize)
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if tracker.clock is not None:
+                tracker.clock.zero3_hooks(1)
+            return original(self, *args, **kwargs)
+        return call
 
-    with mock.patch.object(coordinator.PartitionedParameterCoordinator, name, gather):
+    with mock.patch.object(cls, "fetch_sub_module", counted(cls.fetch_sub_module)), \
+            mock.patch.object(cls, "release_sub_module", counted(cls.release_sub_module)):
         yield
 
 

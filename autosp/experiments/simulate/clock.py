@@ -18,8 +18,9 @@ An executed aten (or autosp_sp::, c10d) op is one of:
 - a host copy: an op between device and host storages (the tracker's host set: autosp_sp::offload, the reloads,
   DeepSpeed's and autosp's host optimizer buffers) costs its bytes at the host link, on the copy stream;
 - host work: an op on host storages only (the host optimizer step) costs its bytes at the host's memory rate;
-- a parameter DeepSpeed ZeRO-3 all-gathers (`fetched`, told by the simulator's DeepSpeed adapter): its gather is a
-  collective as above, and its hooks' host work (fetch, wait, release) costs the rates' ZeRO-3 fetch seconds;
+- a call of DeepSpeed ZeRO-3's parameter coordinator (`zero3_hooks`, told by the simulator's DeepSpeed adapter: a
+  module's hook fetching or releasing its parameters, in forward and backward): its host work costs the rates'
+  ZeRO-3 hook seconds; the gathers it starts are collectives as above;
 - everything else is memory-bound: the bytes it reads and writes at the HBM rate. Views and empty allocations are
   free, and so is an op that makes and writes no tensor (prim.device); an op whose outputs are its inputs' storages
   and that writes nothing in place (aten._unsafe_view, a view its schema does not mark) costs its overhead only; a
@@ -72,7 +73,8 @@ class OpTrace:
         """The step on `rates`' device (`Timeline`)."""
         timeline = Timeline(rates.streams)
         price = {"matmul": rates.matmul_seconds, "memory": rates.memory_seconds,
-                 "copy": rates.copy_seconds, "host": rates.host_seconds, "fetch": rates.fetch_seconds}
+                 "copy": rates.copy_seconds, "host": rates.host_seconds,
+                 "zero3_hooks": rates.zero3_hook_seconds}
         for op_class, quantity, kind, group, reads, writes, keys in self.events:
             if op_class == "collective":
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
@@ -80,7 +82,7 @@ class OpTrace:
                 seconds = rates.attention_seconds(quantity, keys)
             else:
                 seconds = price[op_class](quantity)
-            overhead = 0.0 if op_class == "fetch" else rates.op_overhead_s  # a fetch is no op: its gather is
+            overhead = 0.0 if op_class == "zero3_hooks" else rates.op_overhead_s  # no op (its gathers are ops)
             timeline.run(op_class, seconds + overhead, reads, writes,
                          quantity if op_class in ("matmul", "attention") else 0.0)
         return timeline.finish()
@@ -157,9 +159,10 @@ class StepClock:
             nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, fresh))
             trace.add("host" if out_host else "memory", nbytes, reads, writes)
 
-    def fetched(self, parameters: int) -> None:
-        """DeepSpeed ZeRO-3 all-gathers `parameters` parameters (their gathers are recorded as ops)."""
-        self.trace.add("fetch", parameters)
+    def zero3_hooks(self, calls: int) -> None:
+        """DeepSpeed ZeRO-3's parameter coordinator was called `calls` times (the gathers it starts are recorded as
+        ops)."""
+        self.trace.add("zero3_hooks", calls)
 
     def _ring_attention(self, func: Any, args: tuple, kwargs: dict, reads: set, writes: set) -> None:
         """Attention over the whole ring's keys, the K/V blocks passed around it beside the compute: each rank

@@ -15,7 +15,7 @@ from autosp.experiments.simulate.adapters import (
     RealTwins,
     alst_data_answers,
     deepspeed_autosp_per_length,
-    deepspeed_fetches_clocked,
+    deepspeed_hooks_clocked,
     deepspeed_optimizer_offload,
     deepspeed_rank0_answers,
     hf_packed_sequences_answered,
@@ -147,7 +147,7 @@ class RankProgram:
             stack.enter_context(inductor_compile_unfused())
             stack.enter_context(optimizer_implementation_of(tracker.device))
             stack.enter_context(deepspeed_optimizer_offload(tracker, tracker.device))
-            stack.enter_context(deepspeed_fetches_clocked(tracker))
+            stack.enter_context(deepspeed_hooks_clocked(tracker))
             stack.enter_context(host_optimizer_state(tracker))
             twins = RealTwins()
             stack.enter_context(alst_data_answers(twins, tracker, valid_labels))
