@@ -2,10 +2,11 @@
 their own commands through `add_<cmd>_parser(subparsers)` (listed in SUBCOMMANDS), which set `func` to a
 function taking the parsed arguments and returning the exit code.
 
-Bad input (ConfigError, bad flags) ends with one line on stderr and exit code 2, never a traceback. Commands
-that start ranks set `starts_ranks` and run with SIGTERM/SIGINT trapped: the run in flight is ended and recorded
-as `interrupted`, and the command exits with INTERRUPTED_EXIT_CODE; their CPU ranks are forked from a warm server
-(`supervisor.warm_ranks`), so a search's probes do not each import torch again.
+Bad input (an `AutoSPError`: a ConfigError, a rates file of other columns...; bad flags) ends with one line on
+stderr and exit code 2, never a traceback. Commands that start ranks set `starts_ranks` and run with SIGTERM/SIGINT
+trapped: the run in flight is ended and recorded as `interrupted`, and the command exits with INTERRUPTED_EXIT_CODE;
+their CPU ranks are forked from a warm server (`supervisor.warm_ranks`), so a search's probes do not each import
+torch again.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from autosp.errors import AutoSPError
 from autosp.harness.config import ConfigError
 from autosp.harness.flags import add_run_config_arguments, run_config_from_args
 from autosp.harness.measure import format_size
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGTERM/SIGINT: ranks ended, `interrupted` recorded, a normal exit. CPU ranks fork from one warm server.
         with interruptible(), warm_ranks(warm_preload(methods)):
             return args.func(args)
-    except ConfigError as exc:
+    except AutoSPError as exc:
         print(f"autosp {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -178,10 +178,14 @@ def parse_by_keys(row: dict[str, str], name: str) -> list[tuple[int, float]]:
 
 def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:
     """Replace the `cpu` row of the catalogue (the package's file unless `path`; a new `path` gets the package's
-    other rows) with a measured one."""
+    other rows) with a measured one; a one-line error where `path` has another set of columns (an older autosp's)."""
     path = path or _package_file()
     source = path if path.exists() else _package_file()  # a new file starts from the package's rows
-    rows = {r["device"]: r for r in csv.DictReader(io.StringIO(source.read_text(encoding="utf-8")))}
+    reader = csv.DictReader(io.StringIO(source.read_text(encoding="utf-8")))
+    if tuple(reader.fieldnames or ()) != COLUMNS:
+        raise RatesError(f"{source} does not have this autosp's rate columns ({', '.join(COLUMNS)}): "
+                         "write the calibration to a new file (--out) or remove that one")
+    rows = {r["device"]: r for r in reader}
     rows["cpu"] = {column: str(row.get(column, "")) for column in COLUMNS}
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")

@@ -47,6 +47,23 @@ def test_the_zero3_hook_clock_stands_still_inside_deepspeeds_collectives_and_cou
     assert inside >= 0.12 and 0.02 <= outside < 0.03, (inside, outside)
 
 
+def test_calibrating_into_an_older_rates_file_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    """`autosp calibrate --out` an older autosp's rates file (other columns): one line and exit 2, the file kept."""
+    from importlib import resources
+
+    from autosp import cli
+    from autosp.experiments import calibrate as calibrate_module
+
+    old = tmp_path / "rates.csv"
+    text = resources.files("autosp.reference").joinpath("device_rates.csv").read_text(encoding="utf-8")
+    old.write_text(text.replace("zero3_hook_us", "zero3_fetch_us"), encoding="utf-8")
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda world_size, repeats: {"device": "cpu"})
+    assert cli.main(["calibrate", "--out", str(old)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("autosp calibrate: error: ") and "rate columns" in line
+    assert "zero3_fetch_us" in old.read_text(encoding="utf-8")
+
+
 def test_attention_is_calibrated_at_the_head_size_of_every_cpu_preset():
     """A CPU flash kernel's rate per FLOP depends on the head size (docs/measurements/2026-12-07-time-by-op.md: at
     16 it ran 1.4-1.75x slower than the rate measured at 32); the cpu row prices the CPU presets' attention."""

@@ -64,6 +64,16 @@ def test_a_calibration_replaces_the_cpu_row_only(tmp_path):
     assert rows["h100-80gb"]["peak_tflops"] == "989"
 
 
+def test_a_calibration_into_a_file_of_other_columns_is_refused_in_one_line(tmp_path):
+    """A rates file an older autosp wrote (its ZeRO-3 column was `zero3_fetch_us`, per fetched parameter)."""
+    target = tmp_path / "rates.csv"
+    package = resources.files("autosp.reference").joinpath("device_rates.csv").read_text(encoding="utf-8")
+    target.write_text(package.replace("zero3_hook_us", "zero3_fetch_us"), encoding="utf-8")
+    with pytest.raises(RatesError, match=r"does not have this autosp's rate columns \(device, .*zero3_hook_us"):
+        write_cpu_rates({"device": "cpu", "peak_tflops": "0.05", "source": "measured"}, target)
+    assert target.read_text(encoding="utf-8") == package.replace("zero3_hook_us", "zero3_fetch_us")  # untouched
+
+
 def test_an_attention_rate_measured_by_key_length_is_read_between_and_beyond_the_lengths(tmp_path):
     """`attention_by_keys`: linear in log2 of the key length between two measured lengths, the end's rate beyond
     them; a row without it (the GPU rows) has one attention rate at every length."""
