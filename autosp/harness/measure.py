@@ -246,6 +246,8 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     (`autosp.comm.host_optimizer.HOST_REGION`: master weights, gradient buffers, AdamW moments and the step's
     temporaries; with offload=params also the parameters), from wherever in the run it was made (setup, the warm-up's
     first step), and what the parameter offload's gradient copies allocate (`autosp.comm.host_params`).
+    A free whose allocation this profile did not see (a tensor of an earlier profiled run in the same process,
+    collected mid-run: torch remembers its size) is skipped, so a run's count never depends on what ran before it.
     `peak_op` names the aten op (or, inside an Inductor graph, the graph's call) whose allocation set the peak."""
     from autosp.comm.host_optimizer import HOST_REGION
     from autosp.comm.host_params import GRADIENT_TO_HOST_NAME
@@ -272,6 +274,7 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
     live = host_live = 0
     overall_peak = host_peak = 0
     host_addresses: set[int] = set()
+    device_addresses: set[int] = set()  # a free counts only where this profile saw the allocation (see below)
     at_start: int | None = None
     step_peak = 0
     peak_op = ""
@@ -288,6 +291,9 @@ def allocation_peak(profiler: torch.profiler.profile, mark: str) -> MemoryReport
             if at_start is not None:
                 host_peak = max(host_peak, host_live)
             continue
+        if size < 0 and address not in device_addresses:
+            continue  # garbage from an earlier profiled run: torch reports its size, this replay never counted it
+        (device_addresses.add if size > 0 else device_addresses.discard)(address)
         live += size
         overall_peak = max(overall_peak, live)
         if at_start is not None and live > step_peak:

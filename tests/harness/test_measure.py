@@ -43,6 +43,25 @@ def test_cpu_meter_replays_allocations_exactly() -> None:
     del resident
 
 
+def test_cpu_meter_ignores_the_free_of_a_tensor_made_before_it_started() -> None:
+    """Garbage from an earlier profiled run (a tensor in a cycle the collector frees mid-run) is freed where this
+    profiler sees it, with its size (torch remembers sizes allocated under any profiler), but its allocation is not
+    in this profile: the count must not drop for it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        earlier = torch.empty(8, dtype=torch.uint8)  # an earlier run's tensor, outliving its profile
+    meter = CpuAllocationMeter()
+    with meter.session():
+        resident = torch.empty(1000, dtype=torch.uint8)
+        del earlier  # freed inside this session
+        with meter.measured_step():
+            a = torch.empty(3000, dtype=torch.uint8)
+            del a
+    report = meter.report()
+    assert report.detail["resident_at_step_start_bytes"] == 1000
+    assert report.peak_bytes == 4000
+    del resident
+
+
 def _cfg(seq_len: int, **kw) -> RunConfig:
     return RunConfig(method="single", model="tiny", seq_len=seq_len, steps=1, warmup=1, timeout_s=120, **kw)
 
