@@ -2,28 +2,30 @@
 this machine as the ranks of a CPU run see it: P gloo ranks, one thread each (as `autosp run` binds them), all
 measuring at once so that they share the cores and the memory bus as a run's ranks do.
 
-Per rank, each the median of `repeats` timings after one untimed call (float32, the CPU runs' dtype):
-matmul FLOP/s (a linear layer's three matmuls, forward [2048, 128] x [128, 512] and backward's input and weight
-gradients, as every projection of a step runs them: a CPU preset's projection at a few thousand local tokens),
-attention FLOP/s (causal SDPA forward + backward, [1, 4, S, `CPU_HEAD_DIM`], the CPU presets' head size: forward
-4·H·D·S(S+1)/2, backward 2.5x that, as the simulator counts it; at S = 2048, the row's attention fraction, and at
-each of `ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate grows with the keys and with the head
-size), memory bytes/s (an add of two 32 MiB tensors:
-read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy on a CPU), per-op overhead (an add of
-one-element tensors), gloo's collective latency (an all-reduce of one element) and bandwidth (an all-gather of 32 MiB:
-(P-1)/P of it sent per rank), and, where DeepSpeed is installed, the host work of one call of ZeRO-3's parameter
-coordinator (a module's hook fetching its parameters before it runs or releasing them after): a forward and backward
-through a ZeRO-3 engine of `HOOK_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP weights, every
-one partitioned), less the same layers' unsharded step, over the coordinator's calls in that step (counted as the
-simulator counts them), in this thread's CPU seconds outside the collectives (the time model prices those apart;
-wall time also held the other rank's jitter, which swung a per-fetch difference from 0 to 1.8 ms between runs).
-The slowest rank's figure is written: a step ends when its slowest rank does."""
+Per rank, each the median of `repeats` timings after one untimed call (float32, the CPU runs' dtype): matmul FLOP/s
+(a linear layer's three matmuls, forward [2048, 128] x [128, 512] and backward's input and weight gradients, as
+every projection of a step runs them: a CPU preset's projection at a few thousand local tokens), attention FLOP/s
+(causal SDPA forward + backward, [1, 4, S, `CPU_HEAD_DIM`], the CPU presets' head size: forward 4·H·D·S(S+1)/2,
+backward 2.5x that, as the simulator counts it; at S = 2048, the row's attention fraction, and at each of
+`ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate grows with the keys and with the head size),
+memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy
+on a CPU), per-op overhead (an add of one-element tensors), gloo's collective latency (an all-reduce of one element)
+and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank), the wait for the slower rank at that
+all-reduce after a stretch of work (`_rank_wait`: the ranks' mean, as the faster one waits), and, where DeepSpeed is
+installed, the host work of one call of ZeRO-3's parameter coordinator (a module's hook fetching its parameters
+before it runs or releasing them after): a forward and backward through a ZeRO-3 engine of `HOOK_LAYERS` linear
+layers ([128, 448] and [448, 128], a CPU preset's MLP weights, every one partitioned), less the same layers'
+unsharded step, over the coordinator's calls in that step (counted as the simulator counts them), in this thread's
+CPU seconds outside the collectives (the time model prices those apart; wall time also held the other rank's jitter,
+which swung a per-fetch difference from 0 to 1.8 ms between runs). The slowest rank's figure is written (the wait
+excepted): a step ends when its slowest rank does."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
 import functools
+import math
 import platform
 import statistics
 import time
@@ -43,6 +45,8 @@ HOOK_SHAPE = (448, 128)
 #: `deepspeed.comm`'s collectives a ZeRO-3 engine calls (`_clock_outside_collectives` stands still inside them)
 COLLECTIVES = ("allgather_fn", "all_gather_into_tensor", "all_gather", "reduce_scatter_fn", "reduce_scatter_tensor",
                "reduce_scatter", "all_reduce", "broadcast", "all_to_all_single")
+#: the stretches of work (128x128 matmuls: about 0.7, 3 and 12 ms here) a collective waits after (`_rank_wait`)
+WAIT_MATMULS = (16, 64, 256)
 #: key lengths the attention rate is measured at (the cpu row's `attention_by_keys`; 2048 is its attention fraction)
 ATTENTION_KEYS = (512, 1024, 2048, 4096)
 #: the head size attention is measured at: every CPU preset's (hidden / heads; a flash kernel's rate per FLOP falls
@@ -78,10 +82,40 @@ def measure_rank(repeats: int) -> dict[str, float]:
     gathered = torch.empty(world * x.numel())
     gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
     peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
+    wait = _rank_wait(one, latency, repeats)
     by_keys = {keys: _attention_rate(keys, repeats) for keys in ATTENTION_KEYS}
     return {"matmul": matmul, "attention": by_keys[2048], "by_keys": by_keys, "memory": memory,
-            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer,
+            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer, "wait": wait,
             "zero3_hook": _zero3_hook(repeats)}
+
+
+def _rank_wait(one: torch.Tensor, latency: float, repeats: int) -> float:
+    """The wait for the slower rank at a one-element all-reduce after `WAIT_MATMULS` matmuls of this rank's own work,
+    per `WAIT_STRETCH_S` of work under a square root (`DeviceRates.rank_wait_seconds`): each stretch with and without
+    the all-reduce timed in turn (a barrier before each timing), less the tight loop's `latency`; the median over
+    the stretches."""
+    from autosp.timing.rates import WAIT_STRETCH_S
+
+    a = torch.randn(128, 128)
+    per_stretch = []
+    for matmuls in WAIT_MATMULS:
+        def work(matmuls: int = matmuls) -> None:
+            for _ in range(matmuls):
+                a @ a
+
+        def work_then_collective(work: Callable[[], None] = work) -> None:
+            work()
+            dist.all_reduce(one)
+
+        alone, after = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            alone.append(_seconds(work, 1, 5))
+            dist.barrier()
+            after.append(_seconds(work_then_collective, 1, 5))
+        stretch = statistics.median(alone)
+        per_stretch.append((statistics.median(after) - stretch - latency) / math.sqrt(stretch / WAIT_STRETCH_S))
+    return max(0.0, statistics.median(per_stretch))
 
 
 def _attention_rate(length: int, repeats: int) -> float:
@@ -186,6 +220,7 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         raise ConfigError(f"calibration ranks failed ({result.status}): {result.error}")
     worst = {k: min(r[k] for r in result.results) for k in ("matmul", "attention", "memory", "copy", "peer")}
     worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
+    wait = statistics.mean(r["wait"] for r in result.results)  # the faster rank waits, the slower not: their mean
     by_keys = " ".join(f"{keys}:{min(r['by_keys'][keys] for r in result.results) / worst['matmul']:.4g}"
                        for keys in ATTENTION_KEYS)
     hooks = [r["zero3_hook"] for r in result.results if r["zero3_hook"] is not None]
@@ -198,7 +233,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "hbm_gb_s": f"{worst['memory'] / g:.4g}",
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
-        "collective_latency_us": f"{worst['latency'] * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
+        "collective_latency_us": f"{worst['latency'] * 1e6:.4g}",
+        "collective_wait_us": f"{wait * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
         "zero3_hook_us": hook, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "

@@ -14,6 +14,10 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
 - host link: bytes/s each way between the device and host memory (offload copies, on their own stream);
 - host memory: bytes/s of the host's memory one rank's share of the CPUs moves (the host optimizer step);
 - collective latency: seconds per collective call (measured on the cpu row; 0 on the GPU rows: not modelled);
+- collective wait: the wait for the slower rank at a collective after `WAIT_STRETCH_S` of the rank's own work since
+  the previous collective; it grows with the square root of that work (the ranks' timing noise accumulates like a
+  random walk: docs/measurements/2026-12-07-collective-waits.md; measured on the cpu row, at its calibration's rank
+  count; 0 on the GPU rows: not measured);
 - op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
   cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
 - ZeRO-3 hook: host seconds of one call of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching its
@@ -36,9 +40,11 @@ from pathlib import Path
 from autosp.errors import AutoSPError
 
 RATES_FILE = "device_rates.csv"
+#: the work before a collective at which a row's `collective_wait_us` is stated (module docstring)
+WAIT_STRETCH_S = 1e-3
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "attention_by_keys", "hbm_gb_s",
            "hbm_fraction", "peer_gb_s", "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us",
-           "op_overhead_us", "zero3_hook_us", "streams", "source")
+           "collective_wait_us", "op_overhead_us", "zero3_hook_us", "streams", "source")
 
 
 class RatesError(AutoSPError):
@@ -62,6 +68,7 @@ class DeviceRates:
     streams: bool
     op_overhead_s: float = 0.0
     zero3_hook_s: float = 0.0
+    collective_wait_s: float = 0.0
     attention_by_keys: tuple[tuple[int, float], ...] = ()  # (key length, FLOP/s), ascending
     source: str = ""
 
@@ -100,6 +107,11 @@ class DeviceRates:
         """The host work of `calls` calls of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching or
         releasing its parameters; the gathers they start are priced apart, as collectives)."""
         return calls * self.zero3_hook_s
+
+    def rank_wait_seconds(self, work_s: float) -> float:
+        """The wait for the slower rank at a collective that follows `work_s` seconds of this rank's work since the
+        previous collective (module docstring)."""
+        return self.collective_wait_s * math.sqrt(max(work_s, 0.0) / WAIT_STRETCH_S)
 
     def collective_seconds(self, kind: str, nbytes: float, group_size: int, gpus_per_node: int) -> float:
         """A ring collective of `kind` over `group_size` ranks on a tensor of `nbytes` (`collective_bytes`): the
@@ -158,7 +170,8 @@ def device_rates(name: str) -> DeviceRates:
         memory_bytes_s=num("hbm_gb_s") * g * num("hbm_fraction"), peer_bytes_s=num("peer_gb_s") * g,
         node_bytes_s=num("node_gb_s") * g, host_link_bytes_s=num("host_link_gb_s") * g,
         host_memory_bytes_s=num("host_memory_gb_s") * g, collective_latency_s=num("collective_latency_us") * 1e-6,
-        op_overhead_s=num("op_overhead_us") * 1e-6, zero3_hook_s=num("zero3_hook_us") * 1e-6,
+        collective_wait_s=num("collective_wait_us") * 1e-6, op_overhead_s=num("op_overhead_us") * 1e-6,
+        zero3_hook_s=num("zero3_hook_us") * 1e-6,
         attention_by_keys=tuple((keys, peak * fraction) for keys, fraction in parse_by_keys(row, name)),
         streams=bool(int(row["streams"])), source=row["source"])
 

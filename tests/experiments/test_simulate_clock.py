@@ -171,6 +171,30 @@ def test_alsts_simulated_step_tells_the_clock_each_call_of_zero3s_coordinator(mo
     assert trace.time(replace(RATES, zero3_hook_s=1e-3), 8).by_class["zero3_hooks"] == pytest.approx(hooks * 1e-3)
 
 
+def test_a_collective_waits_for_the_slower_rank_by_the_square_root_of_the_work_since_the_previous_one():
+    """The wait grows with this rank's work since its previous collective (`DeviceRates.rank_wait_seconds`): 4 ms of
+    work before it, twice the 1 ms figure; none for a collective right after another; a one-rank group neither waits
+    nor ends the stretch of work."""
+    import math
+    from dataclasses import replace
+
+    from autosp.experiments.simulate.clock import OpTrace
+
+    trace = OpTrace()
+    trace.add("matmul", 2e12 * 4e-3)                           # 4 ms at the matmul rate
+    trace.add("collective", 0.0, kind="all_reduce", group=2)  # waits 2 x 100 us
+    trace.add("collective", 0.0, kind="all_reduce", group=2)  # no work before it: no wait
+    trace.add("matmul", 2e12 * 1e-3)
+    trace.add("collective", 0.0, kind="all_gather", group=1)  # one rank: free, and the stretch goes on
+    trace.add("memory", 1e9 * 1e-3)                            # 1 ms at the memory rate
+    trace.add("collective", 0.0, kind="all_reduce", group=2)  # waits sqrt(2) x 100 us
+    waits = 2e-4 + 1e-4 * math.sqrt(2)
+    time = trace.time(replace(RATES, streams=False, collective_wait_s=1e-4), gpus_per_node=8)
+    assert time.by_class["collective"] == pytest.approx(waits)
+    assert time.iteration_s == time.exposed_collective_s + 6e-3 == pytest.approx(6e-3 + waits)
+    assert trace.time(replace(RATES, streams=False), gpus_per_node=8).iteration_s == pytest.approx(6e-3)
+
+
 def test_on_a_cpu_the_same_ops_run_in_line():
     def program():
         OFFLOAD_OP(torch.randn(250))

@@ -14,6 +14,7 @@ def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(t
     assert list(map(int, by_keys)) == [512, 1024, 2048, 4096] and all(float(f) > 0 for f in by_keys.values())
     numbers = {k: float(v) for k, v in row.items() if k not in ("device", "source")}
     assert numbers.pop("streams") == 0 and "2 gloo ranks" in row["source"]  # one CPU thread: ops in line
+    assert numbers.pop("collective_wait_us") >= 0  # ranks that stay in step wait for nothing
     assert all(v > 0 for v in numbers.values()), numbers
     path = write_cpu_rates(row, tmp_path / "rates.csv")
     rows = {r["device"]: r for r in csv.DictReader(path.open())}

@@ -50,6 +50,15 @@ def test_a_zero3_hook_call_costs_the_measured_host_seconds_on_the_cpu_row_only()
     assert device_rates("h100-80gb").zero3_hook_seconds(270) == 0.0
 
 
+def test_the_wait_for_the_slower_rank_grows_with_the_square_root_of_the_work_on_the_cpu_row_only():
+    """Measured by `autosp calibrate` on the cpu row (0 where the ranks stayed in step); the GPU rows price no wait
+    (not measured on a GPU)."""
+    cpu = device_rates("cpu")
+    assert cpu.collective_wait_s >= 0 and cpu.rank_wait_seconds(1e-3) == pytest.approx(cpu.collective_wait_s)
+    assert cpu.rank_wait_seconds(4e-3) == pytest.approx(2 * cpu.collective_wait_s) and cpu.rank_wait_seconds(0) == 0
+    assert device_rates("h100-80gb").rank_wait_seconds(1.0) == 0.0
+
+
 def test_an_unknown_device_is_refused_in_one_line():
     with pytest.raises(RatesError, match="no rates for device 'tpu'"):
         device_rates("tpu")

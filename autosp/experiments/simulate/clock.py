@@ -10,7 +10,8 @@ An executed aten (or autosp_sp::, c10d) op is one of:
   ring's K/V passes run beside it;
 - a collective (autosp_sp::all_to_all & co., _c10d_functional, c10d, DeepSpeed's Ulysses all-to-all
   deepspeed::dim_zero_all_to_all): its ring volume over the group at the link the group spans
-  (`DeviceRates.collective_seconds`), on the communication stream;
+  (`DeviceRates.collective_seconds`), on the communication stream, plus the wait for the slower rank, which grows
+  with the rank's work since its previous collective (`DeviceRates.rank_wait_seconds`; 0 on the GPU rows);
 - an exchange with the neighbouring rank (autosp_sp::from_previous_rank / to_previous_rank: a causal convolution's
   halo, a recurrence's state passed along the ranks): an all-gather of every rank's tensor, as it is implemented;
 - an opaque kernel that declares its cost (`autosp.comm.costs`: a recurrence's chunked scan): the FLOPs at the matmul
@@ -72,12 +73,15 @@ class OpTrace:
     def time(self, rates: DeviceRates, gpus_per_node: int) -> StepTime:
         """The step on `rates`' device (`Timeline`)."""
         timeline = Timeline(rates.streams)
+        work = 0.0  # this rank's seconds of work since its previous collective (`DeviceRates.rank_wait_seconds`)
         price = {"matmul": rates.matmul_seconds, "memory": rates.memory_seconds,
                  "copy": rates.copy_seconds, "host": rates.host_seconds,
                  "zero3_hooks": rates.zero3_hook_seconds}
         for op_class, quantity, kind, group, reads, writes, keys in self.events:
             if op_class == "collective":
                 seconds = rates.collective_seconds(kind, quantity, group, gpus_per_node)
+                if group > 1:  # the collective waits for the slower rank's share of the work before it
+                    seconds, work = seconds + rates.rank_wait_seconds(work), 0.0
             elif op_class == "attention":
                 seconds = rates.attention_seconds(quantity, keys)
             else:
@@ -85,6 +89,8 @@ class OpTrace:
             overhead = 0.0 if op_class == "zero3_hooks" else rates.op_overhead_s  # no op (its gathers are ops)
             timeline.run(op_class, seconds + overhead, reads, writes,
                          quantity if op_class in ("matmul", "attention") else 0.0)
+            if op_class != "collective":
+                work += seconds + overhead
         return timeline.finish()
 
 
