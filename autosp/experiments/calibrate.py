@@ -238,7 +238,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "zero3_hook_us": hook, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "
-                   "float32, the slowest rank's medians; MFU on cpu is against the measured matmul rate"),
+                   "float32, the slowest rank's medians (the wait: the ranks' mean); MFU on cpu is against the "
+                   "measured matmul rate"),
     }
 
 
