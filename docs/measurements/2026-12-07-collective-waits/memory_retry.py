@@ -2,11 +2,10 @@
 
 Prices `reprice.py`'s traces on the package's cpu row with memory-bound ops at the rate of their size: the
 multipliers the memory-by-bytes page measured (10:35 UTC, `memory_by_bytes` at tag attempt/memory-by-bytes-2026-12-07),
-linear in log2 of the bytes between sizes, the ends' beyond; with the row's wait and without it.
+linear in log2 of the bytes between sizes, the ends' beyond (the row's own interpolation); with the row's wait
+and without it.
 
     python memory_retry.py MEASURED.jsonl ..."""
-import itertools
-import math
 import sys
 from dataclasses import replace
 
@@ -18,18 +17,11 @@ MULTIPLIERS = [(786432, 16.65), (3145728, 17.01), (12582912, 15.12), (25165824, 
                (100663296, 1.0)]
 
 
-def multiplier(nbytes: float) -> float:
-    if nbytes <= MULTIPLIERS[0][0]:
-        return MULTIPLIERS[0][1]
-    for (low, low_m), (high, high_m) in itertools.pairwise(MULTIPLIERS):
-        if nbytes <= high:
-            share = (math.log2(nbytes) - math.log2(low)) / (math.log2(high) - math.log2(low))
-            return low_m + share * (high_m - low_m)
-    return MULTIPLIERS[-1][1]
-
-
 def by_bytes(self, nbytes: float) -> float:
-    return nbytes / (self.memory_bytes_s * multiplier(nbytes)) if nbytes > 0 else 0.0
+    """The op's bytes at the rate of their size: the row's own log2 interpolation between measured sizes
+    (`DeviceRates.attention_rate`, fed the sizes and rates in place of key lengths)."""
+    table = replace(self, attention_by_keys=tuple((size, self.memory_bytes_s * m) for size, m in MULTIPLIERS))
+    return nbytes / table.attention_rate(int(nbytes)) if nbytes > 0 else 0.0
 
 
 if __name__ == "__main__":
