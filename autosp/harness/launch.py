@@ -290,8 +290,14 @@ def launch_local(fn: Callable[..., Any], args: tuple = (), *, world_size: int, d
         store = rendezvous_store(timeout_s)  # held until every rank has ended
         port = store.port
         reports = [str(workdir / f"rank{r}.out") for r in range(world_size)]
-        ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
-                                                 for r in range(world_size)], warm=device == "cpu")
+        try:
+            ranks = RankProcesses(workdir, _worker, [(r, world_size, port, device, timeout_s, fn, args, reports[r])
+                                                     for r in range(world_size)], warm=device == "cpu")
+        except Exception:
+            if not stop_requested():
+                raise
+            # a signal to the whole process group also ends the fork server while it starts a rank
+            return _interrupted([None] * world_size, start, "")
         try:
             values, failures, complete = _supervise(ranks, reports, start + timeout_s, timeout_s)
             if complete and not failures:  # let finished ranks exit by themselves first

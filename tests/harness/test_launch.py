@@ -133,6 +133,29 @@ def test_the_rendezvous_port_is_held_by_the_launcher_before_any_rank_starts(monk
     assert len(bound_before_start) == 1
 
 
+def test_a_stop_signal_that_ends_the_fork_server_while_it_starts_a_rank_is_interrupted(monkeypatch) -> None:
+    """SIGTERM to the CLI's process group also kills the warm ranks' fork server; one caught mid-start made the
+    start fail (EOFError from the server's pipe) and the run ended in a traceback instead of `interrupted`."""
+    class Ranks(launch_mod.RankProcesses):
+        def __init__(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # trapped: only noted
+            raise EOFError("unexpected EOF")
+
+    monkeypatch.setattr(launch_mod, "RankProcesses", Ranks)
+    result = launch(sum_ranks, ("x",), world_size=2, timeout_s=60)
+    assert result.status == "interrupted" and "interrupted by SIGTERM" in result.error, result.error
+
+
+def test_a_failed_rank_start_without_a_stop_signal_still_raises(monkeypatch) -> None:
+    class Ranks(launch_mod.RankProcesses):
+        def __init__(self, *args, **kwargs):
+            raise EOFError("unexpected EOF")
+
+    monkeypatch.setattr(launch_mod, "RankProcesses", Ranks)
+    with pytest.raises(EOFError):
+        launch(sum_ranks, ("x",), world_size=2, timeout_s=60)
+
+
 def test_crashed_rank_ends_the_run_with_its_message(rank_start) -> None:
     result = launch(crash_rank_1, world_size=2, timeout_s=60)
     assert result.status == "error" and result.failed_rank == 1
