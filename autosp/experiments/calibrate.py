@@ -9,16 +9,16 @@ every projection of a step runs them: a CPU preset's projection at a few thousan
 backward 2.5x that, as the simulator counts it; at S = 2048, the row's attention fraction, and at each of
 `ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate grows with the keys and with the head size),
 memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy
-on a CPU), per-op overhead (an add of one-element tensors), gloo's collective latency (an all-reduce of one element)
-and bandwidth (an all-gather of 32 MiB: (P-1)/P of it sent per rank), the wait for the slower rank at that
-all-reduce after a stretch of work (`_rank_wait`: the ranks' mean, as the faster one waits), and, where DeepSpeed is
-installed, the host work of one call of ZeRO-3's parameter coordinator (a module's hook fetching its parameters
-before it runs or releasing them after): a forward and backward through a ZeRO-3 engine of `HOOK_LAYERS` linear
-layers ([128, 448] and [448, 128], a CPU preset's MLP weights, every one partitioned), less the same layers'
-unsharded step, over the coordinator's calls in that step (counted as the simulator counts them), in this thread's
-CPU seconds outside the collectives (the time model prices those apart; wall time also held the other rank's jitter,
-which swung a per-fetch difference from 0 to 1.8 ms between runs). The slowest rank's figure is written (the wait
-excepted): a step ends when its slowest rank does."""
+on a CPU), per-op overhead (an add of one-element tensors), gloo's bandwidth (an all-gather of 32 MiB: (P-1)/P of
+it sent per rank), a one-element all-reduce's latency and the wait for the slower rank at it, fitted together
+(`fit_latency_and_wait`: its extra time in a tight loop and after three stretches of work, the ranks' mean, as the
+faster rank waits and the slower not), and, where DeepSpeed is installed, the host work of one call of ZeRO-3's
+parameter coordinator (a module's hook fetching its parameters before it runs or releasing them after): a forward
+and backward through a ZeRO-3 engine of `HOOK_LAYERS` linear layers ([128, 448] and [448, 128], a CPU preset's MLP
+weights, every one partitioned), less the same layers' unsharded step, over the coordinator's calls in that step
+(counted as the simulator counts them), in this thread's CPU seconds outside the collectives (the time model prices
+those apart; wall time also held the other rank's jitter). The slowest rank's figure is written (latency
+and wait excepted): a step ends when its slowest rank does."""
 from __future__ import annotations
 
 import argparse
@@ -82,22 +82,18 @@ def measure_rank(repeats: int) -> dict[str, float]:
     gathered = torch.empty(world * x.numel())
     gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, x), repeats)
     peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
-    wait = _rank_wait(one, latency, repeats)
     by_keys = {keys: _attention_rate(keys, repeats) for keys in ATTENTION_KEYS}
     return {"matmul": matmul, "attention": by_keys[2048], "by_keys": by_keys, "memory": memory,
-            "copy": copy, "overhead": overhead, "latency": latency, "peer": peer, "wait": wait,
+            "copy": copy, "overhead": overhead, "peer": peer,
+            "collective_points": [(0.0, latency), *_collective_after_work(one, repeats)],
             "zero3_hook": _zero3_hook(repeats)}
 
 
-def _rank_wait(one: torch.Tensor, latency: float, repeats: int) -> float:
-    """The wait for the slower rank at a one-element all-reduce after `WAIT_MATMULS` matmuls of this rank's own work,
-    per `WAIT_STRETCH_S` of work under a square root (`DeviceRates.rank_wait_seconds`): each stretch with and without
-    the all-reduce timed in turn (a barrier before each timing), less the tight loop's `latency`; the median over
-    the stretches."""
-    from autosp.timing.rates import WAIT_STRETCH_S
-
+def _collective_after_work(one: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
+    """(seconds of work, seconds a one-element all-reduce adds after it) at `WAIT_MATMULS` matmuls of this rank's own
+    work: each stretch with and without the all-reduce timed in turn (a barrier before each timing), medians."""
     a = torch.randn(128, 128)
-    per_stretch = []
+    points = []
     for matmuls in WAIT_MATMULS:
         def work(matmuls: int = matmuls) -> None:
             for _ in range(matmuls):
@@ -114,8 +110,25 @@ def _rank_wait(one: torch.Tensor, latency: float, repeats: int) -> float:
             dist.barrier()
             after.append(_seconds(work_then_collective, 1, 5))
         stretch = statistics.median(alone)
-        per_stretch.append((statistics.median(after) - stretch - latency) / math.sqrt(stretch / WAIT_STRETCH_S))
-    return max(0.0, statistics.median(per_stretch))
+        points.append((stretch, statistics.median(after) - stretch))
+    return points
+
+
+def fit_latency_and_wait(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency, wait) in seconds: the least-squares line through (sqrt(work / `WAIT_STRETCH_S`), a collective's time
+    after that work) - the time model's `latency + wait x sqrt(work / WAIT_STRETCH_S)`
+    (`DeviceRates.rank_wait_seconds`); neither below 0 (a negative slope: no wait, the mean as latency; a negative
+    intercept: no latency, the line through the origin)."""
+    from autosp.timing.rates import WAIT_STRETCH_S
+
+    x = [math.sqrt(work / WAIT_STRETCH_S) for work, _ in points]
+    y = [seconds for _, seconds in points]
+    wait, latency = statistics.linear_regression(x, y)
+    if wait < 0:
+        return max(0.0, statistics.mean(y)), 0.0
+    if latency < 0:
+        return 0.0, max(0.0, statistics.linear_regression(x, y, proportional=True).slope)
+    return latency, wait
 
 
 def _attention_rate(length: int, repeats: int) -> float:
@@ -219,8 +232,11 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
     if result.status != "ok":
         raise ConfigError(f"calibration ranks failed ({result.status}): {result.error}")
     worst = {k: min(r[k] for r in result.results) for k in ("matmul", "attention", "memory", "copy", "peer")}
-    worst.update({k: max(r[k] for r in result.results) for k in ("overhead", "latency")})
-    wait = statistics.mean(r["wait"] for r in result.results)  # the faster rank waits, the slower not: their mean
+    worst["overhead"] = max(r["overhead"] for r in result.results)
+    # the faster rank waits, the slower not: the ranks' mean at each point
+    points = [(statistics.mean(work for work, _ in at), statistics.mean(seconds for _, seconds in at))
+              for at in zip(*(r["collective_points"] for r in result.results), strict=True)]
+    latency, wait = fit_latency_and_wait(points)
     by_keys = " ".join(f"{keys}:{min(r['by_keys'][keys] for r in result.results) / worst['matmul']:.4g}"
                        for keys in ATTENTION_KEYS)
     hooks = [r["zero3_hook"] for r in result.results if r["zero3_hook"] is not None]
@@ -233,13 +249,13 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "hbm_gb_s": f"{worst['memory'] / g:.4g}",
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
-        "collective_latency_us": f"{worst['latency'] * 1e6:.4g}",
+        "collective_latency_us": f"{latency * 1e6:.4g}",
         "collective_wait_us": f"{wait * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
         "zero3_hook_us": hook, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "
-                   "float32, the slowest rank's medians (the wait: the ranks' mean); MFU on cpu is against the "
-                   "measured matmul rate"),
+                   "float32, the slowest rank's medians (latency and wait: one fit to the ranks' mean); MFU on cpu "
+                   "is against the measured matmul rate"),
     }
 
 

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import csv
+import math
+
+import pytest
+import torch
 
 from autosp.experiments.calibrate import CPU_HEAD_DIM, calibrate
 from autosp.experiments.time_check import cell_configs, format_rows, time_check
@@ -19,6 +23,43 @@ def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(t
     path = write_cpu_rates(row, tmp_path / "rates.csv")
     rows = {r["device"]: r for r in csv.DictReader(path.open())}
     assert rows["cpu"]["peak_tflops"] == row["peak_tflops"] and "h100-80gb" in rows
+
+
+def test_latency_and_wait_are_one_least_squares_line_in_the_square_root_of_the_work_never_below_zero():
+    from autosp.experiments.calibrate import fit_latency_and_wait
+
+    planted = [(work, 150e-6 + 300e-6 * math.sqrt(work / 1e-3)) for work in (0.0, 0.7e-3, 3e-3, 12e-3)]
+    assert fit_latency_and_wait(planted) == pytest.approx((150e-6, 300e-6))
+    shrinking = [(0.0, 4e-4), (1e-3, 3e-4), (4e-3, 2e-4)]  # more work, less time: no wait
+    assert fit_latency_and_wait(shrinking) == pytest.approx((3e-4, 0.0))
+    through_origin = [(0.0, 0.0), (1e-3, 2e-4), (4e-3, 7e-4)]  # the line's intercept is below 0
+    latency, wait = fit_latency_and_wait(through_origin)
+    assert latency == 0.0 and wait == pytest.approx((2e-4 + 2 * 7e-4) / 5)
+
+
+def test_calibration_recovers_a_planted_latency_and_wait_from_an_all_reduce_that_costs_them(monkeypatch):
+    """`autosp calibrate`'s measurement, single-process: an all-reduce that spins 2 ms + 1 ms x sqrt(ms of work since
+    the previous one) comes back as latency 2 ms and wait 1 ms (within 25%: the matmuls' timing noise)."""
+    import time
+
+    from autosp.experiments import calibrate as calibrate_module
+
+    latency_s, wait_s, last = 2e-3, 1e-3, [time.perf_counter()]
+
+    def all_reduce(tensor) -> None:
+        end = time.perf_counter() + latency_s + wait_s * math.sqrt((time.perf_counter() - last[0]) / 1e-3)
+        while time.perf_counter() < end:
+            pass
+        last[0] = time.perf_counter()
+
+    monkeypatch.setattr(calibrate_module.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(calibrate_module.dist, "barrier", lambda: None)
+    one = torch.ones(1)
+    tight = calibrate_module._seconds(lambda: all_reduce(one), 3, 20)
+    points = [(0.0, tight), *calibrate_module._collective_after_work(one, repeats=3)]
+    assert [work for work, _ in points[1:]] == sorted(work for work, _ in points[1:])
+    latency, wait = calibrate_module.fit_latency_and_wait(points)
+    assert latency == pytest.approx(latency_s, rel=0.25) and wait == pytest.approx(wait_s, rel=0.25), points
 
 
 def test_the_zero3_hook_clock_stands_still_inside_deepspeeds_collectives_and_counts_a_nested_one_once(monkeypatch):
