@@ -10,7 +10,8 @@ backward 2.5x that, as the simulator counts it; at S = 2048, the row's attention
 `ATTENTION_KEYS`, its `attention_by_keys`: a CPU flash kernel's rate grows with the keys and with the head size),
 memory bytes/s (an add of two 32 MiB tensors: read 2, write 1), copy bytes/s (a clone of 32 MiB: the offload's copy
 on a CPU), per-op overhead (an add of one-element tensors), gloo's bandwidth (an all-gather of 32 MiB: (P-1)/P of
-it sent per rank), a one-element all-reduce's latency and the wait for the slower rank at it, fitted together
+it sent per rank), each kind of collective at four sizes in a tight loop (`_collectives_by_bytes`, the row's
+`collective_by_bytes`), a one-element all-reduce's latency and the wait for the slower rank at it, fitted together
 (`fit_latency_and_wait`: its extra time in a tight loop and after three stretches of work, the ranks' mean, as the
 faster rank waits and the slower not), and, where DeepSpeed is installed, the host work of one call of ZeRO-3's
 parameter coordinator (a module's hook fetching its parameters before it runs or releasing them after): a forward
@@ -47,6 +48,9 @@ COLLECTIVES = ("allgather_fn", "all_gather_into_tensor", "all_gather", "reduce_s
                "reduce_scatter", "all_reduce", "broadcast", "all_to_all_single")
 #: the stretches of work (128x128 matmuls: about 0.7, 3 and 12 ms here) a collective waits after (`_rank_wait`)
 WAIT_MATMULS = (16, 64, 256)
+#: the floats a rank holds at which each kind of collective is timed (`_collectives_by_bytes`: 4 B, 32 KiB, 512 KiB,
+#: 8 MiB, the span of a CPU preset's parameter shards, activations and gradient buckets)
+COLLECTIVE_FLOATS = (1, 8192, 131072, 2097152)
 #: key lengths the attention rate is measured at (the cpu row's `attention_by_keys`; 2048 is its attention fraction)
 ATTENTION_KEYS = (512, 1024, 2048, 4096)
 #: the head size attention is measured at: every CPU preset's (hidden / heads; a flash kernel's rate per FLOP falls
@@ -84,7 +88,7 @@ def measure_rank(repeats: int) -> dict[str, float]:
     peer = (world - 1) / world * gathered.nbytes / max(gather - latency, 1e-9)
     by_keys = {keys: _attention_rate(keys, repeats) for keys in ATTENTION_KEYS}
     return {"matmul": matmul, "attention": by_keys[2048], "by_keys": by_keys, "memory": memory,
-            "copy": copy, "overhead": overhead, "peer": peer,
+            "copy": copy, "overhead": overhead, "peer": peer, "collectives": _collectives_by_bytes(repeats),
             "collective_points": [(0.0, latency), *_collective_after_work(one, repeats)],
             "zero3_hook": _zero3_hook(repeats)}
 
@@ -112,6 +116,27 @@ def _collective_after_work(one: torch.Tensor, repeats: int) -> list[tuple[float,
         stretch = statistics.median(alone)
         points.append((stretch, statistics.median(after) - stretch))
     return points
+
+
+def _collectives_by_bytes(repeats: int) -> dict[tuple[str, float], float]:
+    """{(kind, bytes one rank sends): seconds} of each `MEASURED_COLLECTIVES` kind in a tight loop, with each rank
+    holding `COLLECTIVE_FLOATS` floats (a shard: the whole tensor is P of them)."""
+    from autosp.timing.rates import MEASURED_COLLECTIVES, collective_bytes
+
+    world = dist.get_world_size()
+    measured = {}
+    for floats in COLLECTIVE_FLOATS:
+        # zeros: the all-reduce sums into `whole` on every call
+        shard, whole, other = torch.randn(floats), torch.zeros(world * floats), torch.empty(world * floats)
+        calls = {"all_gather": functools.partial(dist.all_gather_into_tensor, whole, shard),
+                 "reduce_scatter": functools.partial(dist.reduce_scatter_tensor, shard, whole),
+                 "all_reduce": functools.partial(dist.all_reduce, whole),
+                 "all_to_all": functools.partial(dist.all_to_all_single, other, whole)}
+        for kind in MEASURED_COLLECTIVES:
+            dist.barrier()
+            inner = 20 if floats <= 8192 else 5
+            measured[kind, collective_bytes(kind, whole.nbytes, world)] = _seconds(calls[kind], repeats, inner)
+    return measured
 
 
 def fit_latency_and_wait(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -237,6 +262,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
     points = [(statistics.mean(work for work, _ in at), statistics.mean(seconds for _, seconds in at))
               for at in zip(*(r["collective_points"] for r in result.results), strict=True)]
     latency, wait = fit_latency_and_wait(points)
+    collectives = " ".join(f"{kind}:{sent:.0f}:{max(r['collectives'][kind, sent] for r in result.results) * 1e6:.4g}"
+                           for kind, sent in result.results[0]["collectives"])
     by_keys = " ".join(f"{keys}:{min(r['by_keys'][keys] for r in result.results) / worst['matmul']:.4g}"
                        for keys in ATTENTION_KEYS)
     hooks = [r["zero3_hook"] for r in result.results if r["zero3_hook"] is not None]
@@ -250,7 +277,8 @@ def calibrate(world_size: int, repeats: int) -> dict[str, str]:
         "hbm_fraction": "1", "peer_gb_s": f"{worst['peer'] / g:.4g}", "node_gb_s": f"{worst['peer'] / g:.4g}",
         "host_link_gb_s": f"{worst['copy'] / g:.4g}", "host_memory_gb_s": f"{worst['memory'] / g:.4g}",
         "collective_latency_us": f"{latency * 1e6:.4g}",
-        "collective_wait_us": f"{wait * 1e6:.4g}", "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
+        "collective_wait_us": f"{wait * 1e6:.4g}", "collective_by_bytes": collectives,
+        "op_overhead_us": f"{worst['overhead'] * 1e6:.4g}",
         "zero3_hook_us": hook, "streams": "0",
         "source": (f"measured by `autosp calibrate --world-size {world_size}` on {when}, {platform.node()} "
                    f"({platform.processor() or platform.machine()}): {world_size} gloo ranks x 1 thread at once, "

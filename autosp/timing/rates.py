@@ -18,6 +18,11 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
   the previous collective; it grows with the square root of that work (the ranks' timing noise accumulates like a
   random walk: docs/measurements/2026-12-07-collective-waits.md; measured on the cpu row, at its calibration's rank
   count; 0 on the GPU rows: not measured);
+- collectives by bytes: a collective's seconds by kind at the bytes one rank sends, measured in a tight loop (the cpu
+  row: gloo's all-reduce and reduce-scatter cost 2-5x an all-gather of the same bytes at 8-512 KiB, and its large
+  transfers run 2-3x the rate of the peer column's 32 MiB gather: docs/measurements/2026-12-07-collectives-by-bytes.md);
+  where a row has them, they price those kinds in place of latency + bytes / peer, interpolated linearly in the bytes,
+  the smallest's time below it and the largest's rate above it; empty on the GPU rows: not measured;
 - op overhead: seconds every op costs besides its work (the dispatch of one op on a CPU thread, measured on the
   cpu row; 0 on the GPU rows, whose kernels are launched ahead of the stream: not modelled);
 - ZeRO-3 hook: host seconds of one call of DeepSpeed ZeRO-3's parameter coordinator (a module's hook fetching its
@@ -44,7 +49,9 @@ RATES_FILE = "device_rates.csv"
 WAIT_STRETCH_S = 1e-3
 COLUMNS = ("device", "peak_tflops", "matmul_fraction", "attention_fraction", "attention_by_keys", "hbm_gb_s",
            "hbm_fraction", "peer_gb_s", "node_gb_s", "host_link_gb_s", "host_memory_gb_s", "collective_latency_us",
-           "collective_wait_us", "op_overhead_us", "zero3_hook_us", "streams", "source")
+           "collective_wait_us", "collective_by_bytes", "op_overhead_us", "zero3_hook_us", "streams", "source")
+#: the collective kinds a row's `collective_by_bytes` may state (`collective_bytes` knows each)
+MEASURED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 class RatesError(AutoSPError):
@@ -70,6 +77,8 @@ class DeviceRates:
     zero3_hook_s: float = 0.0
     collective_wait_s: float = 0.0
     attention_by_keys: tuple[tuple[int, float], ...] = ()  # (key length, FLOP/s), ascending
+    #: (kind, ((bytes one rank sends, seconds), ...) ascending) for the kinds the row measured (module docstring)
+    collective_by_bytes: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     source: str = ""
 
     def matmul_seconds(self, flops: float) -> float:
@@ -118,8 +127,24 @@ class DeviceRates:
         bytes each rank sends at the slowest link the group spans, plus the per-call latency."""
         if group_size <= 1:
             return 0.0
+        sent = collective_bytes(kind, nbytes, group_size)
+        measured = dict(self.collective_by_bytes).get(kind)
+        if measured and group_size <= gpus_per_node:
+            return _interpolated(measured, sent)
         link = self.peer_bytes_s if group_size <= gpus_per_node else self.node_bytes_s
-        return self.collective_latency_s + collective_bytes(kind, nbytes, group_size) / link
+        return self.collective_latency_s + sent / link
+
+
+def _interpolated(points: tuple[tuple[float, float], ...], sent: float) -> float:
+    """Seconds at `sent` bytes from ascending (bytes, seconds) points: linear between two, the smallest's seconds
+    below them, the largest's rate (seconds per byte) above them."""
+    if sent <= points[0][0]:
+        return points[0][1]
+    for (low, low_s), (high, high_s) in itertools.pairwise(points):
+        if sent <= high:
+            return low_s + (sent - low) / (high - low) * (high_s - low_s)
+    largest, largest_s = points[-1]
+    return largest_s * sent / largest
 
 
 def collective_bytes(kind: str, nbytes: float, group_size: int) -> float:
@@ -173,6 +198,7 @@ def device_rates(name: str) -> DeviceRates:
         collective_wait_s=num("collective_wait_us") * 1e-6, op_overhead_s=num("op_overhead_us") * 1e-6,
         zero3_hook_s=num("zero3_hook_us") * 1e-6,
         attention_by_keys=tuple((keys, peak * fraction) for keys, fraction in parse_by_keys(row, name)),
+        collective_by_bytes=parse_collectives(row, name),
         streams=bool(int(row["streams"])), source=row["source"])
 
 
@@ -187,6 +213,29 @@ def parse_by_keys(row: dict[str, str], name: str) -> list[tuple[int, float]]:
     if any(keys <= 0 or fraction <= 0 for keys, fraction in pairs):
         raise RatesError(f"{RATES_FILE}: {name}'s attention_by_keys {text!r} has a length or fraction <= 0")
     return pairs
+
+
+def parse_collectives(row: dict[str, str], name: str) -> tuple[tuple[str, tuple[tuple[float, float], ...]], ...]:
+    """The row's `collective_by_bytes` ('kind:bytes:us ...') as (kind, ascending (bytes, seconds)) pairs; a one-line
+    error if malformed."""
+    text = (row.get("collective_by_bytes") or "").strip()
+    by_kind: dict[str, list[tuple[float, float]]] = {}
+    try:
+        for item in text.split():
+            kind, nbytes, us = item.split(":")
+            by_kind.setdefault(kind, []).append((float(nbytes), float(us) * 1e-6))
+    except ValueError:
+        raise RatesError(f"{RATES_FILE}: {name}'s collective_by_bytes {text!r} is not 'kind:bytes:us ...' "
+                         "(e.g. 'all_reduce:4:250 all_reduce:65536:900')") from None
+    unknown = sorted(set(by_kind) - set(MEASURED_COLLECTIVES))
+    if unknown:
+        raise RatesError(f"{RATES_FILE}: {name}'s collective_by_bytes names {', '.join(unknown)}; "
+                         f"one of {', '.join(MEASURED_COLLECTIVES)}")
+    if any(nbytes < 0 or seconds <= 0 for points in by_kind.values() for nbytes, seconds in points):
+        raise RatesError(f"{RATES_FILE}: {name}'s collective_by_bytes {text!r} has bytes < 0 or a time <= 0")
+    if any(len({nbytes for nbytes, _ in points}) < len(points) for points in by_kind.values()):
+        raise RatesError(f"{RATES_FILE}: {name}'s collective_by_bytes {text!r} states one kind twice at one size")
+    return tuple((kind, tuple(sorted(points))) for kind, points in by_kind.items())
 
 
 def write_cpu_rates(row: dict[str, str], path: Path | None = None) -> Path:

@@ -9,16 +9,20 @@ import torch
 
 from autosp.experiments.calibrate import CPU_HEAD_DIM, calibrate
 from autosp.experiments.time_check import cell_configs, format_rows, time_check
-from autosp.timing.rates import write_cpu_rates
+from autosp.timing.rates import MEASURED_COLLECTIVES, parse_collectives, write_cpu_rates
 
 
 def test_calibration_measures_every_rate_of_the_cpu_row_from_two_ranks_at_once(tmp_path):
     row = calibrate(2, repeats=1)
     by_keys = dict(pair.split(":") for pair in row.pop("attention_by_keys").split())
     assert list(map(int, by_keys)) == [512, 1024, 2048, 4096] and all(float(f) > 0 for f in by_keys.values())
-    numbers = {k: float(v) for k, v in row.items() if k not in ("device", "source")}
+    numbers = {k: v if k == "collective_by_bytes" else float(v) for k, v in row.items()
+               if k not in ("device", "source")}
     assert numbers.pop("streams") == 0 and "2 gloo ranks" in row["source"]  # one CPU thread: ops in line
     assert numbers.pop("collective_wait_us") >= 0  # ranks that stay in step wait for nothing
+    by_bytes = parse_collectives({"collective_by_bytes": numbers.pop("collective_by_bytes")}, "cpu")
+    assert [kind for kind, _ in by_bytes] == list(MEASURED_COLLECTIVES)
+    assert all(len(points) == 4 and all(s > 0 for _, s in points) for _, points in by_bytes), by_bytes
     assert all(v > 0 for v in numbers.values()), numbers
     path = write_cpu_rates(row, tmp_path / "rates.csv")
     rows = {r["device"]: r for r in csv.DictReader(path.open())}

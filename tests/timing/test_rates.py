@@ -105,3 +105,42 @@ def test_a_malformed_attention_by_keys_is_refused_in_one_line():
         parse_by_keys({"attention_by_keys": "1024=0.5"}, "cpu")
     with pytest.raises(RatesError, match="a length or fraction <= 0"):
         parse_by_keys({"attention_by_keys": "1024:0"}, "cpu")
+
+
+def test_a_collective_measured_by_bytes_is_priced_from_its_points_and_the_rest_by_latency_and_link():
+    """`collective_by_bytes` (the cpu row's, from `autosp calibrate`): linear in the bytes one rank sends between two
+    measured sizes, the smallest's time below them, the largest's rate above them; a kind it does not state, a
+    group across nodes and a row without it (the GPU rows) are priced by latency + bytes / link."""
+    from dataclasses import replace
+
+    h100 = device_rates("h100-80gb")
+    assert h100.collective_by_bytes == ()
+    rates = replace(h100, collective_by_bytes=(("all_reduce", ((8.0, 2e-4), (65536.0, 1e-3), (1 << 20, 4e-3))),))
+    assert rates.collective_seconds("all_reduce", 8, 2, gpus_per_node=8) == 2e-4  # sends 8 B
+    assert rates.collective_seconds("all_reduce", 2, 2, gpus_per_node=8) == 2e-4  # below the smallest
+    halfway = (8 + 65536) / 2  # sent bytes; an all-reduce over two ranks sends the tensor's bytes
+    assert rates.collective_seconds("all_reduce", halfway, 2, gpus_per_node=8) == pytest.approx(6e-4)
+    assert rates.collective_seconds("all_reduce", 4 << 20, 2, gpus_per_node=8) == pytest.approx(16e-3)
+    assert rates.collective_seconds("all_reduce", 4 << 20, 4, gpus_per_node=8) == pytest.approx(24e-3)  # sends 1.5x
+    assert rates.collective_seconds("all_gather", 1e9, 2, gpus_per_node=8) == h100.collective_seconds(
+        "all_gather", 1e9, 2, gpus_per_node=8)
+    assert rates.collective_seconds("all_reduce", 1e9, 16, gpus_per_node=8) == h100.collective_seconds(
+        "all_reduce", 1e9, 16, gpus_per_node=8)
+    assert rates.collective_seconds("all_reduce", 1e9, 1, gpus_per_node=8) == 0.0
+
+
+def test_a_malformed_collective_by_bytes_is_refused_in_one_line():
+    from autosp.timing.rates import parse_collectives
+
+    assert parse_collectives({"collective_by_bytes": "all_reduce:65536:900 all_reduce:8:250 all_gather:4:300"},
+                             "cpu") == (("all_reduce", ((8.0, 250e-6), (65536.0, 900e-6))),
+                                        ("all_gather", ((4.0, 300e-6),)))
+    assert parse_collectives({"collective_by_bytes": ""}, "h100-80gb") == ()
+    with pytest.raises(RatesError, match="cpu's collective_by_bytes 'all_reduce:8' is not 'kind:bytes:us"):
+        parse_collectives({"collective_by_bytes": "all_reduce:8"}, "cpu")
+    with pytest.raises(RatesError, match="names gossip; one of all_gather"):
+        parse_collectives({"collective_by_bytes": "gossip:8:250"}, "cpu")
+    with pytest.raises(RatesError, match="a time <= 0"):
+        parse_collectives({"collective_by_bytes": "all_reduce:8:0"}, "cpu")
+    with pytest.raises(RatesError, match="one kind twice at one size"):
+        parse_collectives({"collective_by_bytes": "all_reduce:8:250 all_reduce:8:300"}, "cpu")
