@@ -19,7 +19,7 @@ row is measured on this machine by `autosp calibrate` (`write_cpu_rates`), as P 
   random walk: docs/measurements/2026-12-07-collective-waits.md; measured on the cpu row, at its calibration's rank
   count; 0 on the GPU rows: not measured);
 - collectives by bytes: a collective's seconds by kind at the bytes one rank sends, measured in a tight loop (the cpu
-  row: gloo's all-reduce and reduce-scatter cost 2-5x an all-gather of the same bytes at 8-512 KiB, and its large
+  row: gloo's all-reduce and reduce-scatter cost 1.6-4x an all-gather of the same bytes at 8-512 KiB, and its large
   transfers run 2-3x the rate of the peer column's 32 MiB gather: docs/measurements/2026-12-07-collectives-by-bytes.md);
   where a row has them, they price those kinds in place of latency + bytes / peer, interpolated linearly in the bytes,
   the smallest's time below it and the largest's rate above it; empty on the GPU rows: not measured;
