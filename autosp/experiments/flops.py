@@ -58,8 +58,10 @@ class LayerFlops:
         return self.attention + self.linear
 
 
-def layer_flops(preset: ModelPreset | str, seq_len: int, *, batch: int = 1, causal: bool = True) -> LayerFlops:
-    """Forward FLOPs of one decoder layer of ``preset`` on ``batch`` sequences of ``seq_len`` tokens."""
+def layer_flops(preset: ModelPreset | str, seq_len: int, *, batch: int = 1, causal: bool = True,
+                window: int | None = None) -> LayerFlops:
+    """Forward FLOPs of one decoder layer of ``preset`` on ``batch`` sequences of ``seq_len`` tokens (``window``: a
+    causal sliding window, each query attending to itself and the ``window - 1`` tokens before it)."""
     p = get_preset(preset) if isinstance(preset, str) else preset
     if seq_len < 1 or batch < 1:
         raise ConfigError(f"seq_len and batch must be positive (got seq_len={seq_len}, batch={batch})")
@@ -67,6 +69,8 @@ def layer_flops(preset: ModelPreset | str, seq_len: int, *, batch: int = 1, caus
     d, hd, ff = p.hidden_size, p.head_dim, p.intermediate_size
     q_width, kv_width = p.num_attention_heads * hd, p.num_key_value_heads * hd
     pairs = seq_len * (seq_len + 1) / 2 if causal else seq_len * seq_len  # query-key pairs per sequence
+    if window is not None and window < seq_len:
+        pairs = window * (window + 1) / 2 + (seq_len - window) * window  # the first `window` queries see fewer
     per_pair = 2 * hd * p.num_attention_heads * batch  # one dot product per head (GQA shares K/V, not FLOPs)
     return LayerFlops(
         q_proj=2 * tokens * d * q_width,

@@ -28,6 +28,15 @@ def test_causal_counts_the_lower_triangle_and_batch_scales_linearly() -> None:
     assert layer_flops("small", 64, batch=3).total == 3 * causal.total
 
 
+def test_a_sliding_window_counts_the_keys_each_query_sees() -> None:
+    s, window = 64, 10
+    windowed, causal = layer_flops("small", s, window=window), layer_flops("small", s)
+    pairs = sum(min(q + 1, window) for q in range(s))  # each query: itself and the window - 1 before it
+    assert windowed.qk == windowed.av == causal.qk * pairs / (s * (s + 1) / 2)
+    assert windowed.linear == causal.linear
+    assert layer_flops("small", s, window=s) == layer_flops("small", s, window=2 * s) == causal
+
+
 def test_linear_share_falls_as_one_over_s() -> None:
     seqs = [1024 * 2**i for i in range(6)]
     df = flops_table(get_preset("llama-3.1-8b"), seqs, causal=False)

@@ -276,6 +276,32 @@ def test_a_simulated_hybrids_step_carries_its_state_exchanges_and_its_scans_flop
     scan = 4 * 256 * (chunk * (6 * dk + 4 * dv) + 2 * chunk * chunk / 3 + 6 * dk * dv)
     matmuls = [e[1] for e in events if e[0] == "matmul"]
     assert any(q == pytest.approx(scan) for q in matmuls) and any(q == pytest.approx(3 * scan) for q in matmuls)
+    from autosp.experiments.simulate.speed import time_record
+    from autosp.timing import device_rates
+
+    h100 = device_rates("h100-80gb")
+    time = time_record(peak.trace.time(h100, 8), cfg, h100, 1)
+    assert time["mfu"] is None and time["model_flops_per_gpu"] is None and time["iteration_s"] > 0  # not Llama's
+
+
+def test_model_flops_count_each_familys_layers_and_none_where_llamas_count_would_misstate_them():
+    """MFU's model FLOPs: Llama's layers; a sliding window in every layer (Mistral) or the upper half (Qwen2) counts
+    the keys each query sees; Mixtral's tokens run their top-k experts and the router; latent, sparse and
+    linear-attention families are not counted (the record's MFU is None)."""
+    from autosp.experiments.flops import layer_flops
+    from autosp.experiments.simulate.speed import model_flops
+    from autosp.models.hf import MOE_EXPERTS, MOE_TOP_K
+
+    def flops(model: str) -> float | None:
+        return model_flops(RunConfig(method="autosp", model=model, world_size=2, seq_len=512), dp_size=1)
+
+    full, window = layer_flops("tiny", 512), layer_flops("tiny", 512, window=64)  # tiny: 2 layers
+    assert flops("tiny") == flops("hf:tiny") == 3 * (2 * full.total + 2 * 512 * 64 * 512)
+    assert flops("tiny") - flops("hf-mistral-w64:tiny") == pytest.approx(3 * 2 * (full.attention - window.attention))
+    assert flops("tiny") - flops("hf-qwen2-w64:tiny") == pytest.approx(3 * (full.attention - window.attention))
+    extra_mlp = (MOE_TOP_K - 1) * full.mlp + 2 * 512 * 64 * MOE_EXPERTS
+    assert flops("hf-mixtral:tiny") - flops("tiny") == pytest.approx(3 * 2 * extra_mlp)
+    assert flops("hf-qwen3.5:tiny") is flops("hf-deepseek-v3:tiny") is flops("hf-deepseek-v32:tiny") is None
 
 
 def test_a_simulated_step_runs_the_measured_steps_finite_check():

@@ -293,6 +293,7 @@ def summary_line(record: dict[str, Any]) -> str:
     time = record["extra"].get("time")
     if time:
         detail += (f"; predicted step {time['iteration_s']:.3g} s, {time['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-                   f"MFU {time['mfu']:.0%}, exposed collectives {time['exposed_collective_s']:.3g} s, "
+                   + (f"MFU {time['mfu']:.0%}, " if time["mfu"] is not None else "") +
+                   f"exposed collectives {time['exposed_collective_s']:.3g} s, "
                    f"copies {time['exposed_copy_s']:.3g} s")
     return f"{head} seq {record['seq_len']}: {record['status']}: {detail} ({record['extra']['wall_s']:.1f} s)"

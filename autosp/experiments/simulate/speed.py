@@ -18,29 +18,49 @@ EARLIER_TIME_MODELS = {
 }
 
 
-def model_flops(cfg: RunConfig, dp_size: int) -> float:
+#: the model families whose layers `model_flops` counts: Llama's (its own and HF's), with a sliding window in every
+#: layer (Mistral) or the upper half (Qwen2), with experts in place of the MLP (Mixtral)
+COUNTED_FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+
+
+def model_flops(cfg: RunConfig, dp_size: int) -> float | None:
     """The step's model FLOPs over the whole job (forward + backward, no recompute: the MFU convention): every
-    decoder layer (causal attention) and the LM head, on dp_size x batch sequences of cfg.seq_len tokens."""
+    decoder layer (causal attention, within the model's window) and the LM head, on dp_size x batch sequences of
+    cfg.seq_len tokens. None for a family outside `COUNTED_FAMILIES` (latent or sparse attention, linear-attention
+    layers): Llama's count would misstate it."""
     from autosp.models import get_preset
+    from autosp.models.hf import MOE_EXPERTS, MOE_TOP_K
+    from autosp.models.presets import HFVariant, hf_variant, is_hf_name
 
     preset = get_preset(cfg.model)
+    variant = hf_variant(cfg.model) if is_hf_name(cfg.model) else HFVariant("llama", None)
+    if variant.family not in COUNTED_FAMILIES:
+        return None
     batch = dp_size * cfg.batch_size
-    layer = layer_flops(preset, cfg.seq_len, batch=batch).total
-    head = 2.0 * batch * cfg.seq_len * preset.hidden_size * preset.vocab_size
-    return (1 + BACKWARD_FACTOR) * (preset.num_layers * layer + head)
+    tokens = batch * cfg.seq_len
+    layers = 0.0
+    for index in range(preset.num_layers):
+        windowed = variant.family == "mistral" or (variant.family == "qwen2" and index >= preset.num_layers // 2)
+        f = layer_flops(preset, cfg.seq_len, batch=batch, window=variant.sliding_window if windowed else None)
+        mlp = f.mlp * MOE_TOP_K + 2.0 * tokens * preset.hidden_size * MOE_EXPERTS if variant.family == "mixtral" \
+            else f.mlp  # each token through its top-k experts, and the router
+        layers += f.attention + f.projections + mlp
+    head = 2.0 * tokens * preset.hidden_size * preset.vocab_size
+    return (1 + BACKWARD_FACTOR) * (layers + head)
 
 
 def time_record(time: StepTime, cfg: RunConfig, rates: DeviceRates, dp_size: int) -> dict[str, Any]:
     """`extra.time` of a simulated record: rank 0's step on `rates`' device (every rank runs the same program)."""
     tokens = dp_size * cfg.batch_size * cfg.seq_len
-    per_gpu = model_flops(cfg, dp_size) / cfg.world_size
+    job = model_flops(cfg, dp_size)
+    per_gpu = None if job is None else job / cfg.world_size
     step = time.iteration_s
     return {
         "prediction": True,
         "time_model": TIME_MODEL,
         "iteration_s": step,
         "tokens_per_s_per_gpu": tokens / step / cfg.world_size if step else None,
-        "mfu": per_gpu / step / rates.peak_flops if step else None,
+        "mfu": per_gpu / step / rates.peak_flops if step and per_gpu is not None else None,
         "exposed_collective_s": time.exposed_collective_s,
         "exposed_copy_s": time.exposed_copy_s,
         "seconds_by_class": time.by_class,
