@@ -494,6 +494,36 @@ class _OpaqueOpsModel(nn.Module):
         return torch.ops.autosp_sp.linear_cross_entropy(h, self.head.weight, target, -100, torch.float32, 256, True)[0]
 
 
+def test_saved_views_keep_their_bases_storage_once_until_the_last_of_them_dies() -> None:
+    """Forward saves two slices of one projection and a value of its own: the slices keep the projection's whole
+    storage, one storage for both; backward's replay holds it until the last of them is read."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.compiler.memory.planner import live_at_peak
+    from autosp.compiler.memory.records import saved_storages, saved_values
+
+    def forward(x, w):
+        projection = torch.mm(x, w)  # [8, 48] fp32: 1,536 B
+        a, b = projection[:, :16], projection[:, 16:32]
+        return (a * b).sum(), a, b, torch.relu(x)
+
+    fw = make_fx(forward, tracing_mode="fake")(torch.randn(8, 4), torch.randn(4, 48))
+    assert saved_storages(fw, saved_values(fw, 1)) == {"slice_1": ("mm", 1536), "slice_2": ("mm", 1536),
+                                                       "relu": ("relu", 128)}
+
+    def backward(a, b, r, t):
+        return t * b, t * a, r * 2  # b read first, a last
+
+    bw = make_fx(backward, tracing_mode="fake")(torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 4),
+                                                torch.randn(()))
+    inputs = {"a_1", "b_1", "r_1", "t_1"}
+    storages = {"a_1": ("mm", 1536), "b_1": ("mm", 1536), "r_1": ("relu", 128)}
+    peak, alive = live_at_peak(bw, inputs, storages)
+    assert peak == 1536 + 128 + 4 + 2 * 512  # the storage, relu, the tangent and both gradients, at t * a
+    assert [n.name for n in alive if n.op == "placeholder"] == ["a_1", "r_1", "t_1"]  # the storage held by a_1
+    assert live_at_peak(bw, inputs)[0] == 2 * 512 + 128 + 4 + 512  # by their own bytes, b freed once read
+
+
 def test_estimated_peak_counts_the_scratch_inside_opaque_ops(one_rank_group) -> None:
     """The replay's peak is the measured one (CPU profiler) although the peak is inside the tiled loss's
     forward, whose tile of logits no graph value holds."""

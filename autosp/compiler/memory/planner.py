@@ -32,7 +32,6 @@ from autosp.compiler.fx import (
     assign_layers,
     copy_graph,
     forward_nodes,
-    getitem_source,
     is_attention_value,
     is_collective_value,
     is_pinned_value,
@@ -47,7 +46,7 @@ from autosp.compiler.memory.offload import (
     OffloadReport,
     offload_boundaries,
 )
-from autosp.compiler.memory.records import saved_values
+from autosp.compiler.memory.records import saved_storages, saved_values, view_owner
 from autosp.compiler.memory.retile import KeepLargerTiles, TileFirst, TileSmaller
 from autosp.compiler.memory.rungs import smallest_fitting_rung
 from autosp.compiler.memory.tags import tag_layers, tag_node, tag_parameter_regathers
@@ -313,33 +312,28 @@ def _ranked_by_time(chosen: _Trial, recompute_only: Any, fits: Any, joint_gm: fx
 # ------------------------------------------------------------------------------------------- cost model
 
 
-def _owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node whose allocation `node`'s value lives in: a view's base, and so for each piece a multi-output view
-    op returns (split's, unbind's: the base lives until its last piece dies); itself otherwise."""
-    if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-        return owners[node.args[0]]
-    parent = getitem_source(node)
-    if parent is not None and is_view(parent):
-        return owners[parent]
-    return node
-
-
-def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, list[fx.Node]]:
+def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str],
+                 storages: dict[str, tuple[str, int]] | None = None) -> tuple[int, list[fx.Node]]:
     """(peak of the bytes alive while `gm` runs node by node, the values holding them at that moment; see the
     module doc): placeholders count only when named in `counted_inputs`; outputs are never freed. While a node
     runs, the scratch its op declares (``autosp.comm.transients``) and a multi-output op's outputs are alive
-    too: the peak minus the values' bytes is those bytes (booked as the running op's)."""
+    too: the peak minus the values' bytes is those bytes (booked as the running op's). `storages` (backward's
+    saved inputs, `saved_storages`): the placeholders of one storage are one value of its bytes, alive until the
+    last of them dies (the first of them holds it)."""
+    storages = storages or {}
     nodes = list(gm.graph.nodes)
     owners: dict[fx.Node, fx.Node] = {}
+    holder: dict[str, fx.Node] = {}  # a storage's key -> the placeholder booked with it
     last_use: dict[fx.Node, int] = {}
     for i, node in enumerate(nodes):
-        owners[node] = _owner(node, owners)
+        shared = node.op == "placeholder" and node.name in storages
+        owners[node] = holder.setdefault(storages[node.name][0], node) if shared else view_owner(node, owners)
         for arg in node.all_input_nodes:
             last_use[owners[arg]] = len(nodes) if node.op == "output" else i
     frees: dict[int, list[fx.Node]] = {}
     for owner, i in last_use.items():
         frees.setdefault(i, []).append(owner)
-    size = {n: node_nbytes(n) for n in nodes
+    size = {n: storages[n.name][1] if n.op == "placeholder" and n.name in storages else node_nbytes(n) for n in nodes
             if owners[n] is n and not _on_host(n) and (n.op != "placeholder" or n.name in counted_inputs)}
     alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
     live = sum(size[n] for n in alive)
@@ -367,10 +361,18 @@ def _running_bytes(node: fx.Node) -> int:
 
 
 def estimated_peak(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, int]:
-    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes on the device)."""
-    activations = [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder" and not _on_host(n)]
-    saved = sum(node_nbytes(n) for n in activations)
-    return max(live_at_peak(fw, set())[0], live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs))[0]), saved
+    """(estimated peak bytes of forward + backward beyond the graph inputs, saved activation bytes on the device,
+    each storage once)."""
+    storages = device_saved_storages(fw, num_fwd_outputs)
+    saved = sum(dict(storages.values()).values())
+    backward = live_at_peak(bw, backward_inputs(fw, bw, num_fwd_outputs), storages)[0]
+    return max(live_at_peak(fw, set())[0], backward), saved
+
+
+def device_saved_storages(fw: fx.GraphModule, num_fwd_outputs: int) -> dict[str, tuple[str, int]]:
+    """`saved_storages` of the values forward computes and keeps on the device for backward."""
+    return saved_storages(fw, [n for n in saved_values(fw, num_fwd_outputs) if n.op != "placeholder"
+                               and not _on_host(n)])
 
 
 def _on_host(node: fx.Node) -> bool:

@@ -7,13 +7,36 @@ from typing import Any
 
 import torch.fx as fx
 
-from autosp.compiler.fx import getitem_source, is_attention_forward, is_collective, node_nbytes
+from autosp.compiler.fx import getitem_source, is_attention_forward, is_collective, is_view, node_nbytes
 
 
 def saved_values(fw_module: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """Forward-graph outputs handed to backward (tensors and symbols), in order."""
     (outputs,) = [n for n in fw_module.graph.nodes if n.op == "output"]
     return [o for o in outputs.args[0][num_fwd_outputs:] if isinstance(o, fx.Node)]
+
+
+def view_owner(node: fx.Node, owners: dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node whose allocation `node`'s value lives in (`owners`: the earlier nodes'): a view's base, and so for
+    each piece a multi-output view op returns (split's, unbind's: the base lives until its last piece dies); itself
+    otherwise."""
+    if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        return owners[node.args[0]]
+    parent = getitem_source(node)
+    if parent is not None and is_view(parent):
+        return owners[parent]
+    return node
+
+
+def saved_storages(fw_module: fx.GraphModule, saved: list[fx.Node]) -> dict[str, tuple[str, int]]:
+    """For each of forward's `saved` values, the storage it keeps alive into backward, as (a key, its bytes): a view
+    of a value forward made keeps that value's whole storage (a fused projection's slice keeps the projection), one
+    key however many of its views are saved; a value or a view of a graph input (a parameter), its own bytes."""
+    owners: dict[fx.Node, fx.Node] = {}
+    for node in fw_module.graph.nodes:
+        owners[node] = view_owner(node, owners)
+    bases = {n: owners[n] if owners[n].op != "placeholder" else n for n in saved}
+    return {n.name: (base.name, node_nbytes(base)) for n, base in bases.items()}
 
 
 class PartitionRecord:
