@@ -93,15 +93,16 @@ def measure_rank(repeats: int) -> dict[str, float]:
             "zero3_hook": _zero3_hook(repeats)}
 
 
-def _collective_after_work(one: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
+def _collective_after_work(one: torch.Tensor, repeats: int,
+                           clock: Callable[[], float] = time.perf_counter) -> list[tuple[float, float]]:
     """(seconds of work, seconds a one-element all-reduce adds after it) at `WAIT_MATMULS` matmuls of this rank's own
-    work: each stretch with and without the all-reduce timed in turn (a barrier before each timing), medians."""
+    work: each stretch with and without the all-reduce timed in turn by `clock` (a barrier before each timing),
+    medians."""
     a = torch.randn(128, 128)
     points = []
     for matmuls in WAIT_MATMULS:
         def work(matmuls: int = matmuls) -> None:
-            for _ in range(matmuls):
-                a @ a
+            _matmuls(a, matmuls)
 
         def work_then_collective(work: Callable[[], None] = work) -> None:
             work()
@@ -110,9 +111,9 @@ def _collective_after_work(one: torch.Tensor, repeats: int) -> list[tuple[float,
         alone, after = [], []
         for _ in range(repeats):
             dist.barrier()
-            alone.append(_seconds(work, 1, 5))
+            alone.append(_seconds(work, 1, 5, clock))
             dist.barrier()
-            after.append(_seconds(work_then_collective, 1, 5))
+            after.append(_seconds(work_then_collective, 1, 5, clock))
         stretch = statistics.median(alone)
         points.append((stretch, statistics.median(after) - stretch))
     return points
@@ -137,6 +138,12 @@ def _collectives_by_bytes(repeats: int) -> dict[tuple[str, float], float]:
             inner = 20 if floats <= 8192 else 5
             measured[kind, collective_bytes(kind, whole.nbytes, world)] = _seconds(calls[kind], repeats, inner)
     return measured
+
+
+def _matmuls(a: torch.Tensor, count: int) -> None:
+    """A stretch of this rank's own work: `count` products of `a` with itself."""
+    for _ in range(count):
+        a @ a
 
 
 def fit_latency_and_wait(points: list[tuple[float, float]]) -> tuple[float, float]:
