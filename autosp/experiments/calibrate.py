@@ -46,7 +46,8 @@ HOOK_SHAPE = (448, 128)
 #: `deepspeed.comm`'s collectives a ZeRO-3 engine calls (`_clock_outside_collectives` stands still inside them)
 COLLECTIVES = ("allgather_fn", "all_gather_into_tensor", "all_gather", "reduce_scatter_fn", "reduce_scatter_tensor",
                "reduce_scatter", "all_reduce", "broadcast", "all_to_all_single")
-#: the stretches of work (128x128 matmuls: about 0.7, 3 and 12 ms here) a collective waits after (`_rank_wait`)
+#: the stretches of work (128x128 matmuls: about 0.7, 3 and 12 ms here) a collective waits after
+#: (`_collective_after_work`)
 WAIT_MATMULS = (16, 64, 256)
 #: the floats a rank holds at which each kind of collective is timed (`_collectives_by_bytes`: 4 B, 32 KiB, 512 KiB,
 #: 8 MiB, the span of a CPU preset's parameter shards, activations and gradient buckets)
