@@ -333,7 +333,7 @@ def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str],
     frees: dict[int, list[fx.Node]] = {}
     for owner, i in last_use.items():
         frees.setdefault(i, []).append(owner)
-    size = {n: storages[n.name][1] if n.op == "placeholder" and n.name in storages else node_nbytes(n) for n in nodes
+    size = {n: held_bytes(n, storages) for n in nodes
             if owners[n] is n and not _on_host(n) and (n.op != "placeholder" or n.name in counted_inputs)}
     alive = {n for n in nodes if n.op == "placeholder" and size.get(n)}
     live = sum(size[n] for n in alive)
@@ -349,6 +349,11 @@ def live_at_peak(gm: fx.GraphModule, counted_inputs: set[str],
                 alive.discard(owner)
                 live -= size[owner]
     return peak, [n for n in nodes if n in at_peak]
+
+
+def held_bytes(node: fx.Node, storages: dict[str, tuple[str, int]]) -> int:
+    """Bytes `node` holds in the replay: a saved input of backward its storage's (`saved_storages`), else its own."""
+    return storages[node.name][1] if node.op == "placeholder" and node.name in storages else node_nbytes(node)
 
 
 def _running_bytes(node: fx.Node) -> int:

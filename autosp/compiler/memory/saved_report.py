@@ -90,7 +90,7 @@ def peak_working_set(records: Iterable[PartitionRecord]) -> dict[str, Any]:
     ``autosp.compiler.memory.planner``), summed over graphs: ``saved`` (activations forward kept for backward) and
     ``working`` (values backward makes: recomputed forward values, activation gradients) by category,
     ``gradients`` (parameter gradients made so far), the peak, and which half of the step it falls in."""
-    from autosp.compiler.memory.planner import backward_inputs, device_saved_storages, live_at_peak
+    from autosp.compiler.memory.planner import backward_inputs, device_saved_storages, held_bytes, live_at_peak
 
     total: dict[str, Any] = {"saved": dict.fromkeys(CATEGORIES, 0), "working": dict.fromkeys(CATEGORIES, 0),
                              "gradients": 0, "scratch": 0, "peak_bytes": 0, "at": []}
@@ -104,8 +104,7 @@ def peak_working_set(records: Iterable[PartitionRecord]) -> dict[str, Any]:
         (outputs,) = [n for n in (bw if backward else fw).graph.nodes if n.op == "output"]
         returned = {a for a in outputs.all_input_nodes}
         alive = bw_alive if backward else fw_alive
-        held = {n: storages[n.name][1] if backward and n.op == "placeholder" and n.name in storages else node_nbytes(n)
-                for n in alive}
+        held = {n: held_bytes(n, storages if backward else {}) for n in alive}
         total["scratch"] += max(bw_peak, fw_peak) - sum(held.values())  # inside the running op
         for node in alive:
             if node.name in saved:
