@@ -49,9 +49,10 @@ class CompileOptions:
     #: `autosp.comm.precision`), activations and all-to-alls in that dtype, gradients (and their reduction) and
     #: optimizer state in the master dtype; None: the parameters' own dtype
     compute_dtype: torch.dtype | None = None
-    #: plan | off | auto | some of loss,mlp,norm, optionally :<tokens per tile>: the LM head + cross-entropy (and
-    #: token-wise blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as one
-    #: kernel holding their fp32 values for a chunk of tokens at a time (`norm`); auto: all three; exact
+    #: plan | off | auto | some of loss,mlp,norm,recurrence, optionally :<tokens per tile>: the LM head + cross-entropy
+    #: (and token-wise blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as
+    #: one kernel holding their fp32 values for a chunk of tokens at a time (`norm`); the gated delta rule's kernel
+    #: over tiles, its state carried (`recurrence`); auto: all four; exact
     #: (`autosp.compiler.tiling.loss`). Default plan: under the planner (sac auto) a graph is tiled as `auto` (tile
     #: size chosen per graph) only where it does not fit the budget untiled with everything kept; under any other
     #: policy plan is off

@@ -46,7 +46,7 @@ from autosp.compiler.memory import (
     reserve_host_buffers,
 )
 from autosp.compiler.options import CompileOptions
-from autosp.compiler.sp import check_flex_lowering, sequence_parallel_pass
+from autosp.compiler.sp import check_flex_lowering, sequence_parallel_pass, tile_recurrences
 from autosp.compiler.tiling import Tiling, TilingReport, apply_tiling
 from autosp.compiler.zero import Bucket, GatherBucket, GradientReduction, bucket_gradient_reduction, prefetch_gathers
 
@@ -111,7 +111,10 @@ def sequence_parallel(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def tiling(c: Compilation, gm: fx.GraphModule) -> fx.GraphModule:
-    c.tiling_reports.append(apply_tiling(gm, c.graph_tiling, loss_only=c.options.outputs == "loss"))
+    report = apply_tiling(gm, c.graph_tiling, loss_only=c.options.outputs == "loss")
+    if c.graph_tiling.recurrence:
+        report.recurrences = tile_recurrences(gm, c.graph_tiling.tile_tokens)
+    c.tiling_reports.append(report)
     return gm
 
 

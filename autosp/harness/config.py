@@ -49,7 +49,8 @@ class RunConfig:
     timeout_s: float = 600.0
     data: DataConfig = field(default_factory=DataConfig)
     zero: int | None = None  # ZeRO stage 0-3 of the model state; None: the method's own (records hold the stage run)
-    tiling: str = "plan"  # autosp only: plan | off | auto | loss,mlp,norm, optionally :<tokens per tile> (tiling)
+    #: autosp only: plan | off | auto | loss,mlp,norm,recurrence, optionally :<tokens per tile> (tiling)
+    tiling: str = "plan"
     ulysses_size: int | None = None  # autosp only: Ulysses group size of the hybrid Ulysses x Ring (None: automatic)
     offload: str = "auto"  # autosp only: `autosp.compiler.memory.OffloadPlan`'s text: auto (the --sac auto planner
     # decides the activations, optimizer state and parameters) | off | activations | auto, optionally with an

@@ -40,7 +40,7 @@ def _hf(kernel: str, q, k, v, g, beta, initial_state=None):
 def test_the_ops_outputs_and_gradients_are_hf_kernels(family):
     kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
     state = torch.randn(2, 2, DK, DV, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    out, final = op("gated_delta_rule_from")(*inputs, state, CHUNK, True, kernel)
+    out, final = op("gated_delta_rule_from")(*inputs, state, CHUNK, True, kernel, 0)
     ref_out, ref_final = _hf(kernel, *inputs, state)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(final, ref_final)
@@ -48,10 +48,27 @@ def test_the_ops_outputs_and_gradients_are_hf_kernels(family):
     ref = torch.autograd.grad(ref_out.sum() + (ref_final * 0.5).sum(), [*inputs, state])
     for got, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got, want)
-    only_out = torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel).square().sum(), inputs)
+    only_out = torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel, 0).square().sum(), inputs)
     ref_only = torch.autograd.grad(_hf(kernel, *inputs)[0].square().sum(), inputs)
     for got, want in zip(only_out, ref_only, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", KERNELS)
+@pytest.mark.parametrize("tile", [4, 8])  # three tiles of one chunk; two tiles, the last one chunk
+def test_the_ops_over_tiles_with_their_state_carried_equal_the_whole_kernel(family, tile):
+    """`tile_tokens` runs HF's kernel tile by tile from the state the tile before left: the output, final state and
+    every gradient (the initial state's included) equal the untiled op's to fp32 rounding."""
+    kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
+    state = torch.randn(2, 2, DK, DV, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    results = []
+    for tile_tokens in (0, tile):
+        out, final = op("gated_delta_rule_from")(*inputs, state, CHUNK, True, kernel, tile_tokens)
+        grads = torch.autograd.grad((out * out).sum() + (final * 0.5).sum(), [*inputs, state])
+        only_out = op("gated_delta_rule")(*inputs, CHUNK, True, kernel, tile_tokens)
+        results.append([out, final, *grads, only_out, *torch.autograd.grad(only_out.square().sum(), inputs)])
+    for whole, tiled in zip(*results, strict=True):
+        torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", KERNELS)
@@ -83,7 +100,7 @@ def test_the_planner_sees_the_kernels_scratch_with_kimis_per_channel_decays(fami
     kernel, inputs = KERNELS[family], _inputs(KERNELS[family])
 
     def step(*inputs):
-        return torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel).sum(), inputs)
+        return torch.autograd.grad(op("gated_delta_rule")(*inputs, CHUNK, True, kernel, 0).sum(), inputs)
 
     gm = make_fx(step, tracing_mode="fake")(*inputs)  # shapes are all it needs
     (forward,) = [n for n in gm.graph.nodes if n.target == op("gated_delta_rule").default]
@@ -94,18 +111,41 @@ def test_the_planner_sees_the_kernels_scratch_with_kimis_per_channel_decays(fami
     assert transient_bytes(backward) == 2 * transient_bytes(forward)
 
 
+@pytest.mark.parametrize("tokens, tile", [(256, 0), (1024, 256)])  # whole; four tiles of four chunks
 @pytest.mark.parametrize("kernel, channels", [(k, (16,) if "kimi" in k else ()) for k in KERNELS.values()])
-def test_the_declared_scratch_is_within_10_percent_of_what_hfs_kernel_allocates(kernel, channels):
+def test_the_declared_scratch_is_within_10_percent_of_what_hfs_kernel_allocates(kernel, channels, tokens, tile):
     """The simulator and the planner charge the declared bytes while the op runs; the harness's CPU meter on the op's
-    real forward and backward (256 tokens, 4 heads of 16, chunks of 64): its peak inside the op, minus its outputs.
-    Counted by hand before, the gated delta rule's backward was 17% under and Kimi's 47% under."""
+    real forward and backward (4 heads of 16, chunks of 64): its peak inside the op, minus its outputs. Counted by
+    hand before, the gated delta rule's backward was 17% under and Kimi's 47% under. Tiled: one tile's, the states
+    entering the tiles, and a tile's output or input gradients with their contiguous copies."""
     from autosp.comm.transients import declared_transient_bytes
     from tests.experiments.recurrence_scratch_check import peak_inside
 
     torch.manual_seed(0)
-    q, k, v, grad = (torch.randn(1, 256, 4, 16) for _ in range(4))
-    g, beta = -torch.rand(1, 256, 4, *channels), torch.rand(1, 256, 4)
-    for call, args in ((op("gated_delta_rule"), (q, k, v, g, beta, 64, True, kernel)),
-                       (op("gated_delta_rule_backward"), (grad, None, q, k, v, g, beta, None, 64, True, kernel))):
+    q, k, v, grad = (torch.randn(1, tokens, 4, 16) for _ in range(4))
+    g, beta = -torch.rand(1, tokens, 4, *channels), torch.rand(1, tokens, 4)
+    for call, args in ((op("gated_delta_rule"), (q, k, v, g, beta, 64, True, kernel, tile)),
+                       (op("gated_delta_rule_backward"), (grad, None, q, k, v, g, beta, None, 64, True, kernel, tile))):
         peak, outputs = peak_inside(call, args)
         assert declared_transient_bytes(call, args, {}) == pytest.approx(peak - outputs, rel=0.10), call
+
+
+def test_the_automatic_tile_keeps_the_kernels_intermediates_no_larger_than_its_inputs():
+    """The Qwen3.5-shaped 8B's layer as a rank runs it under SP (queries and keys repeated to the 32 value heads of
+    128, each value head with its 128 probe channels, bf16, chunks of 64) at 32,768 tokens: a tile of 4,480 tokens,
+    its forward intermediates 1.07 GB of the untiled 7.80 GB; a short sequence gets at least four chunks."""
+    from autosp.compiler.sp.recurrence.delta_rule_op import scratch_bytes
+    from autosp.compiler.sp.recurrence.tiles import MIN_CHUNKS_PER_TILE, auto_tile_tokens
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    for tokens in (32768, 1024):
+        q, k, v = meta(1, tokens, 32, 128), meta(1, tokens, 32, 128), meta(1, tokens, 32, 256)
+        g, beta = meta(1, tokens, 32), meta(1, tokens, 32)
+        tile = auto_tile_tokens([q, k, v, g, beta], 64)
+        inputs = sum(x.numel() * x.element_size() for x in (q, k, v, g, beta))
+        if tokens == 32768:
+            assert tile % 64 == 0 and scratch_bytes(q, v, g, 64, tile) <= inputs < scratch_bytes(q, v, g, 64, tile + 64)
+        else:
+            assert tile == MIN_CHUNKS_PER_TILE * 64

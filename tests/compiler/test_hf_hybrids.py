@@ -45,6 +45,9 @@ CASES = {
     "qwen3-next-2": (2, _hf("qwen3-next", 32, _GDN_EPS, _GDN_STEPS)),
     "qwen3-next-zero3-2": (2, _hf("qwen3-next", 31, _GDN_EPS, _GDN_STEPS, zero=3)),
     "qwen3.5-2": (2, _hf("qwen3.5", 32, _GDN_EPS, _GDN_STEPS)),
+    # 128 tokens a rank: the gated delta rule whole, and in two tiles of one chunk each, the state carried
+    "qwen3.5-256-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS)),
+    "qwen3.5-tiled-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS, tiling="recurrence:64")),
     "mamba2-2": (2, _hf("mamba2", 32)),
     "mamba2-zero3-2": (2, _hf("mamba2", 31, zero=3)),  # rank 1's shard padded
     "bamba-2": (2, _hf("bamba", 32)),
@@ -108,6 +111,18 @@ def test_gated_delta_rule_is_exact_on_two_ranks(runs, case):
                                   "granitemoehybrid-zero3-2", "nemotron-h-2"])
 def test_ssd_scan_is_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
+
+
+def test_the_gated_delta_rule_in_tiles_of_a_ranks_tokens_is_exact(runs):
+    """`tiling="recurrence:64"`: each rank's 128 tokens in two tiles, the state carried from the first to the second.
+    At 256 tokens the untiled sharded run's A_log gradient is 1.01e-4 from single-process (the gated delta-net's fp32
+    floor, see _GDN_STEPS); the tiled run must be that close and no further from the untiled one's errors."""
+    tiled = runs.assert_exact("qwen3.5-tiled-2", gradient_floor=2e-4)
+    assert "1 recurrences tiled (" in tiled["tiling"] and "128 tokens in tiles of 64" in tiled["tiling"], tiled
+    whole = runs.assert_exact("qwen3.5-256-2", gradient_floor=2e-4)
+    assert whole["tiling"] == "nothing tiled", whole
+    for key in ("loss", "grad", "param"):
+        assert abs(tiled[key] - whole[key]) <= 1e-6, (key, tiled, whole)
 
 
 def test_recurrences_are_exact_through_inductor(runs):

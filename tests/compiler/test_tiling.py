@@ -143,6 +143,8 @@ def test_returned_logits_keep_the_loss_whole_and_say_why(caplog):
 def test_tiling_option_and_automatic_tile_size():
     assert parse_tiling("off").enabled is False and parse_tiling(None).enabled is False
     assert parse_tiling("loss:1024").tile_tokens == 1024 and parse_tiling("auto").loss
+    assert parse_tiling("auto").recurrence and parse_tiling("recurrence").enabled
+    assert not parse_tiling("loss").recurrence
     for bad in ("loss:0", "loss:x", "mlp-ish"):
         with pytest.raises(ConfigError, match="tiling"):
             parse_tiling(bad)

@@ -43,13 +43,13 @@ def _report(label: str, call, args) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     ops = torch.ops.autosp_sp
-    for (kernel, channels), tokens in itertools.product(KERNELS.items(), map(int, sys.argv[1:])):
+    for (kernel, channels), tokens, tile in itertools.product(KERNELS.items(), map(int, sys.argv[1:]), (0, 128)):
         q, k, v, grad = (torch.randn(1, tokens, 4, 16) for _ in range(4))
         g, beta = -torch.rand(1, tokens, 4, *channels), torch.rand(1, tokens, 4)
-        for name, call, args in (("forward", ops.gated_delta_rule, (q, k, v, g, beta, 64, True, kernel)),
+        for name, call, args in (("forward", ops.gated_delta_rule, (q, k, v, g, beta, 64, True, kernel, tile)),
                                  ("backward", ops.gated_delta_rule_backward,
-                                  (grad, None, q, k, v, g, beta, None, 64, True, kernel))):
-            _report(f"{kernel.rsplit('.', 1)[1]}, {tokens} tokens, {name}", call, args)
+                                  (grad, None, q, k, v, g, beta, None, 64, True, kernel, tile))):
+            _report(f"{kernel.rsplit('.', 1)[1]}, {tokens} tokens, tiles of {tile or tokens}, {name}", call, args)
     for chunk, tokens in itertools.product((8, 64, 256), map(int, sys.argv[1:])):
         x, grad = torch.randn(1, tokens, 8, 16), torch.randn(1, tokens, 8, 16)
         dt, A, D, dt_bias = torch.randn(1, tokens, 8), -torch.rand(8), torch.randn(8), torch.randn(8)

@@ -125,5 +125,6 @@ def tiles_of(reports: Iterable[Any]) -> list[dict[str, Any]]:
     for report in reports:
         rows += [{"tile": "loss", "tokens": t["tokens"], "tile_tokens": t["tile_tokens"],
                   "tile_logits_bytes": t["tile_tokens"] * t["vocab"] * 4} for t in report.tiled]
-        rows += [{"tile": b["module"], "tokens": b["tokens"], "tile_tokens": b["tile_tokens"]} for b in report.mlp]
+        rows += [{"tile": b["module"], "tokens": b["tokens"], "tile_tokens": b["tile_tokens"]}
+                 for b in (*report.mlp, *report.recurrences)]
     return rows

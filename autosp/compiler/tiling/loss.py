@@ -58,6 +58,9 @@ class Tiling:
     loss: bool = False
     mlp: bool = False
     norm: bool = False  # RMSNorms as `autosp_sp::rms_norm`, their fp32 values one chunk of tokens at a time
+    #: the gated delta rule's kernel over tiles of the tokens, its state carried (`autosp.compiler.sp.tile_recurrences`,
+    #: which the driver runs beside this pass: the recurrences are the SP stage's ops)
+    recurrence: bool = False
     #: only the norms that upcast a 16-bit hidden state (`auto`): an fp32 model has no upcast copy to save, and its
     #: peak was higher fused (docs/measurements/2026-12-02-layer-backward.md)
     norm_upcasts_only: bool = False
@@ -71,19 +74,19 @@ class Tiling:
 
     @property
     def enabled(self) -> bool:
-        return self.loss or self.mlp or self.norm
+        return self.loss or self.mlp or self.norm or self.recurrence
 
     def when_tight(self) -> Tiling:
         """What `plan` tiles where the graph does not fit untiled: `auto` (its tile size, if one was given)."""
         return dataclasses.replace(parse_tiling("auto"), tile_tokens=self.tile_tokens)
 
 
-KINDS = ("loss", "mlp", "norm")
+KINDS = ("loss", "mlp", "norm", "recurrence")
 
 
 def parse_tiling(value: str | Tiling | None) -> Tiling:
-    """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, or `auto` (= loss,mlp,norm, the norms only where
-    they upcast a 16-bit hidden state), or `plan` (`auto` where the memory planner needs it, `Tiling.planned`),
+    """`off`, or a comma-separated subset of `loss`, `mlp`, `norm`, `recurrence`, or `auto` (= all four, the norms only
+    where they upcast a 16-bit hidden state), or `plan` (`auto` where the memory planner needs it, `Tiling.planned`),
     optionally `:<tokens per tile>` (e.g. `auto:1024`)."""
     if isinstance(value, Tiling):
         return value
@@ -102,11 +105,12 @@ def parse_tiling(value: str | Tiling | None) -> Tiling:
     kinds = set(KINDS) if kind == "auto" else set(kind.split(","))
     if not kinds or not kinds <= set(KINDS):
         raise ConfigError(
-            f"unknown tiling {value!r}; choose off, plan, auto, or some of loss, mlp, norm separated by commas "
+            f"unknown tiling {value!r}; choose off, plan, auto, or some of loss, mlp, norm, recurrence separated by "
+            "commas "
             "(optionally :<tokens per tile>)"
         )
-    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, norm_upcasts_only=kind == "auto",
-                  tile_tokens=tile_tokens)
+    return Tiling(loss="loss" in kinds, mlp="mlp" in kinds, norm="norm" in kinds, recurrence="recurrence" in kinds,
+                  norm_upcasts_only=kind == "auto", tile_tokens=tile_tokens)
 
 
 OUTPUTS = ("all", "loss")
@@ -136,6 +140,8 @@ class TilingReport:
     skipped: list[str] = field(default_factory=list)
     mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
     norms: list[dict[str, Any]] = field(default_factory=list)  # fused RMSNorms: module, tokens, chunk_tokens
+    #: tiled gated delta rules: module, tokens, tile_tokens
+    recurrences: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def halvable(self) -> bool:
@@ -329,4 +335,8 @@ def describe(reports: Sequence[TilingReport]) -> str:
     norms = [n for r in reports for n in r.norms]
     if norms:
         parts.append(f"{len(norms)} RMSNorms in chunks of {norms[0]['chunk_tokens']} tokens")
+    recurrences = [n for r in reports for n in r.recurrences]
+    if recurrences:
+        parts.append(f"{len(recurrences)} recurrences tiled ({recurrences[0]['module']}: {recurrences[0]['tokens']} "
+                     f"tokens in tiles of {recurrences[0]['tile_tokens']})")
     return "; ".join(parts) or "nothing tiled"

@@ -31,7 +31,7 @@ def is_gated_delta_rule(node: fx.Node) -> bool:
 
 def rewrite(ctx: SPContext, node: fx.Node) -> None:
     """Replace `node` (the `gated_delta_rule` op on this rank's shard) with the scan, exchange and correction."""
-    q, k, v, g, beta, chunk_size, l2norm, module = node.args
+    q, k, v, g, beta, chunk_size, l2norm, module, tile_tokens = node.args
     spec = shard_spec(ctx, node, 1, (q, k, v, g, beta), (),
                       "the gated delta rule's inputs are not all sharded along the sequence (dim 1) in rank order; "
                       "AutoSP shards it on [B, S, H, D] inputs")
@@ -46,7 +46,7 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
                  {"dtype": torch.float32, "device": ctx.current[v].device})
     initial = emit(before, torch.cat, ([identity, zeros], -1))
     scan = emit(before, op("gated_delta_rule_from").default, (q, k, probe_v, g, beta, initial, chunk_size, l2norm,
-                                                              module))
+                                                              module, tile_tokens))
     out = emit(before, operator.getitem, (scan, 0))
     final = emit(before, operator.getitem, (scan, 1))
     transition = emit(before, "narrow", (final, -1, 0, dk))

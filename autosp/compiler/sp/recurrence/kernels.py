@@ -4,7 +4,9 @@ recurrence as one node (recognised by the kernel HF's layers call, not by a patt
 `traced_kernels(name, make)` puts `make(module_name, original)` in place of the function `name` of every loaded
 `transformers.models.*` module for the duration of the trace; `original(module_name, name)` is HF's function there
 (what the ops run). `autograd_inside_op` lets an op's backward re-run HF's kernel under autograd on its saved inputs
-(so only the inputs are kept, as a checkpoint would).
+(so only the inputs are kept, as a checkpoint would). `run_in_tiles` and `gradients_in_tiles` run a kernel that
+takes and returns its state over tiles of the sequence, the state carried from tile to tile, so its intermediates are
+one tile's, not the whole sequence's (the state is exact to carry: it is what the SP rewrite exchanges between ranks).
 """
 from __future__ import annotations
 
@@ -97,3 +99,46 @@ def register_rerun_autograd(output_op, stateful_op, backward_op, tensors: int) -
 
     output_op.register_autograd(lambda ctx, grad_out: grads(ctx, grad_out, None), setup_context=setup)
     stateful_op.register_autograd(grads, setup_context=setup)
+
+
+def tile_bounds(length: int, tile_tokens: int, granule: int) -> list[slice]:
+    """The sequence [0, length) in tiles of `tile_tokens` rounded up to whole `granule`s (a chunked kernel's chunks,
+    so only the last tile is padded); one tile where `tile_tokens` is 0 or covers the length."""
+    step = -(-tile_tokens // granule) * granule if tile_tokens > 0 else length
+    return [slice(start, min(start + step, length)) for start in range(0, length, max(step, 1))] or [slice(0, length)]
+
+
+def run_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, final state) of `run(*inputs, state) -> (output, state)` over `tiles` of dim 1 (the sequence) of
+    every input, the state carried; each tile's output written into one output tensor."""
+    if len(tiles) == 1:
+        return run(*inputs, state)
+    out = None
+    for tile in tiles:
+        piece, state = run(*[x[:, tile] for x in inputs], state)
+        if out is None:
+            out = piece.new_empty((piece.shape[0], inputs[0].shape[1], *piece.shape[2:]))
+        out[:, tile] = piece
+    return out, state
+
+
+def gradients_in_tiles(run: Callable, inputs: list[torch.Tensor | None], state: torch.Tensor | None,
+                       tiles: list[slice], grad_out: torch.Tensor, grad_state: torch.Tensor | None
+                       ) -> list[torch.Tensor | None]:
+    """`gradients` of `run(*inputs, state) -> (output, state)` w.r.t. (*inputs, state), tile by tile from the last:
+    the states entering the tiles from one sweep without autograd, then each tile re-run under autograd from its
+    state, its state's gradient passed to the tile before. Inputs whose dim 1 is not the sequence are not allowed."""
+    if len(tiles) == 1:
+        return gradients(run, [*inputs, state], [grad_out, grad_state])
+    entering = [state]
+    with torch.no_grad():
+        for tile in tiles[:-1]:
+            entering.append(run(*[x[:, tile] for x in inputs], entering[-1])[1])
+    grads = [x.new_empty(x.shape) for x in inputs]
+    carry = grad_state
+    for tile, before in zip(reversed(tiles), reversed(entering), strict=True):
+        *pieces, carry = gradients(run, [*(x[:, tile] for x in inputs), before], [grad_out[:, tile], carry])
+        for whole, piece in zip(grads, pieces, strict=True):
+            whole[:, tile] = piece
+    return [*grads, carry]
