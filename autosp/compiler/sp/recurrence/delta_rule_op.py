@@ -169,12 +169,13 @@ def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, init
 
 def scratch_bytes(q, v, g, chunk_size, tile_tokens) -> int:
     """HF's torch kernel's intermediates alive together during its chunk loop over one tile of `tile_tokens` (0: the
-    whole sequence; fp32, per value head, counted from `torch_chunk_gated_delta_rule`): the decayed queries and keys, the beta-weighted keys, their decayed copy and
-    the solved keys ([L, dk] each), the values' fp32 copy, the beta-weighted values, the solved values and the
-    output ([L, dv] each), the chunks' pairwise decays, UT system and intra-chunk scores ([L, C] each), beta and
-    the decay and its cumulative sum. With a per-channel decay (Kimi delta attention, g [B, S, H, Dk]) its peak is
-    the UT system's product, three [L, C, dk] arrays at once (the pairwise decays and two products with the keys).
-    `python -m tests.experiments.recurrence_scratch_check` measures the kernels against it."""
+    whole sequence; fp32, per value head, counted from `torch_chunk_gated_delta_rule`): the decayed queries and keys,
+    the beta-weighted keys, their decayed copy and the solved keys ([L, dk] each), the values' fp32 copy, the
+    beta-weighted values, the solved values and the output ([L, dv] each), the chunks' pairwise decays, UT system and
+    intra-chunk scores ([L, C] each), beta and the decay and its cumulative sum. With a per-channel decay (Kimi delta
+    attention, g [B, S, H, Dk]) its peak is the UT system's product, three [L, C, dk] arrays at once (the pairwise
+    decays and two products with the keys). `python -m tests.experiments.recurrence_scratch_check` measures the
+    kernels against it."""
     batch, _, _, dk = q.shape
     heads, dv, chunk = v.shape[2], v.shape[-1], chunk_size
     tile = tile_bounds(q.shape[1], tile_tokens, chunk)[0]
