@@ -1,12 +1,13 @@
 """Unmodified HF hybrid models (issue 45) against single-process training at P=2 and P=4: short causal convolutions
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
 (Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
-(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts) and
-Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's inline block loop traced as an op, its
-default experts), beside softmax attention; ZeRO 0 and 3, and right padding through `attention_mask` and packed
-documents (`position_ids`) for lightning attention, and lightning attention in bf16 against single-process bf16. A
-recurrence that cannot be sharded exactly is refused in one line (tests/compiler/test_recurrences.py, a planted
-nonlinear one; tests/compiler/test_lightning_op.py, lightning attention whose final state is read)."""
+(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts), both also
+in tiles of a rank's tokens (the state carried from tile to tile), and Mamba1's selective scan (Jamba), and MiniMax's
+lightning attention (HF's inline block loop traced as an op, its default experts), beside softmax attention; ZeRO 0
+and 3, and right padding through `attention_mask` and packed documents (`position_ids`) for lightning attention, and
+lightning attention in bf16 against single-process bf16. A recurrence that cannot be sharded exactly is refused in
+one line (tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning
+attention whose final state is read)."""
 from __future__ import annotations
 
 import pytest
@@ -49,6 +50,7 @@ CASES = {
     "qwen3.5-256-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS)),
     "qwen3.5-tiled-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS, tiling="recurrence:64")),
     "mamba2-2": (2, _hf("mamba2", 32)),
+    "mamba2-tiled-2": (2, _hf("mamba2", 32, tiling="recurrence:8")),  # 16 tokens a rank in two tiles of one chunk
     "mamba2-zero3-2": (2, _hf("mamba2", 31, zero=3)),  # rank 1's shard padded
     "bamba-2": (2, _hf("bamba", 32)),
     "falcon-h1-2": (2, _hf("falcon-h1", 32)),
@@ -76,6 +78,7 @@ CASES = {
     "qwen3-next-4": (4, _hf("qwen3-next", 32, _GDN_EPS, _GDN_STEPS)),
     "qwen3.5-zero3-4": (4, _hf("qwen3.5", 30, _GDN_EPS, _GDN_STEPS, zero=3)),
     "mamba2-4": (4, _hf("mamba2", 32)),
+    "mamba2-tiled-4": (4, _hf("mamba2", 64, tiling="recurrence:8")),  # 16 tokens a rank in two tiles of one chunk
     "mamba2-zero3-4": (4, _hf("mamba2", 30, zero=3)),
     "bamba-4": (4, _hf("bamba", 32)),
     "falcon-h1-4": (4, _hf("falcon-h1", 32)),
@@ -123,6 +126,13 @@ def test_the_gated_delta_rule_in_tiles_of_a_ranks_tokens_is_exact(runs):
     assert whole["tiling"] == "nothing tiled", whole
     for key in ("loss", "grad", "param"):
         assert abs(tiled[key] - whole[key]) <= 1e-6, (key, tiled, whole)
+
+
+def test_the_ssd_scan_in_tiles_of_a_ranks_tokens_is_exact(runs, four_ranks):
+    """`tiling="recurrence:8"`: each rank's 16 tokens in two tiles of Mamba2's chunk of 8, the state carried, at P=2
+    and P=4."""
+    for tiled in (runs.assert_exact("mamba2-tiled-2"), four_ranks.assert_exact("mamba2-tiled-4")):
+        assert "recurrences tiled (" in tiled["tiling"] and "16 tokens in tiles of 8" in tiled["tiling"], tiled
 
 
 def test_recurrences_are_exact_through_inductor(runs):
@@ -173,9 +183,9 @@ def test_lightning_attention_is_exact_through_inductor():
 @pytest.fixture(scope="module")
 def four_ranks() -> ExactnessRuns:
     """The default profile's four-rank cases, in a launch of their own: Qwen3-Next's causal convolution (the halo) and
-    its gated delta rule (the state passed over three rounds), Kimi Linear's per-channel one, and Bamba's SSD scan.
-    The long profile runs every four-rank case."""
-    return ExactnessRuns({name: CASES[name] for name in ("qwen3-next-4", "kimi-linear-4", "bamba-4")})
+    its gated delta rule (the state passed over three rounds), Kimi Linear's per-channel one, Bamba's SSD scan, and
+    Mamba2's in tiles. The long profile runs every four-rank case."""
+    return ExactnessRuns({name: CASES[name] for name in ("qwen3-next-4", "kimi-linear-4", "bamba-4", "mamba2-tiled-4")})
 
 
 @pytest.mark.parametrize("case", ["qwen3-next-4", "kimi-linear-4", "bamba-4"])

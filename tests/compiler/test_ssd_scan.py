@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 import autosp.comm  # noqa: F401
@@ -33,7 +34,7 @@ def _hf(x, dt, A, B, C, D, dt_bias, chunk_size=4):
 
 def test_the_ops_outputs_and_gradients_are_hf_kernels():
     inputs = _inputs()
-    out, state = op("ssd_scan_with_state")(*inputs, 4, True, 0.0, float("inf"), MODULE)
+    out, state = op("ssd_scan_with_state")(*inputs, 4, True, 0.0, float("inf"), MODULE, 0)
     ref_out, ref_state = _hf(*inputs)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(state, ref_state)
@@ -41,10 +42,26 @@ def test_the_ops_outputs_and_gradients_are_hf_kernels():
     ref = torch.autograd.grad((ref_out.sum() + (ref_state * 0.5).sum()), inputs, retain_graph=True)
     for got, want in zip(grads, ref, strict=True):
         torch.testing.assert_close(got, want)
-    only_out = torch.autograd.grad(op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE).square().sum(), inputs)
+    only_out = op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE, 0)
+    only_out = torch.autograd.grad(only_out.square().sum(), inputs)
     ref_only = torch.autograd.grad(ref_out.square().sum(), inputs)
     for got, want in zip(only_out, ref_only, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("tile", [4, 8])  # three tiles of one chunk; two tiles, the last one chunk
+def test_the_ops_over_tiles_with_their_state_carried_equal_the_whole_kernel(tile):
+    """`tile_tokens` runs HF's kernel tile by tile from the state the tile before left: the output, final state and
+    every gradient (A's, D's and dt_bias's summed over the tiles) equal the untiled op's to fp32 rounding."""
+    inputs = _inputs()
+    results = []
+    for tile_tokens in (0, tile):
+        out, state = op("ssd_scan_with_state")(*inputs, 4, True, 0.0, float("inf"), MODULE, tile_tokens)
+        grads = torch.autograd.grad((out * out).sum() + (state * 0.5).sum(), inputs)
+        only_out = op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE, tile_tokens)
+        results.append([out, state, *grads, only_out, *torch.autograd.grad(only_out.square().sum(), inputs)])
+    for whole, tiled in zip(*results, strict=True):
+        torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_two_halves_from_a_zero_state_corrected_by_the_first_halfs_state_are_the_whole_scan():
@@ -71,7 +88,7 @@ def test_the_planner_sees_the_scans_scratch_and_the_clock_its_flops():
     inputs = _inputs()
 
     def step(*inputs):
-        out = op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE)
+        out = op("ssd_scan")(*inputs, 4, True, 0.0, float("inf"), MODULE, 0)
         return torch.autograd.grad(out.sum(), inputs)
 
     gm = make_fx(step)(*inputs)

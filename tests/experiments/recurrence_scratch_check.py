@@ -50,13 +50,14 @@ if __name__ == "__main__":
                                  ("backward", ops.gated_delta_rule_backward,
                                   (grad, None, q, k, v, g, beta, None, 64, True, kernel, tile))):
             _report(f"{kernel.rsplit('.', 1)[1]}, {tokens} tokens, tiles of {tile or tokens}, {name}", call, args)
-    for chunk, tokens in itertools.product((8, 64, 256), map(int, sys.argv[1:])):
+    for chunk, tokens, tile in itertools.product((8, 64, 256), map(int, sys.argv[1:]), (0, 512)):
         x, grad = torch.randn(1, tokens, 8, 16), torch.randn(1, tokens, 8, 16)
         dt, A, D, dt_bias = torch.randn(1, tokens, 8), -torch.rand(8), torch.randn(8), torch.randn(8)
         B, C = torch.randn(1, tokens, 2, 16), torch.randn(1, tokens, 2, 16)
-        inputs = (x, dt, A, B, C, D, dt_bias, chunk, True, 0.0, float("inf"), SSD_KERNEL)
-        _report(f"ssd_scan, {tokens} tokens, chunks of {chunk}, forward", ops.ssd_scan, inputs)
-        _report(f"ssd_scan, {tokens} tokens, chunks of {chunk}, backward", ops.ssd_scan_backward, (grad, None, *inputs))
+        inputs = (x, dt, A, B, C, D, dt_bias, chunk, True, 0.0, float("inf"), SSD_KERNEL, tile)
+        label = f"ssd_scan, {tokens} tokens, chunks of {chunk}, tiles of {tile or tokens}"
+        _report(f"{label}, forward", ops.ssd_scan, inputs)
+        _report(f"{label}, backward", ops.ssd_scan_backward, (grad, None, *inputs))
     for block, tokens in itertools.product((8, 64, 256), map(int, sys.argv[1:])):
         q, k, v, grad = (torch.randn(1, 4, tokens, 16) for _ in range(4))
         inputs = (q, k, v, torch.rand(4, 1, 1) / 4, block)

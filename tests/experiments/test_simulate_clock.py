@@ -254,7 +254,7 @@ def test_the_ssd_scan_costs_its_declared_chunked_matmuls_forward_and_three_times
         x = torch.randn(1, 32, 4, 8, requires_grad=True)  # [B, L, H, P]
         B, C = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)  # [B, L, G, N]
         op("ssd_scan")(x, torch.randn(1, 32, 4), -torch.rand(4), B, C, None, None, 8, True, 0.0, float("inf"),
-                       "transformers.models.mamba2.modeling_mamba2").sum().backward()
+                       "transformers.models.mamba2.modeling_mamba2", 0).sum().backward()
 
     forward = 2 * 32 * 4 * (8 * (16 + 8) + 2 * 8 * 16)  # 2 L H (Q (N + P) + 2 P N)
     assert clocked(program).by_class["matmul"] == pytest.approx(4 * forward / 2e12)

@@ -5,7 +5,7 @@ dropout masks (`dropout`), reduces the loss over the group (`loss`), routes atte
 `attention/` (all-to-alls, the hybrid with ring attention, hand-written and flex attention, masks in O(S)) and causal
 convolutions, the gated delta rule, Mamba's scans and lightning attention through `recurrence/` (their kernel markers:
 `trace_gated_delta_rules`, `trace_ssd_scans`, `trace_selective_scans`, `trace_lightning_attention`, which the tracing
-installs; `tile_recurrences`, the gated delta rule over tiles of a rank's tokens, which the tiling pass runs). The
+installs; `tile_recurrences`, the recurrences over tiles of a rank's tokens, which the tiling pass runs). The
 names below are what the rest of the compiler (and the project Llama, for its masked attention) imports; the modules
 are private to this package."""
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Tiling:
     loss: bool = False
     mlp: bool = False
     norm: bool = False  # RMSNorms as `autosp_sp::rms_norm`, their fp32 values one chunk of tokens at a time
-    #: the gated delta rule's kernel over tiles of the tokens, its state carried (`autosp.compiler.sp.tile_recurrences`,
+    #: the recurrences' kernels over tiles of the tokens, their state carried (`autosp.compiler.sp.tile_recurrences`,
     #: which the driver runs beside this pass: the recurrences are the SP stage's ops)
     recurrence: bool = False
     #: only the norms that upcast a 16-bit hidden state (`auto`): an fp32 model has no upcast copy to save, and its
@@ -140,7 +140,7 @@ class TilingReport:
     skipped: list[str] = field(default_factory=list)
     mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
     norms: list[dict[str, Any]] = field(default_factory=list)  # fused RMSNorms: module, tokens, chunk_tokens
-    #: tiled gated delta rules: module, tokens, tile_tokens
+    #: tiled recurrences (gated delta rules, SSD scans): module, tokens, tile_tokens
     recurrences: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -25,9 +25,11 @@ from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
+    nbytes,
     original,
     run_in_tiles,
     tile_bounds,
+    tile_copies,
     traced_kernels,
 )
 
@@ -184,26 +186,18 @@ def scratch_bytes(q, v, g, chunk_size, tile_tokens) -> int:
     return 4 * batch * heads * padded * (5 * dk + 4 * dv + 3 * chunk + 3 + per_channel)
 
 
-def _tile_copies(tensors, tile_tokens, chunk_size) -> int:
-    """Tiled, a tile's share of `tensors` twice: the kernel's output for a tile (forward) or the gradients of a tile's
-    inputs (backward) and their contiguous copies, alive until written into the whole; 0 untiled."""
-    length = tensors[0].shape[1]
-    tiles = tile_bounds(length, tile_tokens, chunk_size)
-    share = (tiles[0].stop - tiles[0].start) / length
-    return 0 if len(tiles) == 1 else int(2 * share * sum(x.numel() * x.element_size() for x in tensors))
-
-
 @declare_transient_bytes(op("gated_delta_rule"))
 @declare_transient_bytes(op("gated_delta_rule_from"))
 def _gated_delta_rule_scratch(q, k, v, g, beta, *rest):
-    return scratch_bytes(q, v, g, rest[-4], rest[-1]) + _tile_copies([v], rest[-1], rest[-4])
+    # tiled, a tile's output and its contiguous copy
+    return scratch_bytes(q, v, g, rest[-4], rest[-1]) + tile_copies(nbytes(v), v.shape[1], rest[-1], rest[-4])
 
 
 @declare_transient_bytes(op("gated_delta_rule_backward"))
 def _gated_delta_rule_backward_scratch(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
     # one tile's re-run forward intermediates kept for autograd, and their gradients; tiled, the fp32 states
-    # [B, Hv, Dk, Dv] entering the tiles
+    # [B, Hv, Dk, Dv] entering the tiles and a tile's input gradients with their contiguous copies
     tiles = len(tile_bounds(q.shape[1], rest[-1], chunk_size))
     states = 4 * v.shape[0] * v.shape[2] * q.shape[-1] * v.shape[-1] * (tiles - 1)
     return (2 * scratch_bytes(q, v, g, chunk_size, rest[-1]) + states
-            + _tile_copies([q, k, v, g, beta], rest[-1], chunk_size))
+            + tile_copies(nbytes(q, k, v, g, beta), q.shape[1], rest[-1], chunk_size))

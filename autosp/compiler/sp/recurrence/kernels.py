@@ -108,37 +108,55 @@ def tile_bounds(length: int, tile_tokens: int, granule: int) -> list[slice]:
     return [slice(start, min(start + step, length)) for start in range(0, length, max(step, 1))] or [slice(0, length)]
 
 
-def run_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, final state) of `run(*inputs, state) -> (output, state)` over `tiles` of dim 1 (the sequence) of
-    every input, the state carried; each tile's output written into one output tensor."""
+def run_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice],
+                 shared: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, final state) of `run(*inputs, state, *shared) -> (output, state)` over `tiles` of dim 1 (the
+    sequence) of every input, the state carried (`shared`: whole in every tile); each tile's output written into one
+    output tensor."""
     if len(tiles) == 1:
-        return run(*inputs, state)
+        return run(*inputs, state, *shared)
     out = None
     for tile in tiles:
-        piece, state = run(*[x[:, tile] for x in inputs], state)
+        piece, state = run(*[x[:, tile] for x in inputs], state, *shared)
         if out is None:
             out = piece.new_empty((piece.shape[0], inputs[0].shape[1], *piece.shape[2:]))
         out[:, tile] = piece
     return out, state
 
 
-def gradients_in_tiles(run: Callable, inputs: list[torch.Tensor | None], state: torch.Tensor | None,
-                       tiles: list[slice], grad_out: torch.Tensor, grad_state: torch.Tensor | None
+def gradients_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice],
+                       grad_out: torch.Tensor, grad_state: torch.Tensor | None, shared: tuple = ()
                        ) -> list[torch.Tensor | None]:
-    """`gradients` of `run(*inputs, state) -> (output, state)` w.r.t. (*inputs, state), tile by tile from the last:
-    the states entering the tiles from one sweep without autograd, then each tile re-run under autograd from its
-    state, its state's gradient passed to the tile before. Inputs whose dim 1 is not the sequence are not allowed."""
+    """`gradients` of `run(*inputs, state, *shared) -> (output, state)` w.r.t. (*inputs, state, *shared), tile by
+    tile from the last: the states entering the tiles from one sweep without autograd, then each tile re-run under
+    autograd from its state, its state's gradient passed to the tile before; `shared` inputs' gradients summed."""
     if len(tiles) == 1:
-        return gradients(run, [*inputs, state], [grad_out, grad_state])
+        return gradients(run, [*inputs, state, *shared], [grad_out, grad_state])
     entering = [state]
     with torch.no_grad():
         for tile in tiles[:-1]:
-            entering.append(run(*[x[:, tile] for x in inputs], entering[-1])[1])
+            entering.append(run(*[x[:, tile] for x in inputs], entering[-1], *shared)[1])
     grads = [x.new_empty(x.shape) for x in inputs]
+    summed: list[torch.Tensor | None] = [None if x is None else torch.zeros_like(x) for x in shared]
     carry = grad_state
     for tile, before in zip(reversed(tiles), reversed(entering), strict=True):
-        *pieces, carry = gradients(run, [*(x[:, tile] for x in inputs), before], [grad_out[:, tile], carry])
-        for whole, piece in zip(grads, pieces, strict=True):
+        pieces = gradients(run, [*(x[:, tile] for x in inputs), before, *shared], [grad_out[:, tile], carry])
+        for whole, piece in zip(grads, pieces[:len(inputs)], strict=True):
             whole[:, tile] = piece
-    return [*grads, carry]
+        carry = pieces[len(inputs)]
+        for total, piece in zip(summed, pieces[len(inputs) + 1:], strict=True):
+            if total is not None:
+                total += piece
+    return [*grads, carry, *summed]
+
+
+def tile_copies(nbytes: int, length: int, tile_tokens: int, granule: int) -> int:
+    """Tiled, a tile's share of `nbytes` (of `length` tokens) twice: a tile's output (forward) or its inputs'
+    gradients (backward) and their contiguous copies, alive until written into the whole; 0 untiled."""
+    tiles = tile_bounds(length, tile_tokens, granule)
+    return 0 if len(tiles) == 1 else 2 * nbytes * (tiles[0].stop - tiles[0].start) // length
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    """The tensors' bytes (None: none)."""
+    return sum(x.numel() * x.element_size() for x in tensors if x is not None)

@@ -25,7 +25,7 @@ def is_ssd_scan(node: fx.Node) -> bool:
 
 def rewrite(ctx: SPContext, node: fx.Node) -> None:
     """Replace `node` (the `ssd_scan` op on this rank's shard) with the scan, exchange and correction."""
-    x, dt, A, B, C, D, dt_bias, chunk_size, softplus, dt_min, dt_max, module = node.args
+    x, dt, A, B, C, D, dt_bias, _, softplus, dt_min, dt_max, _, _ = node.args
     spec = shard_spec(ctx, node, 1, (x, dt, B, C), (A, D, dt_bias),
                       "the SSD scan's inputs are not sharded along the sequence (dim 1 of x, dt, B, C) in rank order "
                       "with A, D, dt_bias per head")

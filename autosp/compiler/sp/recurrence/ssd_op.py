@@ -5,6 +5,8 @@ Nemotron-H and Zamba2, run whole, by name (its torch path on CPU; mamba_ssm's ke
 `ssd_scan` is what a traced model calls in place of HF's kernel (`trace_ssd_scans`): the output [B, S, H, P] from a
 zero state. `ssd_scan_with_state` also returns the final state [B, H, P, N]: what each rank runs on its shard. Their
 backward (`ssd_scan_backward`) re-runs the kernel under autograd on the saved inputs, so only the inputs are kept.
+Each runs the kernel over tiles of `tile_tokens` (0: whole), the state carried (`kernels.run_in_tiles`; the tiling's
+`recurrence` part sets it), so its intermediates are one tile's.
 """
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
-    gradients,
+    gradients_in_tiles,
+    nbytes,
     original,
     register_rerun_autograd,
+    run_in_tiles,
+    tile_bounds,
+    tile_copies,
     traced_kernels,
 )
 
@@ -28,26 +34,35 @@ from autosp.compiler.sp.recurrence.kernels import (
 KERNEL_NAME = "mamba2_chunk_scan"
 
 
-def _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
-    return contiguous(original(module, KERNEL_NAME)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
-                                                    dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
-                                                    return_final_states=True))
+def _kernel(chunk_size, dt_softplus, dt_min, dt_max, module):
+    """HF's kernel as `run(x, dt, B, C, state, A, D, dt_bias) -> (output, final state)` (`kernels.run_in_tiles`)."""
+    def run(x, dt, B, C, state, A, D, dt_bias):
+        return contiguous(original(module, KERNEL_NAME)(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias,
+                                                        initial_states=state, dt_softplus=dt_softplus,
+                                                        dt_limit=(dt_min, dt_max), return_final_states=True))
+    return run
+
+
+def _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module, tile_tokens):
+    return run_in_tiles(_kernel(chunk_size, dt_softplus, dt_min, dt_max, module), [x, dt, B, C], None,
+                        tile_bounds(x.shape[1], tile_tokens, chunk_size), shared=(A, D, dt_bias))
 
 
 @custom_op("ssd_scan", mutates_args=())
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool, dt_min: float,
-             dt_max: float, module: str) -> torch.Tensor:
+             dt_max: float, module: str, tile_tokens: int) -> torch.Tensor:
     """The SSD scan's output [B, S, H, P] (with D's skip connection) from a zero state (HF's kernel in `module`)."""
-    return _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module)[0]
+    return _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module, tile_tokens)[0]
 
 
 @custom_op("ssd_scan_with_state", mutates_args=())
 def ssd_scan_with_state(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                         D: torch.Tensor | None, dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool,
-                        dt_min: float, dt_max: float, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        dt_min: float, dt_max: float, module: str,
+                        tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, final state [B, H, P, N]) of the SSD scan from a zero state."""
-    out, state = _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module)
+    out, state = _run(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module, tile_tokens)
     return out, state
 
 
@@ -55,11 +70,12 @@ def ssd_scan_with_state(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
 def ssd_scan_backward(grad_out: torch.Tensor, grad_state: torch.Tensor | None, x: torch.Tensor, dt: torch.Tensor,
                       A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
                       dt_bias: torch.Tensor | None, chunk_size: int, dt_softplus: bool, dt_min: float, dt_max: float,
-                      module: str) -> list[torch.Tensor]:
-    """Gradients of (x, dt, A, B, C[, D][, dt_bias]) (those given): the kernel re-run under autograd."""
-    grads = gradients(lambda *inputs: _run(*inputs, chunk_size, dt_softplus, dt_min, dt_max, module),
-                      [x, dt, A, B, C, D, dt_bias], [grad_out, grad_state])
-    return [g for g in grads if g is not None]
+                      module: str, tile_tokens: int) -> list[torch.Tensor]:
+    """Gradients of (x, dt, A, B, C[, D][, dt_bias]) (those given): the kernel re-run under autograd, tile by tile."""
+    gx, gdt, gB, gC, _, gA, gD, gdt_bias = gradients_in_tiles(
+        _kernel(chunk_size, dt_softplus, dt_min, dt_max, module), [x, dt, B, C], None,
+        tile_bounds(x.shape[1], tile_tokens, chunk_size), grad_out, grad_state, shared=(A, D, dt_bias))
+    return [g for g in (gx, gdt, gA, gB, gC, gD, gdt_bias) if g is not None]
 
 
 def _fake_state(x, B):
@@ -67,12 +83,12 @@ def _fake_state(x, B):
 
 
 @ssd_scan.register_fake
-def _ssd_scan_fake(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
+def _ssd_scan_fake(x, dt, A, B, C, D, dt_bias, *constants):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
 @ssd_scan_with_state.register_fake
-def _ssd_scan_with_state_fake(x, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, module):
+def _ssd_scan_with_state_fake(x, dt, A, B, C, D, dt_bias, *constants):
     return x.new_empty(x.shape, dtype=torch.float32), _fake_state(x, B)
 
 
@@ -98,7 +114,7 @@ def _traced_kernel(module: str, hf_kernel):
                              initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                              return_final_states=return_final_states, z=z, **kwargs)
         return ssd_scan(hidden_states, dt, A, B, C, D, dt_bias, chunk_size, dt_softplus, float(dt_limit[0]),
-                        float(dt_limit[1]), module)
+                        float(dt_limit[1]), module, 0)
 
     kernel._autosp_traced = True
     return kernel
@@ -124,16 +140,21 @@ def _ssd_scan_cost(x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
 
 @declare_cost(op("ssd_scan_backward"))
 def _ssd_scan_backward_cost(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
-    return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(x, B, chunk_size)
+    # tiled, a sweep without autograd first makes the states entering the tiles: every tile's forward but the last's
+    tiles = tile_bounds(x.shape[1], constants[-1], chunk_size)
+    sweep = 1 - (tiles[-1].stop - tiles[-1].start) / x.shape[1]
+    return "matmul", (RERUN_BACKWARD_FACTOR + sweep) * _forward_flops(x, B, chunk_size)
 
 
-def _scratch(x, B, chunk_size) -> int:
-    """An estimate of the torch kernel's intermediates alive together (fp32): x, its discretised copy and the
-    diagonal and off-diagonal outputs ([L, P] each, per head), B and C per head and B's decayed copy ([L, N] each), the
-    chunks' [Q, Q] decays, scores and masked scores, the chunk states [L/Q, P, N]."""
-    batch, length, heads, head_dim = x.shape
+def scratch_bytes(x, B, chunk_size, tile_tokens) -> int:
+    """An estimate of the torch kernel's intermediates alive together over one tile of `tile_tokens` (0: the whole
+    sequence; fp32): x, its discretised copy and the diagonal and off-diagonal outputs ([L, P] each, per head), B and C
+    per head and B's decayed copy ([L, N] each), the chunks' [Q, Q] decays, scores and masked scores, the chunk states
+    [L/Q, P, N]."""
+    batch, _, heads, head_dim = x.shape
     state = B.shape[-1]
-    padded = -(-length // chunk_size) * chunk_size
+    tile = tile_bounds(x.shape[1], tile_tokens, chunk_size)[0]
+    padded = -(-(tile.stop - tile.start) // chunk_size) * chunk_size
     per_head = padded * (4 * head_dim + 3 * state + 3 * chunk_size) + padded // chunk_size * head_dim * state
     return 4 * batch * heads * per_head
 
@@ -141,9 +162,16 @@ def _scratch(x, B, chunk_size) -> int:
 @declare_transient_bytes(op("ssd_scan"))
 @declare_transient_bytes(op("ssd_scan_with_state"))
 def _ssd_scan_scratch(x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
-    return _scratch(x, B, chunk_size)
+    # tiled, a tile's fp32 output and its contiguous copy
+    return scratch_bytes(x, B, chunk_size, constants[-1]) + tile_copies(4 * x.numel(), x.shape[1], constants[-1],
+                                                                        chunk_size)
 
 
 @declare_transient_bytes(op("ssd_scan_backward"))
 def _ssd_scan_backward_scratch(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
-    return 2 * _scratch(x, B, chunk_size)  # the re-run forward's intermediates kept for autograd, and their gradients
+    # the re-run forward's intermediates kept for autograd, and their gradients; tiled, the fp32 states entering the
+    # tiles and a tile's input gradients with their contiguous copies
+    tiles = len(tile_bounds(x.shape[1], constants[-1], chunk_size))
+    states = 4 * x.shape[0] * x.shape[2] * x.shape[3] * B.shape[-1] * (tiles - 1)
+    return (2 * scratch_bytes(x, B, chunk_size, constants[-1]) + states
+            + tile_copies(nbytes(x, dt, B, C), x.shape[1], constants[-1], chunk_size))
