@@ -768,3 +768,16 @@ def test_the_planners_saved_bytes_are_the_storages_the_simulated_step_keeps_on_a
     assert plan["offloaded_bytes"] == 0 and plan["tokenwise_recompute_layers"] == 0
     # the tracker books the batch's two int64 storages (32,776 B) as the batch, not as saved activations
     assert 0 <= plan["saved_activation_bytes"] - peak.saved_activation_bytes <= 32_776
+
+
+def test_a_hybrids_saved_activations_are_sharded_over_the_ranks():
+    """Qwen3.5 tiny, 2,048 tokens, everything kept (sac off): what a rank keeps for backward, its gated delta rule's
+    inputs and state exchange included, halves from P=2 to P=4 (15,115,792 -> 7,712,272 B) and is under half of
+    one device's at P=2 (44,361,232 B there: single-device attention also keeps HF's dense causal mask, which the SP
+    pass replaces with is_causal)."""
+    saved = {}
+    for ranks in (1, 2, 4):
+        cfg = RunConfig(method="autosp", model="hf-qwen3.5:tiny", world_size=ranks, seq_len=2048, sac="off",
+                        memory_budget=1024 * MIB)
+        saved[ranks] = sim.extrapolate.predict_peak(cfg, get_device_model("cpu", 1024 * MIB))[0].saved_activation_bytes
+    assert saved[2] <= 0.5 * saved[1] and saved[4] <= 0.55 * saved[2], saved
