@@ -51,8 +51,8 @@ class CompileOptions:
     compute_dtype: torch.dtype | None = None
     #: plan | off | auto | some of loss,mlp,norm,recurrence, optionally :<tokens per tile>: the LM head + cross-entropy
     #: (and token-wise blocks such as the MLP) run over tiles of the local tokens, recomputed in backward; RMSNorms as
-    #: one kernel holding their fp32 values for a chunk of tokens at a time (`norm`); the gated delta rule's and the SSD
-    #: scan's kernels over tiles, their state carried (`recurrence`); auto: all four; exact
+    #: one kernel holding their fp32 values for a chunk of tokens at a time (`norm`); the gated delta rule's, the SSD
+    #: scan's and lightning attention's kernels over tiles, their state carried (`recurrence`); auto: all four; exact
     #: (`autosp.compiler.tiling.loss`). Default plan: under the planner (sac auto) a graph is tiled as `auto` (tile
     #: size chosen per graph) only where it does not fit the budget untiled with everything kept; under any other
     #: policy plan is off

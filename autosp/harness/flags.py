@@ -63,8 +63,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser, *, varied: Sequenc
     g.add_argument("--tiling", default=d["tiling"],
                    help="autosp: plan (default: as auto where --sac auto finds a graph does not fit untiled) | off | "
                    "auto | some of loss,mlp,norm,recurrence [:<tokens per tile>]: LM head + loss and MLPs over token "
-                   "tiles, RMSNorms' fp32 values a chunk of tokens at a time, the gated delta rule and SSD scan "
-                   "over tiles with their state carried (exact; auto: all four)")
+                   "tiles, RMSNorms' fp32 values a chunk of tokens at a time, the linear recurrences (gated delta "
+                   "rule, SSD scan, lightning attention) over tiles with their state carried (exact; auto: all four)")
     g.add_argument("--ulysses-size", type=int, default=d["ulysses_size"],
                    help="autosp: Ulysses group size of the hybrid Ulysses x Ring (default: from the heads)")
     g.add_argument("--attention-chunks", type=int, default=d["attention_chunks"],

@@ -1,13 +1,14 @@
 """Unmodified HF hybrid models (issue 45) against single-process training at P=2 and P=4: short causal convolutions
 with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
 (Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
-(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts), both also
-in tiles of a rank's tokens (the state carried from tile to tile), and Mamba1's selective scan (Jamba), and MiniMax's
-lightning attention (HF's inline block loop traced as an op, its default experts), beside softmax attention; ZeRO 0
-and 3, and right padding through `attention_mask` and packed documents (`position_ids`) for lightning attention, and
-lightning attention in bf16 against single-process bf16. A recurrence that cannot be sharded exactly is refused in
-one line (tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning
-attention whose final state is read)."""
+(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts), and
+Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's inline block loop traced as an op, its
+default experts), beside softmax attention (the gated delta rule, the SSD scan and lightning attention also in tiles
+of a rank's tokens, the state carried from tile to tile); ZeRO 0 and 3, and right padding through `attention_mask`
+and packed documents (`position_ids`) for lightning attention, and lightning attention in bf16 against
+single-process bf16. A recurrence that cannot be sharded exactly is refused in one line
+(tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning attention
+whose final state is read)."""
 from __future__ import annotations
 
 import pytest
@@ -65,6 +66,7 @@ CASES = {
     "kimi-linear-2": (2, _hf("kimi-linear", 32)),
     "kimi-linear-zero3-2": (2, _hf("kimi-linear", 31, zero=3)),  # rank 1's shard padded
     "minimax-2": (2, _hf("minimax", 32)),
+    "minimax-tiled-2": (2, _hf("minimax", 32, tiling="recurrence:8")),  # 16 tokens a rank in two tiles of one block
     "minimax-zero3-2": (2, _hf("minimax", 31, zero=3)),  # rank 1's shard padded
     "minimax-padded-2": (2, _hf("minimax", 32, padding=11)),  # rank 1's shard part padding (attention_mask)
     # bf16 parameters: HF's loop carries the state in bf16, AutoSP's exchange and correction in fp32; one step (at the
@@ -128,10 +130,11 @@ def test_the_gated_delta_rule_in_tiles_of_a_ranks_tokens_is_exact(runs):
         assert abs(tiled[key] - whole[key]) <= 1e-6, (key, tiled, whole)
 
 
-def test_the_ssd_scan_in_tiles_of_a_ranks_tokens_is_exact(runs, four_ranks):
-    """`tiling="recurrence:8"`: each rank's 16 tokens in two tiles of Mamba2's chunk of 8, the state carried, at P=2
-    and P=4."""
-    for tiled in (runs.assert_exact("mamba2-tiled-2"), four_ranks.assert_exact("mamba2-tiled-4")):
+def test_the_ssd_scan_and_lightning_attention_in_tiles_of_a_ranks_tokens_are_exact(runs, four_ranks):
+    """`tiling="recurrence:8"`: each rank's 16 tokens in two tiles of Mamba2's chunk (MiniMax's block) of 8, the state
+    carried; Mamba2 at P=2 and P=4, MiniMax at P=2."""
+    for tiled in (runs.assert_exact("mamba2-tiled-2"), four_ranks.assert_exact("mamba2-tiled-4"),
+                  runs.assert_exact("minimax-tiled-2")):
         assert "recurrences tiled (" in tiled["tiling"] and "16 tokens in tiles of 8" in tiled["tiling"], tiled
 
 

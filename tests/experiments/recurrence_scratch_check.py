@@ -58,9 +58,9 @@ if __name__ == "__main__":
         label = f"ssd_scan, {tokens} tokens, chunks of {chunk}, tiles of {tile or tokens}"
         _report(f"{label}, forward", ops.ssd_scan, inputs)
         _report(f"{label}, backward", ops.ssd_scan_backward, (grad, None, *inputs))
-    for block, tokens in itertools.product((8, 64, 256), map(int, sys.argv[1:])):
+    for block, tokens, tile in itertools.product((8, 64, 256), map(int, sys.argv[1:]), (0, 512)):
         q, k, v, grad = (torch.randn(1, 4, tokens, 16) for _ in range(4))
-        inputs = (q, k, v, torch.rand(4, 1, 1) / 4, block)
-        _report(f"lightning_attention, {tokens} tokens, blocks of {block}, forward", ops.lightning_attention, inputs)
-        _report(f"lightning_attention, {tokens} tokens, blocks of {block}, backward", ops.lightning_attention_backward,
-                (grad, None, *inputs))
+        inputs = (q, k, v, torch.rand(4, 1, 1) / 4, block, tile)
+        label = f"lightning_attention, {tokens} tokens, blocks of {block}, tiles of {tile or tokens}"
+        _report(f"{label}, forward", ops.lightning_attention, inputs)
+        _report(f"{label}, backward", ops.lightning_attention_backward, (grad, None, *inputs))

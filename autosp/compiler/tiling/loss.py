@@ -140,7 +140,7 @@ class TilingReport:
     skipped: list[str] = field(default_factory=list)
     mlp: list[dict[str, Any]] = field(default_factory=list)  # token-wise blocks: module, tokens, tile_tokens
     norms: list[dict[str, Any]] = field(default_factory=list)  # fused RMSNorms: module, tokens, chunk_tokens
-    #: tiled recurrences (gated delta rules, SSD scans): module, tokens, tile_tokens
+    #: tiled recurrences (gated delta rules, SSD scans, lightning attention): module, tokens, tile_tokens
     recurrences: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -108,41 +108,49 @@ def tile_bounds(length: int, tile_tokens: int, granule: int) -> list[slice]:
     return [slice(start, min(start + step, length)) for start in range(0, length, max(step, 1))] or [slice(0, length)]
 
 
+def _along(x: torch.Tensor, dim: int, tile: slice) -> torch.Tensor:
+    return x.narrow(dim, tile.start, tile.stop - tile.start)
+
+
 def run_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice],
-                 shared: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, final state) of `run(*inputs, state, *shared) -> (output, state)` over `tiles` of dim 1 (the
+                 shared: tuple = (), dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, final state) of `run(*inputs, state, *shared) -> (output, state)` over `tiles` of dim `dim` (the
     sequence) of every input, the state carried (`shared`: whole in every tile); each tile's output written into one
     output tensor."""
     if len(tiles) == 1:
         return run(*inputs, state, *shared)
     out = None
     for tile in tiles:
-        piece, state = run(*[x[:, tile] for x in inputs], state, *shared)
+        piece, state = run(*[_along(x, dim, tile) for x in inputs], state, *shared)
         if out is None:
-            out = piece.new_empty((piece.shape[0], inputs[0].shape[1], *piece.shape[2:]))
-        out[:, tile] = piece
+            shape = list(piece.shape)
+            shape[dim] = inputs[0].shape[dim]
+            out = piece.new_empty(shape)
+        _along(out, dim, tile).copy_(piece)
     return out, state
 
 
 def gradients_in_tiles(run: Callable, inputs: list[torch.Tensor], state: torch.Tensor | None, tiles: list[slice],
-                       grad_out: torch.Tensor, grad_state: torch.Tensor | None, shared: tuple = ()
+                       grad_out: torch.Tensor, grad_state: torch.Tensor | None, shared: tuple = (), dim: int = 1
                        ) -> list[torch.Tensor | None]:
     """`gradients` of `run(*inputs, state, *shared) -> (output, state)` w.r.t. (*inputs, state, *shared), tile by
-    tile from the last: the states entering the tiles from one sweep without autograd, then each tile re-run under
-    autograd from its state, its state's gradient passed to the tile before; `shared` inputs' gradients summed."""
+    tile (of dim `dim`) from the last: the states entering the tiles from one sweep without autograd, then each tile
+    re-run under autograd from its state, its state's gradient passed to the tile before; `shared` inputs' gradients
+    summed."""
     if len(tiles) == 1:
         return gradients(run, [*inputs, state, *shared], [grad_out, grad_state])
     entering = [state]
     with torch.no_grad():
         for tile in tiles[:-1]:
-            entering.append(run(*[x[:, tile] for x in inputs], entering[-1], *shared)[1])
+            entering.append(run(*[_along(x, dim, tile) for x in inputs], entering[-1], *shared)[1])
     grads = [x.new_empty(x.shape) for x in inputs]
     summed: list[torch.Tensor | None] = [None if x is None else torch.zeros_like(x) for x in shared]
     carry = grad_state
     for tile, before in zip(reversed(tiles), reversed(entering), strict=True):
-        pieces = gradients(run, [*(x[:, tile] for x in inputs), before, *shared], [grad_out[:, tile], carry])
+        pieces = gradients(run, [*(_along(x, dim, tile) for x in inputs), before, *shared],
+                           [_along(grad_out, dim, tile), carry])
         for whole, piece in zip(grads, pieces[:len(inputs)], strict=True):
-            whole[:, tile] = piece
+            _along(whole, dim, tile).copy_(piece)
         carry = pieces[len(inputs)]
         for total, piece in zip(summed, pieces[len(inputs) + 1:], strict=True):
             if total is not None:

@@ -58,7 +58,7 @@ def rewrite(ctx: SPContext, node: fx.Node) -> None:
             f"{node_label(node)}: lightning attention's final state is read (a cache or output_attentions), but on a "
             "rank it holds only the shard's: AutoSP shards lightning attention whose state nothing reads; train "
             "without the cache and output_attentions")
-    q, k, v, slope_rate, _ = node.args
+    q, k, v, slope_rate, _, _ = node.args
     spec = shard_spec(ctx, node, 2, (q, k, v), (slope_rate,),
                       "lightning attention's inputs are not sharded along the sequence (dim 2 of q, k, v) in rank "
                       "order with its decay rates per head")

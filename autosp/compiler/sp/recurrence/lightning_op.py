@@ -22,6 +22,8 @@ HF's loop from a zero state: the output [B, H, S, Dv] and the final state [B, H,
 so what the traced forward calls (and what each rank runs on its shard); `lightning_attention` is the output alone,
 what the SP pass makes of it where nothing reads the state (`lightning.drop_unread_states`). Their backward
 (`lightning_attention_backward`) re-runs the loop under autograd on the saved inputs, so only the inputs are kept.
+Each runs the loop over tiles of `tile_tokens` (0: whole), the state carried (`kernels.run_in_tiles`; the tiling's
+`recurrence` part sets it), so the blocks' values backward keeps are one tile's.
 """
 from __future__ import annotations
 
@@ -36,7 +38,15 @@ import torch.nn.functional as F
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes
-from autosp.compiler.sp.recurrence.kernels import contiguous, gradients, register_rerun_autograd
+from autosp.compiler.sp.recurrence.kernels import (
+    contiguous,
+    gradients_in_tiles,
+    nbytes,
+    register_rerun_autograd,
+    run_in_tiles,
+    tile_bounds,
+    tile_copies,
+)
 
 #: what a lightning-attention layer class defines (HF's), and what its instances hold
 _CLASS_METHODS = ("get_slope_rate", "decay_factors")
@@ -55,12 +65,18 @@ def _decay_factors(slope_rate: torch.Tensor, block_size: int) -> tuple[torch.Ten
     return query_decay, key_decay, diagonal_decay
 
 
-def _run(q, k, v, slope_rate, block_size):
-    """HF's block loop (the training path of `MiniMaxLightningAttention.forward`, the same ops in the same order) from
-    a zero state: (output [B, H, S, Dv], final state [B, H, Dk, Dv] in v's dtype, as HF carries it)."""
+def _loop(block_size: int):
+    """HF's block loop (the training path of `MiniMaxLightningAttention.forward`, the same ops in the same order) as
+    `run(q, k, v, state, slope_rate)` from `state` (None: zeros): (output [B, H, S, Dv], final state [B, H, Dk, Dv] in
+    v's dtype, as HF carries it)."""
+    return lambda q, k, v, state, slope_rate: _run(q, k, v, slope_rate, block_size, state)
+
+
+def _run(q, k, v, slope_rate, block_size, state=None):
     batch, heads, length, _ = q.shape
     query_decay, key_decay, diagonal_decay = _decay_factors(slope_rate, block_size)
-    state = torch.zeros(batch, heads, k.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype)
+    if state is None:
+        state = torch.zeros(batch, heads, k.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype)
     outputs = []
     for start in range(0, length, block_size):
         end = min(start + block_size, length)
@@ -74,27 +90,35 @@ def _run(q, k, v, slope_rate, block_size):
     return contiguous((torch.cat(outputs, dim=-2), state))
 
 
+def _run_tiled(q, k, v, slope_rate, block_size, tile_tokens):
+    return run_in_tiles(_loop(block_size), [q, k, v], None, tile_bounds(q.shape[2], tile_tokens, block_size),
+                        shared=(slope_rate,), dim=2)
+
+
 @custom_op("lightning_attention", mutates_args=())
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope_rate: torch.Tensor,
-                        block_size: int) -> torch.Tensor:
+                        block_size: int, tile_tokens: int) -> torch.Tensor:
     """Lightning attention's output [B, H, S, Dv] from a zero state (HF's block loop)."""
-    return _run(q, k, v, slope_rate, block_size)[0]
+    return _run_tiled(q, k, v, slope_rate, block_size, tile_tokens)[0]
 
 
 @custom_op("lightning_attention_with_state", mutates_args=())
 def lightning_attention_with_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope_rate: torch.Tensor,
-                                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                                   block_size: int, tile_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, final state [B, H, Dk, Dv]) of lightning attention from a zero state."""
-    out, state = _run(q, k, v, slope_rate, block_size)
+    out, state = _run_tiled(q, k, v, slope_rate, block_size, tile_tokens)
     return out, state
 
 
 @custom_op("lightning_attention_backward", mutates_args=())
 def lightning_attention_backward(grad_out: torch.Tensor, grad_state: torch.Tensor | None, q: torch.Tensor,
                                  k: torch.Tensor, v: torch.Tensor, slope_rate: torch.Tensor,
-                                 block_size: int) -> list[torch.Tensor]:
-    """Gradients of (q, k, v, slope_rate): the loop re-run under autograd."""
-    return gradients(lambda *inputs: _run(*inputs, block_size), [q, k, v, slope_rate], [grad_out, grad_state])
+                                 block_size: int, tile_tokens: int) -> list[torch.Tensor]:
+    """Gradients of (q, k, v, slope_rate): the loop re-run under autograd, tile by tile."""
+    gq, gk, gv, _, g_rate = gradients_in_tiles(_loop(block_size), [q, k, v], None,
+                                               tile_bounds(q.shape[2], tile_tokens, block_size), grad_out, grad_state,
+                                               shared=(slope_rate,), dim=2)
+    return [gq, gk, gv, g_rate]
 
 
 def _fake_out(q, v):
@@ -102,17 +126,17 @@ def _fake_out(q, v):
 
 
 @lightning_attention.register_fake
-def _lightning_attention_fake(q, k, v, slope_rate, block_size):
+def _lightning_attention_fake(q, k, v, slope_rate, *constants):
     return _fake_out(q, v)
 
 
 @lightning_attention_with_state.register_fake
-def _lightning_attention_with_state_fake(q, k, v, slope_rate, block_size):
+def _lightning_attention_with_state_fake(q, k, v, slope_rate, *constants):
     return _fake_out(q, v), v.new_empty((q.shape[0], q.shape[1], k.shape[-1], v.shape[-1]))
 
 
 @lightning_attention_backward.register_fake
-def _lightning_attention_backward_fake(grad_out, grad_state, q, k, v, slope_rate, block_size):
+def _lightning_attention_backward_fake(grad_out, grad_state, q, k, v, slope_rate, *constants):
     return [t.new_empty(t.shape) for t in (q, k, v, slope_rate)]
 
 
@@ -150,7 +174,7 @@ def _traced_forward(cls: type, hf_forward):
         qkv = mask_padding(qkv, attention_mask)
         qkv = qkv.reshape(batch, length, heads, 3 * dim)
         q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
-        out, state = lightning_attention_with_state(q, k, v, self.slope_rate, self.block_size)
+        out, state = lightning_attention_with_state(q, k, v, self.slope_rate, self.block_size, 0)
         out = self.norm(out.transpose(1, 2).reshape(batch, length, heads * dim))
         return self.out_proj(F.sigmoid(self.output_gate(hidden_states)) * out), state
 
@@ -192,29 +216,38 @@ def _forward_flops(q, v, block_size) -> float:
 
 @declare_cost(op("lightning_attention"))
 @declare_cost(op("lightning_attention_with_state"))
-def _lightning_attention_cost(q, k, v, slope_rate, block_size):
+def _lightning_attention_cost(q, k, v, slope_rate, block_size, tile_tokens):
     return "matmul", _forward_flops(q, v, block_size)
 
 
 @declare_cost(op("lightning_attention_backward"))
-def _lightning_attention_backward_cost(grad_out, grad_state, q, k, v, slope_rate, block_size):
-    return "matmul", RERUN_BACKWARD_FACTOR * _forward_flops(q, v, block_size)
+def _lightning_attention_backward_cost(grad_out, grad_state, q, k, v, slope_rate, block_size, tile_tokens):
+    # tiled, a sweep without autograd first makes the states entering the tiles: every tile's forward but the last's
+    tiles = tile_bounds(q.shape[2], tile_tokens, block_size)
+    sweep = 1 - (tiles[-1].stop - tiles[-1].start) / q.shape[2]
+    return "matmul", (RERUN_BACKWARD_FACTOR + sweep) * _forward_flops(q, v, block_size)
 
 
-def _scratch(q, v, block_size) -> int:
-    """The loop's intermediates alive together, per head: the blocks' outputs until their concatenation ([L, Dv]),
-    one block's scores, decayed scores and decays ([n, n] each) and its decayed queries and keys ([n, Dk] each)."""
-    batch, heads, length, dk = q.shape
+def _tile_length(q, block_size, tile_tokens) -> int:
+    tile = tile_bounds(q.shape[2], tile_tokens, block_size)[0]
+    return tile.stop - tile.start
+
+
+def _scratch(q, v, block_size, length) -> int:
+    """The loop's intermediates alive together over `length` tokens (a tile's), per head: the blocks' outputs until
+    their concatenation ([L, Dv]), one block's scores, decayed scores and decays ([n, n] each) and its decayed queries
+    and keys ([n, Dk] each)."""
+    batch, heads, _, dk = q.shape
     block = min(block_size, length)
     return v.element_size() * batch * heads * (length * v.shape[-1] + 3 * block * block + 2 * block * dk)
 
 
-def _backward_scratch(q, v, block_size) -> int:
-    """The re-run loop's values autograd keeps, per head and block of n: its scores and decayed scores ([n, n] each),
-    decayed queries and keys ([n, Dk] each) and carried state ([Dk, Dv]); the re-run output and a slice's full-length
-    gradient ([L, Dv] and [L, Dk]); the block decays made with their autograd (3 [n, n]). Measured:
-    `python -m tests.experiments.recurrence_scratch_check`."""
-    batch, heads, length, dk = q.shape
+def _backward_scratch(q, v, block_size, length) -> int:
+    """The re-run loop's values autograd keeps over `length` tokens (a tile's), per head and block of n: its scores
+    and decayed scores ([n, n] each), decayed queries and keys ([n, Dk] each) and carried state ([Dk, Dv]); the re-run
+    output and a slice's full-length gradient ([L, Dv] and [L, Dk]); the block decays made with their autograd (3
+    [n, n]). Measured: `python -m tests.experiments.recurrence_scratch_check`."""
+    batch, heads, _, dk = q.shape
     dv, block = v.shape[-1], min(block_size, length)
     blocks = -(-length // block)
     per_head = blocks * (2 * block * block + 2 * block * dk + dk * dv) + length * (dk + dv) + 3 * block * block
@@ -223,10 +256,17 @@ def _backward_scratch(q, v, block_size) -> int:
 
 @declare_transient_bytes(op("lightning_attention"))
 @declare_transient_bytes(op("lightning_attention_with_state"))
-def _lightning_attention_scratch(q, k, v, slope_rate, block_size):
-    return _scratch(q, v, block_size)
+def _lightning_attention_scratch(q, k, v, slope_rate, block_size, tile_tokens):
+    # tiled, a tile's concatenated output is not the op's: it lives until copied into the whole
+    length = _tile_length(q, block_size, tile_tokens)
+    piece = v.element_size() * q.shape[0] * q.shape[1] * length * v.shape[-1] if length < q.shape[2] else 0
+    return _scratch(q, v, block_size, length) + piece
 
 
 @declare_transient_bytes(op("lightning_attention_backward"))
-def _lightning_attention_backward_scratch(grad_out, grad_state, q, k, v, slope_rate, block_size):
-    return _backward_scratch(q, v, block_size)
+def _lightning_attention_backward_scratch(grad_out, grad_state, q, k, v, slope_rate, block_size, tile_tokens):
+    # tiled, the states entering the tiles and a tile's input gradients with their contiguous copies
+    tiles = len(tile_bounds(q.shape[2], tile_tokens, block_size))
+    states = v.element_size() * q.shape[0] * q.shape[1] * k.shape[-1] * v.shape[-1] * (tiles - 1)
+    return (_backward_scratch(q, v, block_size, _tile_length(q, block_size, tile_tokens)) + states
+            + tile_copies(nbytes(q, k, v), q.shape[2], tile_tokens, block_size))
