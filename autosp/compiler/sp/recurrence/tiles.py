@@ -20,6 +20,7 @@ from autosp.compiler.sp.recurrence.kernels import nbytes
 #: fewest chunks per tile: each tile is one call of HF's kernel, whose chunk loop should outweigh the call
 MIN_CHUNKS_PER_TILE = 4
 
+
 @dataclass(frozen=True)
 class TiledOp:
     """An op that runs its kernel in tiles (its last argument, `tile_tokens`)."""
