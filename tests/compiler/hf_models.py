@@ -100,6 +100,10 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
                                             "long_factor": [2.0 + i / 4 for i in range(8)]}), {}),
     # short causal convolutions (a halo from the previous rank) beside full attention; LFM2-MoE's first layer dense
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", dict(layer_types=["conv", "full_attention"]), {}),
+    # LFM3: its short convolution (kernel 7), sliding-window and full attention with an output gate, sandwich norms
+    "lfm3": ("Lfm3ForCausalLM", "Lfm3Config",
+             dict(layer_types=["conv", "sliding_attention", "full_attention"], num_hidden_layers=3, head_dim=16,
+                  sliding_window=8), {}),
     "lfm2-moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig",
                  dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1,
                       num_experts=4, moe_intermediate_size=32, **_MOE), {}),
@@ -113,6 +117,14 @@ FAMILIES: dict[str, tuple[str, str, dict, dict]] = {
     "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
                 dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                      linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16), {}),
+    # Qwen3.5-MoE (its experts and shared expert) and OLMo hybrid: the same gated delta-net beside full attention
+    "qwen3.5-moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
+                    dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16,
+                         num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **_MOE), {}),
+    "olmo-hybrid": ("OlmoHybridForCausalLM", "OlmoHybridConfig",
+                    dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16), {}),
     # Mamba2 / SSD layers (their short convolution, then the chunked selective scan; chunks of 8 tokens so a shard
     # holds several): Mamba2 alone (no attention at all), Bamba and Falcon-H1 beside attention, GraniteMoeHybrid and
     # Nemotron-H with their experts (Nemotron-H: mamba, attention, MoE layers)

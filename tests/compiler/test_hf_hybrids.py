@@ -1,14 +1,14 @@
 """Unmodified HF hybrid models (issue 45) against single-process training at P=2 and P=4: short causal convolutions
-with a halo from the previous rank (LFM2, LFM2-MoE), the gated delta rule with its state passed along the ranks
-(Qwen3-Next with its MoE, Qwen3.5; Kimi Linear's per-channel Kimi delta attention) and Mamba2's SSD scan likewise
-(Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid, Nemotron-H with their default experts), and
-Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's inline block loop traced as an op, its
-default experts), beside softmax attention (the gated delta rule, the SSD scan and lightning attention also in tiles
-of a rank's tokens, the state carried from tile to tile); ZeRO 0 and 3, and right padding through `attention_mask`
-and packed documents (`position_ids`) for lightning attention, and lightning attention in bf16 against
-single-process bf16. A recurrence that cannot be sharded exactly is refused in one line
-(tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning attention
-whose final state is read)."""
+with a halo from the previous rank (LFM2, LFM2-MoE, LFM3), the gated delta rule with its state passed along the ranks
+(Qwen3-Next and Qwen3.5-MoE with their experts, Qwen3.5, OLMo hybrid; Kimi Linear's per-channel Kimi delta
+attention) and Mamba2's SSD scan likewise (Mamba2 alone; Bamba, Falcon-H1 beside attention; GraniteMoeHybrid,
+Nemotron-H with their default experts), and Mamba1's selective scan (Jamba), and MiniMax's lightning attention (HF's
+inline block loop traced as an op, its default experts), beside softmax attention (the gated delta rule, the SSD
+scan and lightning attention also in tiles of a rank's tokens, the state carried from tile to tile); ZeRO 0 and 3,
+and right padding through `attention_mask` and packed documents (`position_ids`) for lightning attention, and
+lightning attention in bf16 against single-process bf16. A recurrence that cannot be sharded exactly is refused in
+one line (tests/compiler/test_recurrences.py, a planted nonlinear one; tests/compiler/test_lightning_op.py, lightning
+attention whose final state is read)."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +47,9 @@ CASES = {
     "qwen3-next-2": (2, _hf("qwen3-next", 32, _GDN_EPS, _GDN_STEPS)),
     "qwen3-next-zero3-2": (2, _hf("qwen3-next", 31, _GDN_EPS, _GDN_STEPS, zero=3)),
     "qwen3.5-2": (2, _hf("qwen3.5", 32, _GDN_EPS, _GDN_STEPS)),
+    "qwen3.5-moe-2": (2, _hf("qwen3.5-moe", 32, _GDN_EPS, _GDN_STEPS)),
+    "olmo-hybrid-2": (2, _hf("olmo-hybrid", 32, _GDN_EPS, _GDN_STEPS)),
+    "lfm3-2": (2, _hf("lfm3", 32)),
     # 128 tokens a rank: the gated delta rule whole, and in two tiles of one chunk each, the state carried
     "qwen3.5-256-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS)),
     "qwen3.5-tiled-2": (2, _hf("qwen3.5", 256, _GDN_EPS, _GDN_STEPS, tiling="recurrence:64")),
@@ -77,6 +80,9 @@ CASES = {
     # eps=1e-6: with 1e-8 the gradients agreed within 7.7e-5 and the parameters after AdamW's step 1.07e-4 apart
     "lfm2-zero3-4": (4, _hf("lfm2", 30, 1e-6, zero=3)),
     "lfm2-moe-4": (4, _hf("lfm2-moe", 32)),
+    "lfm3-4": (4, _hf("lfm3", 32)),
+    "qwen3.5-moe-4": (4, _hf("qwen3.5-moe", 32, _GDN_EPS, _GDN_STEPS)),
+    "olmo-hybrid-4": (4, _hf("olmo-hybrid", 32, _GDN_EPS, _GDN_STEPS)),
     "qwen3-next-4": (4, _hf("qwen3-next", 32, _GDN_EPS, _GDN_STEPS)),
     "qwen3.5-zero3-4": (4, _hf("qwen3.5", 30, _GDN_EPS, _GDN_STEPS, zero=3)),
     "mamba2-4": (4, _hf("mamba2", 32)),
@@ -102,12 +108,12 @@ def runs() -> ExactnessRuns:
     return ExactnessRuns(CASES)
 
 
-@pytest.mark.parametrize("case", ["lfm2-2", "lfm2-zero3-2", "lfm2-moe-2"])
+@pytest.mark.parametrize("case", ["lfm2-2", "lfm2-zero3-2", "lfm2-moe-2", "lfm3-2"])
 def test_short_causal_convolutions_are_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
 
 
-@pytest.mark.parametrize("case", ["qwen3-next-2", "qwen3-next-zero3-2", "qwen3.5-2"])
+@pytest.mark.parametrize("case", ["qwen3-next-2", "qwen3-next-zero3-2", "qwen3.5-2", "qwen3.5-moe-2", "olmo-hybrid-2"])
 def test_gated_delta_rule_is_exact_on_two_ranks(runs, case):
     runs.assert_exact(case)
 
@@ -197,7 +203,8 @@ def test_a_hybrid_is_exact_on_four_ranks(four_ranks, case):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("case", ["lfm2-4", "lfm2-zero3-4", "lfm2-moe-4", "mamba2-4", "mamba2-zero3-4", "falcon-h1-4",
+@pytest.mark.parametrize("case", ["lfm2-4", "lfm2-zero3-4", "lfm2-moe-4", "lfm3-4", "qwen3.5-moe-4", "olmo-hybrid-4",
+                                  "mamba2-4", "mamba2-zero3-4", "falcon-h1-4",
                                   "granitemoehybrid-4", "nemotron-h-4", "jamba-4", "minimax-4", "minimax-zero3-4",
                                   "minimax-padded-4", "minimax-packed-4"])
 def test_hybrids_are_exact_on_four_ranks(runs, case):
