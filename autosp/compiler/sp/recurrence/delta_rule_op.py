@@ -21,11 +21,10 @@ import torch
 
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
-from autosp.comm.transients import declare_transient_bytes
+from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
-    nbytes,
     original,
     run_in_tiles,
     tile_bounds,
@@ -200,4 +199,4 @@ def _gated_delta_rule_backward_scratch(grad_out, grad_state, q, k, v, g, beta, i
     tiles = len(tile_bounds(q.shape[1], rest[-1], chunk_size))
     states = 4 * v.shape[0] * v.shape[2] * q.shape[-1] * v.shape[-1] * (tiles - 1)
     return (2 * scratch_bytes(q, v, g, chunk_size, rest[-1]) + states
-            + tile_copies(nbytes(q, k, v, g, beta), q.shape[1], rest[-1], chunk_size))
+            + tile_copies(sum(map(nbytes, (q, k, v, g, beta))), q.shape[1], rest[-1], chunk_size))

@@ -163,8 +163,3 @@ def tile_copies(nbytes: int, length: int, tile_tokens: int, granule: int) -> int
     gradients (backward) and their contiguous copies, alive until written into the whole; 0 untiled."""
     tiles = tile_bounds(length, tile_tokens, granule)
     return 0 if len(tiles) == 1 else 2 * nbytes * (tiles[0].stop - tiles[0].start) // length
-
-
-def nbytes(*tensors: torch.Tensor | None) -> int:
-    """The tensors' bytes (None: none)."""
-    return sum(x.numel() * x.element_size() for x in tensors if x is not None)

@@ -37,11 +37,10 @@ import torch.nn.functional as F
 
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
-from autosp.comm.transients import declare_transient_bytes
+from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
-    nbytes,
     register_rerun_autograd,
     run_in_tiles,
     tile_bounds,
@@ -269,4 +268,4 @@ def _lightning_attention_backward_scratch(grad_out, grad_state, q, k, v, slope_r
     tiles = len(tile_bounds(q.shape[2], tile_tokens, block_size))
     states = v.element_size() * q.shape[0] * q.shape[1] * k.shape[-1] * v.shape[-1] * (tiles - 1)
     return (_backward_scratch(q, v, block_size, _tile_length(q, block_size, tile_tokens)) + states
-            + tile_copies(nbytes(q, k, v), q.shape[2], tile_tokens, block_size))
+            + tile_copies(sum(map(nbytes, (q, k, v))), q.shape[2], tile_tokens, block_size))

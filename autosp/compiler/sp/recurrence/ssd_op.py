@@ -17,11 +17,10 @@ import torch
 
 from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
 from autosp.comm.library import custom_op, op
-from autosp.comm.transients import declare_transient_bytes
+from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
-    nbytes,
     original,
     register_rerun_autograd,
     run_in_tiles,
@@ -174,4 +173,4 @@ def _ssd_scan_backward_scratch(grad_out, grad_state, x, dt, A, B, C, D, dt_bias,
     tiles = len(tile_bounds(x.shape[1], constants[-1], chunk_size))
     states = 4 * x.shape[0] * x.shape[2] * x.shape[3] * B.shape[-1] * (tiles - 1)
     return (2 * scratch_bytes(x, B, chunk_size, constants[-1]) + states
-            + tile_copies(nbytes(x, dt, B, C), x.shape[1], constants[-1], chunk_size))
+            + tile_copies(sum(map(nbytes, (x, dt, B, C))), x.shape[1], constants[-1], chunk_size))

@@ -13,9 +13,8 @@ import torch
 import torch.fx as fx
 
 from autosp.comm.library import op
-from autosp.comm.transients import declared_transient_bytes
+from autosp.comm.transients import declared_transient_bytes, nbytes
 from autosp.compiler.fx import dynamo_value
-from autosp.compiler.sp.recurrence.kernels import nbytes
 
 #: fewest chunks per tile: each tile is one call of HF's kernel, whose chunk loop should outweigh the call
 MIN_CHUNKS_PER_TILE = 4
@@ -60,7 +59,7 @@ def auto_tile_tokens(name: str, args: tuple) -> int:
     MIN_CHUNKS_PER_TILE chunks."""
     tiled = TILED_OPS[name]
     chunk_size = args[tiled.chunk_at]
-    held = nbytes(*[x for x in args if isinstance(x, torch.Tensor)])
+    held = sum(nbytes(x) for x in args if isinstance(x, torch.Tensor))
     scratch = max(declared_transient_bytes(op(name), args, {}),
                   declared_transient_bytes(op(tiled.backward), tiled.backward_args(args), {}))
     rows = math.floor(args[0].shape[tiled.dim] * held / scratch)
