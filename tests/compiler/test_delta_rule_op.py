@@ -156,3 +156,16 @@ def test_the_automatic_tile_keeps_the_kernels_intermediates_no_larger_than_its_i
             assert backward[1] <= 1.2 * inputs, backward
         else:
             assert tile == MIN_CHUNKS_PER_TILE * 64
+
+
+def test_the_tiled_backward_costs_the_sweep_that_makes_the_tiles_entering_states():
+    """The time model's backward: RERUN_BACKWARD_FACTOR forwards untiled; in three tiles of 4 of 12 tokens, two of
+    the three tiles' forwards more (the sweep without autograd; the last tile's state is not needed)."""
+    from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declared_cost
+
+    inputs = [t.detach() for t in _inputs(KERNELS["gated-delta-net"])]
+    grad = torch.zeros(2, 12, 2, DV)
+    costs = [declared_cost(op("gated_delta_rule_backward"),
+                           (grad, None, *inputs, None, CHUNK, True, KERNELS["gated-delta-net"], tile), {})[1]
+             for tile in (0, 4)]
+    assert costs[1] == pytest.approx(costs[0] * (RERUN_BACKWARD_FACTOR + 2 / 3) / RERUN_BACKWARD_FACTOR)

@@ -19,13 +19,14 @@ from collections.abc import Iterator
 
 import torch
 
-from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.costs import declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
     original,
+    rerun_backward_factor,
     run_in_tiles,
     tile_bounds,
     tile_copies,
@@ -162,10 +163,7 @@ def _gated_delta_rule_cost(q, k, v, g, beta, *rest):
 
 @declare_cost(op("gated_delta_rule_backward"))
 def _gated_delta_rule_backward_cost(grad_out, grad_state, q, k, v, g, beta, initial_state, chunk_size, *rest):
-    # tiled, a sweep without autograd first makes the states entering the tiles: every tile's forward but the last's
-    tiles = tile_bounds(q.shape[1], rest[-1], chunk_size)
-    sweep = 1 - (tiles[-1].stop - tiles[-1].start) / q.shape[1]
-    return "matmul", (RERUN_BACKWARD_FACTOR + sweep) * _forward_flops(q, v, chunk_size)
+    return "matmul", rerun_backward_factor(q.shape[1], rest[-1], chunk_size) * _forward_flops(q, v, chunk_size)
 
 
 def scratch_bytes(q, v, g, chunk_size, tile_tokens) -> int:

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from autosp.comm.costs import RERUN_BACKWARD_FACTOR
+
 _ORIGINAL = "_autosp_original_{}"
 
 
@@ -163,3 +165,10 @@ def tile_copies(nbytes: int, length: int, tile_tokens: int, granule: int) -> int
     gradients (backward) and their contiguous copies, alive until written into the whole; 0 untiled."""
     tiles = tile_bounds(length, tile_tokens, granule)
     return 0 if len(tiles) == 1 else 2 * nbytes * (tiles[0].stop - tiles[0].start) // length
+
+
+def rerun_backward_factor(length: int, tile_tokens: int, granule: int) -> float:
+    """A re-running backward's FLOPs in forwards: RERUN_BACKWARD_FACTOR, and tiled, the sweep without autograd that
+    makes the states entering the tiles (every tile's forward but the last's)."""
+    last = tile_bounds(length, tile_tokens, granule)[-1]
+    return RERUN_BACKWARD_FACTOR + 1 - (last.stop - last.start) / length

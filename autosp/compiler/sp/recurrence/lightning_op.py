@@ -35,13 +35,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.costs import declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
     contiguous,
     gradients_in_tiles,
     register_rerun_autograd,
+    rerun_backward_factor,
     run_in_tiles,
     tile_bounds,
     tile_copies,
@@ -221,10 +222,7 @@ def _lightning_attention_cost(q, k, v, slope_rate, block_size, tile_tokens):
 
 @declare_cost(op("lightning_attention_backward"))
 def _lightning_attention_backward_cost(grad_out, grad_state, q, k, v, slope_rate, block_size, tile_tokens):
-    # tiled, a sweep without autograd first makes the states entering the tiles: every tile's forward but the last's
-    tiles = tile_bounds(q.shape[2], tile_tokens, block_size)
-    sweep = 1 - (tiles[-1].stop - tiles[-1].start) / q.shape[2]
-    return "matmul", (RERUN_BACKWARD_FACTOR + sweep) * _forward_flops(q, v, block_size)
+    return "matmul", rerun_backward_factor(q.shape[2], tile_tokens, block_size) * _forward_flops(q, v, block_size)
 
 
 def _tile_length(q, block_size, tile_tokens) -> int:

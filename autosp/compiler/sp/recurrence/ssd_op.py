@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from autosp.comm.costs import RERUN_BACKWARD_FACTOR, declare_cost
+from autosp.comm.costs import declare_cost
 from autosp.comm.library import custom_op, op
 from autosp.comm.transients import declare_transient_bytes, nbytes
 from autosp.compiler.sp.recurrence.kernels import (
@@ -23,6 +23,7 @@ from autosp.compiler.sp.recurrence.kernels import (
     gradients_in_tiles,
     original,
     register_rerun_autograd,
+    rerun_backward_factor,
     run_in_tiles,
     tile_bounds,
     tile_copies,
@@ -139,10 +140,7 @@ def _ssd_scan_cost(x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
 
 @declare_cost(op("ssd_scan_backward"))
 def _ssd_scan_backward_cost(grad_out, grad_state, x, dt, A, B, C, D, dt_bias, chunk_size, *constants):
-    # tiled, a sweep without autograd first makes the states entering the tiles: every tile's forward but the last's
-    tiles = tile_bounds(x.shape[1], constants[-1], chunk_size)
-    sweep = 1 - (tiles[-1].stop - tiles[-1].start) / x.shape[1]
-    return "matmul", (RERUN_BACKWARD_FACTOR + sweep) * _forward_flops(x, B, chunk_size)
+    return "matmul", rerun_backward_factor(x.shape[1], constants[-1], chunk_size) * _forward_flops(x, B, chunk_size)
 
 
 def scratch_bytes(x, B, chunk_size, tile_tokens) -> int:
